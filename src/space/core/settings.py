@@ -1,0 +1,107 @@
+"""Settings models: sandbox resource limits and a node's configuration (pure: pydantic, no I/O).
+
+Invariants:
+- Models are frozen and reject unknown fields, so a typo in a request or config file is an error, not a
+  silently ignored key.
+- Numbers are strict: a bool or a string is never taken for a number (`true` must not mean 1 CPU), and
+  cpus must be finite. Bounds are inclusive.
+- Paths are validated as *absolute* pure paths only; nothing here looks at the file system.
+- `parse_limits` turns pydantic's ValidationError into space.core.errors.InvalidArgument naming each
+  bad field, so callers see one error type.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from space.core.errors import InvalidArgument
+
+Platform = Literal["systrap", "ptrace"]
+
+# A runsc binary is a bare command name looked up on PATH, or an absolute path; no shell metacharacters
+# or whitespace, because it ends up in argv built by the node helper.
+_BINARY_RE: Final = re.compile(r"[A-Za-z0-9._+-]{1,64}|/[A-Za-z0-9._+/-]{1,4095}")
+
+_FROZEN: Final = ConfigDict(frozen=True, extra="forbid")
+
+
+class SandboxLimits(BaseModel):
+    """Resources one sandbox may use (enforced by the driver: cgroups for runsc, -smp/-m for QEMU)."""
+
+    model_config = _FROZEN
+
+    cpus: float = Field(default=1.0, ge=0.1, le=64.0, strict=True, allow_inf_nan=False)
+    memory_mb: int = Field(default=512, ge=64, le=65536, strict=True)
+    pids: int = Field(default=512, ge=16, le=65536, strict=True)
+    disk_mb: int = Field(default=2048, ge=64, le=1048576, strict=True)
+
+
+def _absolute(value: Path, field: str) -> Path:
+    if not value.is_absolute() or "\x00" in str(value):
+        raise ValueError(f"{field} must be an absolute path")
+    return value
+
+
+class NodeSettings(BaseModel):
+    """Configuration of one node agent and its helper."""
+
+    model_config = _FROZEN
+
+    data_dir: Path = Path("/var/lib/space")
+    runsc_binary: str = "runsc"
+    platform: Platform = "systrap"
+    helper_socket: Path = Path("/run/space/helper.sock")
+    default_limits: SandboxLimits = Field(default_factory=SandboxLimits)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_absolute(cls, value: Path) -> Path:
+        return _absolute(value, "data_dir")
+
+    @field_validator("helper_socket")
+    @classmethod
+    def _socket_absolute(cls, value: Path) -> Path:
+        return _absolute(value, "helper_socket")
+
+    @field_validator("runsc_binary")
+    @classmethod
+    def _binary_name(cls, value: str) -> str:
+        if _BINARY_RE.fullmatch(value) is None or ".." in value.split("/"):
+            raise ValueError("runsc_binary must be a command name or an absolute path without '..'")
+        return value
+
+
+def _describe(exc: ValidationError) -> tuple[str, list[dict[str, str]]]:
+    problems = [
+        {
+            "field": ".".join(str(part) for part in err["loc"]) or "(root)",
+            # pydantic prefixes our own validators' messages with "Value error, "; users need not see it.
+            "problem": err["msg"].removeprefix("Value error, "),
+        }
+        for err in exc.errors(include_url=False)
+    ]
+    return "; ".join(f"{p['field']}: {p['problem']}" for p in problems), problems
+
+
+def parse_limits(data: Any, *, field: str = "limits") -> SandboxLimits:
+    """SandboxLimits from request data (None means all defaults); InvalidArgument naming each bad field."""
+    if data is None:
+        return SandboxLimits()
+    try:
+        return SandboxLimits.model_validate(data)
+    except ValidationError as exc:
+        summary, problems = _describe(exc)
+        raise InvalidArgument(f"invalid {field}: {summary}", field=field, errors=problems) from exc
+
+
+def parse_node_settings(data: Any) -> NodeSettings:
+    """NodeSettings from already-loaded config data; InvalidArgument naming each bad field."""
+    try:
+        return NodeSettings.model_validate(data)
+    except ValidationError as exc:
+        summary, problems = _describe(exc)
+        raise InvalidArgument(f"invalid node settings: {summary}", field="node", errors=problems) from exc

@@ -1,0 +1,372 @@
+"""spaced's core: take over stdio, greet the host, read frames, run each call on its own thread.
+
+Invariants:
+- The channel lives on two high, close-on-exec fds; fds 0/1/2 point at /dev/null (2 at SPACED_LOG when
+  set), so neither a stray print in the daemon nor a child can write into the channel.
+- The reader loop (the main thread) never runs a handler and never raises: every decoder error, malformed
+  CALL, unknown method, stray DATA or host-only misuse is answered with an ERROR frame — on the offending
+  call's stream when there is one, else on stream 0 with a "stream" field — and reading goes on.
+- One CALL is one `Call` and one thread; the call leaves the table when its terminal frame is sent. Frames
+  that arrive for a stream that ended recently (DATA/EOF racing the end of a process, a late CANCEL) are
+  ignored; DATA/EOF for a stream never seen is a protocol error.
+- As PID 1 the daemon never exits when the host hangs up (that would kill the sandbox) and keeps reaping;
+  as a plain subprocess it kills its process groups and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, error_payload
+from space.guest.children import ChildWatcher
+from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
+from space.protocol.frames import Frame, FrameDecoder, FrameType, encode_json
+from space.protocol.version import PROTOCOL_VERSION, hello_payload, negotiate
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from space.guest.processes import ProcessTable
+
+    Handler = Callable[["Daemon", Call, dict[str, Any]], dict[str, Any] | None]
+
+CHANNEL_FD_MIN = 100  # the channel's fds sit above anything a library or child expects to find
+READ_SIZE = 1 << 20
+RECENT_STREAMS = 4096
+BODY_METHODS = frozenset({"process.start", "process.input", "files.write"})
+
+# method -> (module, function); modules are imported on first use to keep start-up fast.
+HANDLERS: dict[str, tuple[str, str]] = {
+    "sys.ping": (__name__, "sys_ping"),
+    "sys.info": (__name__, "sys_info"),
+    "sys.sync": (__name__, "sys_sync"),
+    "sys.reseed": (__name__, "sys_reseed"),
+    "process.start": ("space.guest.processes", "process_start"),
+    "process.attach": ("space.guest.processes", "process_attach"),
+    "process.input": ("space.guest.processes", "process_input"),
+    "process.signal": ("space.guest.processes", "process_signal"),
+    "process.resize": ("space.guest.processes", "process_resize"),
+    "process.list": ("space.guest.processes", "process_list"),
+    "files.read": ("space.guest.files", "files_read"),
+    "files.write": ("space.guest.files", "files_write"),
+    "files.list": ("space.guest.files", "files_list"),
+    "files.stat": ("space.guest.files", "files_stat"),
+    "files.mkdir": ("space.guest.files", "files_mkdir"),
+    "files.remove": ("space.guest.files", "files_remove"),
+    "files.rename": ("space.guest.files", "files_rename"),
+    "files.chmod": ("space.guest.files", "files_chmod"),
+    "files.watch": ("space.guest.watch", "files_watch"),
+}
+
+
+def log(message: str) -> None:
+    """Diagnostics go to fd 2, which is /dev/null unless SPACED_LOG names a file."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"spaced[{os.getpid()}] {time.strftime('%H:%M:%S')} {message}\n".encode())
+
+
+class Daemon:
+    def __init__(self, channel_in: int, channel_out: int, reap_all: bool) -> None:
+        self.writer = ChannelWriter(channel_out)
+        self.children = ChildWatcher(reap_all)
+        self.boot_id = os.urandom(16).hex()
+        self.started_monotonic = time.monotonic()
+        self.last_activity = time.time()
+        self._in = channel_in
+        self._calls: dict[int, Call] = {}
+        self._recent: set[int] = set()
+        self._recent_order: deque[int] = deque()
+        self._lock = threading.Lock()
+        self._processes: ProcessTable | None = None
+
+    # --- shared state for handlers -------------------------------------------------------------------
+
+    def touch(self) -> None:
+        """Record activity (a call, or process output) for idle detection."""
+        self.last_activity = time.time()
+
+    @property
+    def processes(self) -> ProcessTable:
+        if self._processes is None:
+            with self._lock:
+                if self._processes is None:
+                    from space.guest.processes import ProcessTable
+
+                    self._processes = ProcessTable(self)
+        return self._processes
+
+    @property
+    def processes_loaded(self) -> ProcessTable | None:
+        return self._processes
+
+    # --- the channel ----------------------------------------------------------------------------------
+
+    def hello(self, **extra: Any) -> dict[str, Any]:
+        return hello_payload(ready=True, boot_id=self.boot_id, pid=os.getpid(), **extra)
+
+    def _send(self, frame: bytes) -> None:
+        with contextlib.suppress(ChannelClosed):
+            self.writer.send(frame)
+
+    def _send_error(self, stream: int, code: str, message: str) -> None:
+        payload: dict[str, Any] = {"code": code, "message": message}
+        active = self._calls.get(stream) if stream else None
+        if active is not None:
+            # The error is about a live call's input: end that call with it rather than send a second
+            # terminal frame later.
+            with contextlib.suppress(ChannelClosed):
+                active.abort(payload)
+            return
+        if stream:
+            with self._lock:
+                self._remember(stream)
+        self._send(encode_error(stream, payload))
+
+    def _remember(self, stream: int) -> None:
+        if stream in self._recent:
+            return
+        self._recent.add(stream)
+        self._recent_order.append(stream)
+        if len(self._recent_order) > RECENT_STREAMS:
+            self._recent.discard(self._recent_order.popleft())
+
+    def _call_done(self, call: Call) -> None:
+        with self._lock:
+            if self._calls.get(call.stream) is call:
+                del self._calls[call.stream]
+            self._remember(call.stream)
+
+    def serve(self) -> int:
+        self._send(encode_json(FrameType.HELLO, 0, self.hello()))
+        # The HELLO is out; load the process machinery now rather than inside the first exec.
+        threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
+        decoder = FrameDecoder()
+        while True:
+            try:
+                data = os.read(self._in, READ_SIZE)
+            except OSError as exc:
+                log(f"reading the channel failed: {exc}")
+                break
+            if not data:
+                break
+            for item in decoder.feed(data):
+                try:
+                    self._dispatch(item)
+                except Exception as exc:  # the reader must survive anything
+                    log(f"dispatch failed: {exc!r}")
+        leftover = decoder.finish()
+        if leftover is not None:
+            self._send(encode_error(0, {"code": leftover.code, "message": leftover.message}))
+        return self._host_gone()
+
+    def _host_gone(self) -> int:
+        if os.getpid() == 1:
+            log("channel closed; PID 1 stays up to keep the sandbox's processes alive")
+            threading.Event().wait()
+        table = self._processes
+        if table is not None:
+            table.kill_all()
+        return 0
+
+    def _dispatch(self, item: Frame | ProtocolError) -> None:
+        if isinstance(item, ProtocolError):
+            self._send_error(item.stream, item.code, item.message)
+            return
+        kind = item.type
+        if kind == FrameType.CALL:
+            self._on_call(item)
+        elif kind in (FrameType.DATA, FrameType.EOF):
+            call = self._calls.get(item.stream)
+            if call is not None:
+                call.inbound.put(item)
+            elif item.stream not in self._recent:
+                self._send_stream0_error("protocol_error", f"{kind.name} for unknown stream", item.stream)
+        elif kind == FrameType.CANCEL:
+            call = self._calls.get(item.stream)
+            if call is not None:
+                call.cancel()
+        elif kind == FrameType.HELLO:
+            self._on_hello(item)
+        else:
+            self._send_stream0_error(
+                "protocol_error", f"{kind.name} frames travel from the daemon to the host only", item.stream
+            )
+
+    def _send_stream0_error(self, code: str, message: str, stream: int) -> None:
+        self._send(encode_error(0, {"code": code, "message": message, "stream": stream}))
+
+    def _on_hello(self, frame: Frame) -> None:
+        try:
+            chosen = negotiate(frame.json())
+        except (VersionMismatch, MalformedPayload) as exc:
+            self._send(
+                encode_error(0, {"code": exc.code, "message": exc.message, "protocol": PROTOCOL_VERSION})
+            )
+            return
+        self._send(encode_json(FrameType.HELLO, 0, self.hello(negotiated=chosen)))
+
+    def _on_call(self, frame: Frame) -> None:
+        stream = frame.stream
+        if stream == 0:
+            self._send_stream0_error("protocol_error", "CALL on stream 0", 0)
+            return
+        if stream in self._calls:
+            self._send_stream0_error("protocol_error", f"stream {stream} already has a call open", stream)
+            return
+        self.touch()
+        try:
+            request = frame.json()
+        except MalformedPayload as exc:
+            self._send_error(stream, exc.code, exc.message)
+            return
+        method = request.get("method")
+        params = request.get("params", {})
+        if not isinstance(method, str):
+            self._send_error(stream, "malformed_payload", "CALL without a string 'method'")
+            return
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            self._send_error(stream, "invalid_argument", "'params' must be a JSON object")
+            return
+        target = HANDLERS.get(method)
+        if target is None:
+            self._send_error(stream, "unknown_method", f"unknown method {method!r}")
+            return
+        call = Call(stream, method, self.writer, self._call_done)
+        if method not in BODY_METHODS:
+            call.inbound.refuse()
+        with self._lock:
+            self._calls[stream] = call
+            self._recent.discard(stream)
+        threading.Thread(
+            target=self._run_call, args=(call, target, params), name=f"call-{stream}", daemon=True
+        ).start()
+
+    def _run_call(self, call: Call, target: tuple[str, str], params: dict[str, Any]) -> None:
+        try:
+            module_name, function_name = target
+            # import_module (not sys.modules) waits for a module the warm-up thread is still importing.
+            module = importlib.import_module(module_name)
+            handler: Handler = getattr(module, function_name)
+            result = handler(self, call, params)
+            call.result(result if result is not None else {})
+        except ChannelClosed:
+            return
+        except Exception as exc:
+            payload = error_payload(exc)
+            if payload["code"] == "internal":
+                import traceback
+
+                log(f"{call.method} failed:\n{traceback.format_exc()}")
+            with contextlib.suppress(ChannelClosed):
+                call.error(payload)
+        finally:
+            if not call.finished:
+                # Only reachable through BaseException (e.g. SystemExit): still end the stream.
+                with contextlib.suppress(ChannelClosed):
+                    call.error({"code": "internal", "message": "handler ended without an answer"})
+
+
+def _warm_up() -> None:
+    for module in ("space.guest.processes", "space.guest.files"):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            log(f"warm-up import of {module} failed: {exc!r}")
+
+
+# --- sys.* handlers ---------------------------------------------------------------------------------------
+
+
+def sys_ping(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    return {"time": time.time()}
+
+
+def sys_info(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    table = daemon.processes_loaded
+    now = time.time()
+    return {
+        "boot_id": daemon.boot_id,
+        "pid": os.getpid(),
+        "uptime": time.monotonic() - daemon.started_monotonic,
+        "last_activity": daemon.last_activity,
+        "idle_seconds": max(0.0, now - daemon.last_activity),
+        "running_processes": table.running_count() if table is not None else 0,
+        "protocol": PROTOCOL_VERSION,
+    }
+
+
+def sys_sync(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    os.sync()
+    return {}
+
+
+def sys_reseed(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    import random
+
+    entropy_hex = params.get("entropy", "")
+    if not isinstance(entropy_hex, str):
+        raise GuestError("invalid_argument", "'entropy' must be a hex string")
+    try:
+        entropy = bytes.fromhex(entropy_hex)
+    except ValueError as exc:
+        raise GuestError("invalid_argument", f"'entropy' is not hex: {exc}") from exc
+    if entropy:
+        try:
+            # Writing mixes the bytes into the kernel pool (no entropy credit, which needs an ioctl);
+            # a kernel or sandbox that refuses it still gets the daemon-level reseed below.
+            with open("/dev/urandom", "wb") as pool:
+                pool.write(entropy)
+        except OSError:
+            pass
+    random.seed(entropy + os.urandom(32))
+    daemon.boot_id = os.urandom(16).hex()
+    return {}
+
+
+# --- start-up --------------------------------------------------------------------------------------------
+
+
+def take_over_stdio() -> tuple[int, int]:
+    """Move the channel off fds 0/1 and park 0/1/2 on /dev/null (2 on SPACED_LOG if set)."""
+    import fcntl
+
+    channel_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+    channel_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    log_path = os.environ.get("SPACED_LOG")
+    log_fd = devnull
+    if log_path:
+        try:
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError:
+            log_fd = devnull
+    os.dup2(log_fd, 2)
+    for fd in {devnull, log_fd}:
+        if fd > 2:
+            os.close(fd)
+    return channel_in, channel_out
+
+
+def main() -> int:
+    channel_in, channel_out = take_over_stdio()
+    os.umask(0o022)
+    is_init = os.getpid() == 1
+    if is_init:
+        import signal
+
+        # PID 1 gets only the signals it handles; Python's SIGINT handler would raise KeyboardInterrupt in
+        # the reader. A no-op handler (not SIG_IGN, which children would inherit through exec) defuses it.
+        signal.signal(signal.SIGINT, lambda _signum, _frame: None)
+    reap_all = is_init or os.environ.get("SPACED_REAP_ALL") == "1"
+    daemon = Daemon(channel_in, channel_out, reap_all)
+    return daemon.serve()

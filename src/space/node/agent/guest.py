@@ -1,0 +1,234 @@
+"""Typed operations on a sandbox's daemon: processes and files, over a GuestChannel.
+
+Invariants:
+- Large transfers are streamed in protocol-sized chunks in both directions; nothing here holds a whole file
+  in memory unless the caller asked for `bytes`.
+- Every method raises space.core errors only (translated at the channel boundary).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from space.core import errors
+from space.node.agent.channel import Call, GuestChannel
+from space.protocol import CHUNK_SIZE, Channel, FrameType
+from space.protocol import methods as m
+
+OutputCallback = Callable[[Channel, bytes], None]
+
+
+@dataclass
+class ExecResult:
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    process_id: str = ""
+    signal: int | None = None
+    timed_out: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def _command_params(
+    command: str | Sequence[str],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | int | None,
+    timeout: float | None,
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
+    if env:
+        params["env"] = dict(env)
+    if cwd is not None:
+        params["cwd"] = cwd
+    if user is not None:
+        params["user"] = user
+    if timeout is not None:
+        params["timeout"] = timeout
+    return params
+
+
+class GuestSession:
+    def __init__(self, channel: GuestChannel) -> None:
+        self.channel = channel
+
+    # -- system ----------------------------------------------------------------------------------------
+    async def ping(self, timeout: float = 10.0) -> dict[str, Any]:
+        return await self.channel.call(m.SYS_PING, timeout=timeout)
+
+    async def info(self) -> dict[str, Any]:
+        return await self.channel.call(m.SYS_INFO)
+
+    async def sync(self) -> None:
+        await self.channel.call(m.SYS_SYNC, timeout=120.0)
+
+    async def reseed(self) -> None:
+        await self.channel.call(m.SYS_RESEED, {"entropy": secrets.token_hex(64)})
+
+    # -- processes ----------------------------------------------------------------------------------------
+    async def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> ExecResult:
+        """Run a command to completion; output is collected (and also streamed to `on_output`)."""
+        params = _command_params(command, env, cwd, user, timeout)
+        params["stdin"] = stdin is not None
+        call = await self.channel.open(m.PROCESS_START, params)
+        if stdin is not None:
+            await call.send(stdin)
+            await call.send_eof()
+        return await self._collect(call, on_output)
+
+    async def _collect(self, call: Call, on_output: OutputCallback | None) -> ExecResult:
+        out = bytearray()
+        err = bytearray()
+        process_id = ""
+        async for item in call.events():
+            if item.kind == FrameType.DATA and item.channel is not None:
+                (err if item.channel == Channel.STDERR else out).extend(item.data)
+                if on_output is not None:
+                    on_output(item.channel, item.data)
+            elif item.kind == FrameType.EVENT and item.event.get("type") == "started":
+                process_id = str(item.event.get("process_id", ""))
+        result = await call.result()
+        return ExecResult(
+            exit_code=result.get("exit_code"),
+            stdout=bytes(out),
+            stderr=bytes(err),
+            process_id=str(result.get("process_id", process_id)),
+            signal=result.get("signal"),
+            timed_out=bool(result.get("timed_out", False)),
+            extra=result,
+        )
+
+    async def start_background(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        tag: str | None = None,
+        pty: tuple[int, int] | None = None,
+        stdin: bool = False,
+    ) -> dict[str, Any]:
+        params = _command_params(command, env, cwd, user, timeout)
+        params.update(background=True, stdin=stdin)
+        if tag is not None:
+            params["tag"] = tag
+        if pty is not None:
+            params["pty"] = {"rows": pty[0], "cols": pty[1]}
+        return await self.channel.call(m.PROCESS_START, params)
+
+    async def attach(
+        self,
+        process_id: str,
+        *,
+        offset: int = 0,
+        follow: bool = True,
+        on_output: OutputCallback | None = None,
+    ) -> ExecResult:
+        call = await self.channel.open(
+            m.PROCESS_ATTACH, {"process_id": process_id, "offset": offset, "follow": follow}
+        )
+        return await self._collect(call, on_output)
+
+    async def processes(self) -> list[dict[str, Any]]:
+        result = await self.channel.call(m.PROCESS_LIST)
+        return list(result.get("processes", []))
+
+    async def signal(self, process_id: str, signal: int | str) -> None:
+        await self.channel.call(m.PROCESS_SIGNAL, {"process_id": process_id, "signal": signal})
+
+    async def write_stdin(self, process_id: str, data: bytes, *, eof: bool = False) -> None:
+        call = await self.channel.open(m.PROCESS_INPUT, {"process_id": process_id, "eof": eof})
+        if data:
+            await call.send(data)
+        await call.send_eof()
+        await call.result()
+
+    async def resize(self, process_id: str, rows: int, cols: int) -> None:
+        await self.channel.call(m.PROCESS_RESIZE, {"process_id": process_id, "rows": rows, "cols": cols})
+
+    # -- files ---------------------------------------------------------------------------------------------
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None = None, append: bool = False
+    ) -> int:
+        params: dict[str, Any] = {"path": path, "append": append}
+        if mode is not None:
+            params["mode"] = mode
+        call = await self.channel.open(m.FILES_WRITE, params)
+        try:
+            if isinstance(data, bytes | bytearray | memoryview):
+                await call.send(bytes(data))
+            else:
+                async for chunk in data:
+                    if call.done:
+                        break  # the guest already refused (e.g. disk full): stop sending
+                    await call.send(chunk)
+            if not call.done:
+                await call.send_eof()
+        except errors.ChannelError:
+            if not call.done:
+                raise
+        result = await call.result()
+        return int(result.get("size", 0))
+
+    async def read_file_stream(
+        self, path: str, *, offset: int = 0, length: int | None = None
+    ) -> AsyncIterator[bytes]:
+        call = await self.channel.open(m.FILES_READ, {"path": path, "offset": offset, "length": length})
+        async for item in call.events():
+            if item.kind == FrameType.DATA:
+                yield item.data
+        await call.result()
+
+    async def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        buf = bytearray()
+        async for chunk in self.read_file_stream(path, offset=offset, length=length):
+            buf.extend(chunk)
+        return bytes(buf)
+
+    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+        result = await self.channel.call(m.FILES_LIST, {"path": path})
+        return list(result.get("entries", []))
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        return await self.channel.call(m.FILES_STAT, {"path": path})
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
+        await self.channel.call(m.FILES_MKDIR, {"path": path, "parents": parents, "mode": mode})
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self.channel.call(m.FILES_REMOVE, {"path": path, "recursive": recursive}, timeout=600.0)
+
+    async def rename(self, src: str, dst: str) -> None:
+        await self.channel.call(m.FILES_RENAME, {"src": src, "dst": dst})
+
+    async def chmod(self, path: str, mode: int) -> None:
+        await self.channel.call(m.FILES_CHMOD, {"path": path, "mode": mode})
+
+    async def watch(self, path: str, *, recursive: bool = False) -> Call:
+        """Open a watch; iterate `call.events()` for {"type": "changes"} events, `call.cancel()` to stop."""
+        return await self.channel.open(m.FILES_WATCH, {"path": path, "recursive": recursive})
+
+
+async def chunked(data: bytes, size: int = CHUNK_SIZE) -> AsyncIterator[bytes]:
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield bytes(view[start : start + size])

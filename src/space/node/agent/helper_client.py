@@ -1,0 +1,79 @@
+"""The unprivileged agent's client of the root node helper.
+
+Invariants:
+- Each request uses its own short-lived connection from a small pool, so concurrent verbs on different
+  sandboxes run in parallel in the helper and a broken connection affects one request only.
+- Helper errors come back as the same typed SpaceError classes they were raised as.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from space.core import errors
+
+ProgressCallback = Callable[[str], None]
+
+
+class HelperClient:
+    def __init__(self, socket_path: str, *, pool_size: int = 8) -> None:
+        self.socket_path = socket_path
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._pool_size = pool_size
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not writer.is_closing() and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        try:
+            return await asyncio.open_unix_connection(self.socket_path, limit=1 << 20)
+        except OSError as exc:
+            raise errors.Unavailable(f"node helper not reachable at {self.socket_path}: {exc}") from exc
+
+    async def call(
+        self,
+        verb: str,
+        args: dict[str, Any] | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        timeout: float = 120.0,
+    ) -> dict[str, Any]:
+        reader, writer = await self._connection()
+        reusable = False
+        try:
+            writer.write(json.dumps({"verb": verb, "args": args or {}}).encode() + b"\n")
+            await writer.drain()
+            async with asyncio.timeout(timeout):
+                while True:
+                    line = await reader.readline()
+                    if not line:
+                        raise errors.Unavailable(f"node helper closed the connection during {verb}")
+                    answer = json.loads(line)
+                    if "progress" in answer:
+                        if progress is not None:
+                            progress(str(answer["progress"]))
+                        continue
+                    reusable = True
+                    if answer.get("ok"):
+                        result = answer.get("result", {})
+                        return result if isinstance(result, dict) else {}
+                    raise errors.error_from_dict(answer.get("error") or {})
+        except TimeoutError as exc:
+            raise errors.Timeout(f"node helper verb {verb} took longer than {timeout}s") from exc
+        except (ConnectionError, OSError) as exc:
+            raise errors.Unavailable(f"node helper connection failed during {verb}: {exc}") from exc
+        finally:
+            if reusable and len(self._idle) < self._pool_size:
+                self._idle.append((reader, writer))
+            else:
+                writer.close()
+
+    async def close(self) -> None:
+        for _reader, writer in self._idle:
+            writer.close()
+        self._idle.clear()

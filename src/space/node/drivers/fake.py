@@ -1,0 +1,192 @@
+"""The fake driver: `spaced` as a plain host subprocess, for fast tests of the logic above drivers.
+
+NOT ISOLATION. Processes run on the host as the caller. It exists so that the agent's lifecycle logic and
+the channel can be tested in milliseconds without root; it warns loudly whenever it is constructed.
+
+Semantics it imitates: pause/resume with SIGSTOP/SIGCONT of the daemon's process group; a "checkpoint" copies
+the sandbox directory and restoring it starts a fresh daemon there (processes are *not* carried over — only
+the real drivers do that); stop/destroy kill the process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pathlib
+import shutil
+import signal
+import sys
+from typing import Any
+
+from space.core import errors
+from space.core.settings import SandboxLimits
+from space.node.agent.channel import GuestChannel
+from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+
+class FakeDriver(Driver):
+    name = "fake"
+    isolating = False
+
+    def __init__(self, base_dir: pathlib.Path) -> None:
+        log.warning("FakeDriver: sandboxes are plain host processes WITHOUT isolation (tests only)")
+        self.base_dir = base_dir
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+        self.paused: set[str] = set()
+        self.specs: dict[str, SandboxSpec] = {}
+
+    def _dir(self, sandbox_id: str) -> pathlib.Path:
+        return self.base_dir / "sandboxes" / sandbox_id
+
+    def _snapshot_dir(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        return self.base_dir / "snapshots" / sandbox_id / snapshot_id
+
+    async def prepare(self, progress: Progress | None = None) -> None:
+        (self.base_dir / "sandboxes").mkdir(parents=True, exist_ok=True)
+
+    async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
+        return {"name": name, "fake": True}
+
+    async def create(self, spec: SandboxSpec) -> None:
+        root = self._dir(spec.sandbox_id)
+        if root.exists():
+            raise errors.AlreadyExists(f"sandbox {spec.sandbox_id} already exists")
+        (root / "work").mkdir(parents=True)
+        self.specs[spec.sandbox_id] = spec
+
+    async def _spawn(self, sandbox_id: str) -> GuestChannel:
+        root = self._dir(sandbox_id)
+        src = pathlib.Path(__file__).resolve().parents[3]
+        spec = self.specs.get(sandbox_id, SandboxSpec(sandbox_id))
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "PYTHONPATH": str(src),
+            "SPACED_WORKDIR": str(root / "work"),
+            **spec.env,
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "space.guest", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, cwd=str(root / "work"), env=env, start_new_session=True,
+            limit=1 << 22,
+        )  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None
+        self.processes[sandbox_id] = proc
+        channel = GuestChannel(proc.stdout, proc.stdin, name=sandbox_id)
+        await channel.handshake(timeout=10.0)
+        return channel
+
+    async def start(self, sandbox_id: str) -> GuestChannel:
+        if not self._dir(sandbox_id).exists():
+            raise errors.NotFound(f"sandbox {sandbox_id} has no files on this node")
+        if sandbox_id in self.processes and self.processes[sandbox_id].returncode is None:
+            raise errors.AlreadyExists(f"sandbox {sandbox_id} is already running")
+        return await self._spawn(sandbox_id)
+
+    async def connect(self, sandbox_id: str) -> GuestChannel:
+        raise errors.Unavailable("the fake driver keeps no holder: a channel cannot be re-attached")
+
+    def _signal(self, sandbox_id: str, sig: signal.Signals) -> None:
+        proc = self.processes.get(sandbox_id)
+        if proc is None or proc.returncode is not None:
+            raise errors.InvalidState(f"sandbox {sandbox_id} is not running", state="stopped")
+        os.killpg(proc.pid, sig)
+
+    async def pause(self, sandbox_id: str) -> None:
+        self._signal(sandbox_id, signal.SIGSTOP)
+        self.paused.add(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        self._signal(sandbox_id, signal.SIGCONT)
+        self.paused.discard(sandbox_id)
+
+    async def checkpoint(
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
+    ) -> tuple[CheckpointInfo, GuestChannel | None]:
+        await self.disk_snapshot(sandbox_id, snapshot_id)
+        channel = None
+        if keep_running:
+            await self._kill(sandbox_id)
+            channel = await self._spawn(sandbox_id)
+        else:
+            await self._kill(sandbox_id)
+        return CheckpointInfo(sandbox_id, snapshot_id, 0, {}), channel
+
+    async def restore(
+        self,
+        sandbox_id: str,
+        snapshot_id: str,
+        *,
+        source_sandbox_id: str | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> GuestChannel:
+        source = source_sandbox_id or sandbox_id
+        snap = self._snapshot_dir(source, snapshot_id)
+        if not snap.exists():
+            raise errors.NotFound(f"checkpoint {snapshot_id} of {source} is not on this node")
+        await self._kill(sandbox_id)
+        shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
+        shutil.copytree(snap, self._dir(sandbox_id), symlinks=True)
+        if source in self.specs and sandbox_id not in self.specs:
+            self.specs[sandbox_id] = SandboxSpec(
+                sandbox_id,
+                self.specs[source].template,
+                limits or self.specs[source].limits,
+                self.specs[source].env,
+            )
+        return await self._spawn(sandbox_id)
+
+    async def disk_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        dst = self._snapshot_dir(sandbox_id, snapshot_id)
+        if dst.exists():
+            raise errors.AlreadyExists(f"snapshot {snapshot_id} exists")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(self._dir(sandbox_id), dst, symlinks=True)
+
+    async def reset_rootfs(self, sandbox_id: str, snapshot_id: str) -> None:
+        snap = self._snapshot_dir(sandbox_id, snapshot_id)
+        if not snap.exists():
+            raise errors.NotFound(f"snapshot {snapshot_id} of {sandbox_id} is not on this node")
+        shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
+        shutil.copytree(snap, self._dir(sandbox_id), symlinks=True)
+
+    async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        shutil.rmtree(self._snapshot_dir(sandbox_id, snapshot_id), ignore_errors=True)
+
+    async def _kill(self, sandbox_id: str) -> None:
+        proc = self.processes.pop(sandbox_id, None)
+        self.paused.discard(sandbox_id)
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+    async def stop(self, sandbox_id: str) -> None:
+        await self._kill(sandbox_id)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self._kill(sandbox_id)
+        shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
+        shutil.rmtree(self.base_dir / "snapshots" / sandbox_id, ignore_errors=True)
+        self.specs.pop(sandbox_id, None)
+
+    async def state(self, sandbox_id: str) -> RuntimeState:
+        proc = self.processes.get(sandbox_id)
+        alive = proc is not None and proc.returncode is None
+        runtime = ("paused" if sandbox_id in self.paused else "running") if alive else "absent"
+        return RuntimeState(sandbox_id, self._dir(sandbox_id).exists(), runtime, alive)
+
+    async def list(self) -> list[RuntimeState]:
+        root = self.base_dir / "sandboxes"
+        return [await self.state(p.name) for p in sorted(root.iterdir())] if root.exists() else []
+
+    async def usage(self, sandbox_id: str) -> dict[str, Any]:
+        return {"memory_bytes": None, "disk_exclusive_bytes": None}
+
+    async def close(self) -> None:
+        for sandbox_id in list(self.processes):
+            await self._kill(sandbox_id)

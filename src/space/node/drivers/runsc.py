@@ -1,0 +1,124 @@
+"""The gVisor driver: each sandbox runs on its own application kernel (runsc), driven via the root helper.
+
+Invariants:
+- The agent holding this driver is unprivileged: every privileged step is one helper verb; the agent only
+  opens the per-sandbox channel sockets that the helper's holders hand to its uid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from space.core.settings import SandboxLimits
+from space.node.agent.channel import GuestChannel
+from space.node.agent.helper_client import HelperClient
+from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+from space.node.layout import NodeLayout
+
+BOOT_TIMEOUT_S = 30.0
+
+
+class RunscDriver(Driver):
+    name = "runsc"
+    isolating = True
+
+    def __init__(self, layout: NodeLayout, helper: HelperClient) -> None:
+        self.layout = layout
+        self.helper = helper
+
+    async def prepare(self, progress: Progress | None = None) -> None:
+        await self.helper.call("node.prepare", progress=progress, timeout=300.0)
+
+    async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
+        return await self.helper.call("template.ensure", {"name": name}, progress=progress, timeout=1800.0)
+
+    async def create(self, spec: SandboxSpec) -> None:
+        await self.helper.call(
+            "sandbox.create",
+            {"sandbox_id": spec.sandbox_id, "template": spec.template,
+             "limits": spec.limits.model_dump(), "env": dict(spec.env)},
+        )  # fmt: skip
+
+    async def _channel(self, sandbox_id: str, socket_path: str) -> GuestChannel:
+        return await GuestChannel.connect_unix(socket_path, timeout=BOOT_TIMEOUT_S, name=sandbox_id)
+
+    async def start(self, sandbox_id: str) -> GuestChannel:
+        result = await self.helper.call("sandbox.start", {"sandbox_id": sandbox_id})
+        return await self._channel(sandbox_id, str(result["socket"]))
+
+    async def connect(self, sandbox_id: str) -> GuestChannel:
+        return await self._channel(sandbox_id, str(self.layout.channel_socket(sandbox_id)))
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.helper.call("sandbox.pause", {"sandbox_id": sandbox_id})
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self.helper.call("sandbox.resume", {"sandbox_id": sandbox_id})
+
+    async def checkpoint(
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
+    ) -> tuple[CheckpointInfo, GuestChannel | None]:
+        result = await self.helper.call(
+            "sandbox.checkpoint",
+            {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id, "keep_running": keep_running},
+            timeout=600.0,
+        )
+        info = CheckpointInfo(sandbox_id, snapshot_id, int(result["image_bytes"]), dict(result["timings"]))
+        channel = await self._channel(sandbox_id, str(result["socket"])) if keep_running else None
+        return info, channel
+
+    async def restore(
+        self,
+        sandbox_id: str,
+        snapshot_id: str,
+        *,
+        source_sandbox_id: str | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> GuestChannel:
+        args: dict[str, Any] = {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        if source_sandbox_id is not None:
+            args["source_sandbox_id"] = source_sandbox_id
+        if limits is not None:
+            args["limits"] = limits.model_dump()
+        result = await self.helper.call("sandbox.restore", args, timeout=600.0)
+        return await self._channel(sandbox_id, str(result["socket"]))
+
+    async def disk_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        await self.helper.call(
+            "sandbox.disk_snapshot", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        )
+
+    async def reset_rootfs(self, sandbox_id: str, snapshot_id: str) -> None:
+        await self.helper.call("sandbox.reset_rootfs", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id})
+
+    async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        await self.helper.call("snapshot.delete", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id})
+
+    async def stop(self, sandbox_id: str) -> None:
+        await self.helper.call("sandbox.stop", {"sandbox_id": sandbox_id})
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self.helper.call("sandbox.destroy", {"sandbox_id": sandbox_id})
+
+    async def state(self, sandbox_id: str) -> RuntimeState:
+        return _runtime_state(await self.helper.call("sandbox.state", {"sandbox_id": sandbox_id}))
+
+    async def list(self) -> list[RuntimeState]:
+        result = await self.helper.call("sandbox.list")
+        return [_runtime_state(item) for item in result["sandboxes"]]
+
+    async def usage(self, sandbox_id: str) -> dict[str, Any]:
+        return await self.helper.call("sandbox.usage", {"sandbox_id": sandbox_id})
+
+    async def close(self) -> None:
+        await self.helper.close()
+
+
+def _runtime_state(raw: dict[str, Any]) -> RuntimeState:
+    return RuntimeState(
+        sandbox_id=str(raw["sandbox_id"]),
+        exists=bool(raw["exists"]),
+        runtime=str(raw["runtime"]),
+        channel_open=bool(raw["holder"]),
+        exit=raw.get("exit"),
+    )

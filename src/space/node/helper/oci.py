@@ -1,0 +1,84 @@
+"""OCI runtime bundle configuration for a sandbox (written by the root helper only).
+
+Invariants:
+- The guest's init is always the template's daemon command; callers choose env and limits, never argv,
+  mounts or capabilities.
+- Limits apply to the whole sandbox (application kernel included) through its cgroup, so a fork bomb or a
+  memory hog is contained by the host kernel even if it overwhelms the guest.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from space.core.settings import SandboxLimits
+
+CPU_PERIOD_US = 100_000
+# Docker's default capability set: enough for the daemon (root in the guest) to switch users and manage
+# processes, nothing that matters to the host (the Sentry implements these inside the sandbox).
+DEFAULT_CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
+]  # fmt: skip
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/root",
+}
+
+
+def bundle_config(
+    *,
+    sandbox_id: str,
+    rootfs: pathlib.Path,
+    init_argv: Sequence[str],
+    init_env: Mapping[str, str],
+    limits: SandboxLimits,
+) -> dict[str, Any]:
+    env = {**BASE_ENV, **init_env}
+    return {
+        "ociVersion": "1.0.0",
+        "process": {
+            "user": {"uid": 0, "gid": 0},
+            "args": list(init_argv),
+            "env": [f"{key}={value}" for key, value in env.items()],
+            "cwd": "/",
+            "capabilities": {
+                kind: DEFAULT_CAPABILITIES for kind in ("bounding", "effective", "inheritable", "permitted")
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+        },
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+        ],
+        "linux": {
+            "namespaces": [{"type": kind} for kind in ("pid", "network", "ipc", "uts", "mount")],
+            "cgroupsPath": f"/space/{sandbox_id}",
+            "resources": {
+                "memory": {"limit": limits.memory_mb << 20},
+                "cpu": {"quota": int(limits.cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
+                "pids": {"limit": limits.pids},
+            },
+        },
+    }
+
+
+def write_bundle_config(bundle_dir: pathlib.Path, config: dict[str, Any]) -> pathlib.Path:
+    path = bundle_dir / "config.json"
+    tmp = bundle_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=1))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,84 @@
+"""Invocation of gVisor's `runsc` (root helper only).
+
+Invariants:
+- Every sandbox on a node uses the same global flags, kept in one place: `--overlay2=none` so writes land
+  in the sandbox's btrfs subvolume (snapshots see them), `--net-disconnect-ok` so a sandbox that used the
+  network can still be checkpointed.
+- Control commands never hang the helper: each has a timeout and a failure becomes RuntimeFailure
+  carrying runsc's own message.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+from space.core import errors
+
+CONTROL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Runsc:
+    root: pathlib.Path
+    binary: str = "runsc"
+    platform: str = "systrap"
+    network: str = "none"
+
+    def global_flags(self) -> list[str]:
+        return [
+            self.binary,
+            f"--root={self.root}",
+            f"--platform={self.platform}",
+            f"--network={self.network}",
+            "--overlay2=none",
+            "--net-disconnect-ok",
+        ]
+
+    def run_argv(self, bundle: pathlib.Path, sandbox_id: str) -> list[str]:
+        return [*self.global_flags(), "run", f"--bundle={bundle}", sandbox_id]
+
+    def restore_argv(self, bundle: pathlib.Path, image: pathlib.Path, sandbox_id: str) -> list[str]:
+        return [*self.global_flags(), "restore", f"--bundle={bundle}", f"--image-path={image}", sandbox_id]
+
+    def control(self, *args: str, timeout: float = CONTROL_TIMEOUT_S) -> str:
+        argv = [*self.global_flags(), *args]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise errors.RuntimeFailure(f"runsc {args[0]} timed out after {timeout}s") from exc
+        if proc.returncode != 0:
+            message = (proc.stderr or proc.stdout).strip().splitlines()
+            detail = message[-1] if message else f"exit code {proc.returncode}"
+            raise errors.RuntimeFailure(f"runsc {args[0]} failed: {detail}", command=args[0])
+        return proc.stdout
+
+    def state(self, sandbox_id: str) -> dict[str, Any] | None:
+        """runsc's view of a container, or None if it does not know it."""
+        try:
+            out = self.control("state", sandbox_id, timeout=10.0)
+        except errors.RuntimeFailure:
+            return None
+        try:
+            value = json.loads(out)
+        except json.JSONDecodeError:
+            return None
+        return value if isinstance(value, dict) else None
+
+    def pause(self, sandbox_id: str) -> None:
+        self.control("pause", sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        self.control("resume", sandbox_id)
+
+    def checkpoint(self, sandbox_id: str, image: pathlib.Path) -> None:
+        self.control("checkpoint", f"--image-path={image}", sandbox_id, timeout=300.0)
+
+    def kill(self, sandbox_id: str) -> None:
+        self.control("kill", "--all", sandbox_id, "KILL", timeout=10.0)
+
+    def delete(self, sandbox_id: str) -> None:
+        self.control("delete", "--force", sandbox_id, timeout=30.0)

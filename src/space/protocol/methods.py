@@ -1,0 +1,116 @@
+"""The calls `spaced` answers, and the error codes it uses (standard library only).
+
+A call is a CALL frame {"method": M, "params": {...}} on a fresh stream id chosen by the host. The daemon
+answers on the same stream with any number of EVENT / DATA / EOF frames and exactly one terminal frame:
+RESULT (a JSON object) or ERROR ({"code": one of GUEST_ERROR_CODES, "message": str}). The host may send
+DATA/EOF frames (channel BODY) on the stream after the CALL (a request body) and CANCEL to stop it.
+
+Connection: the daemon sends HELLO on stream 0 as soon as it starts ({"protocol", "min_protocol",
+"ready": true, "boot_id", "pid"}). A host that (re)connects sends HELLO on stream 0 and gets one back.
+
+sys.ping     {}                                   -> {"time": float}
+sys.info     {}                                   -> {"boot_id", "pid", "uptime", "last_activity",
+                                                      "idle_seconds", "running_processes", "protocol"}
+sys.sync     {}                                   -> {}   flush file data (before a disk snapshot)
+sys.reseed   {"entropy": hex str}                 -> {}   after a restore: new randomness, new tokens
+process.start {"argv": [str] | "cmd": str, "env": {str: str}, "cwd": str, "user": str|int,
+               "timeout": float, "pty": {"rows", "cols"}, "stdin": bool, "background": bool,
+               "tag": str}
+    foreground: EVENT {"type": "started", "process_id", "pid"}; DATA STDOUT/STDERR as it comes
+                (a PTY's output is STDOUT); host DATA/EOF BODY is the stdin (when "stdin": true);
+                RESULT {"process_id", "exit_code": int|None, "signal": int|None, "timed_out": bool}.
+                CANCEL detaches without killing: the process stays attachable by id.
+    background: RESULT {"process_id", "pid"} at once; output kept in a bounded buffer.
+process.attach {"process_id", "offset": int = 0, "follow": bool = true}
+    EVENT {"type": "attached", "offset": first offset delivered, "truncated": bool}; DATA frames of the
+    combined output log (stdout+stderr, offsets count bytes of both in arrival order); then RESULT as for
+    a foreground start once the process exited and all output was sent (follow=false: RESULT
+    {"offset": next offset, "running": bool} after what is buffered).
+process.input  {"process_id", "eof": bool}  + host DATA BODY frames + EOF BODY -> {"written": int}
+process.signal {"process_id", "signal": int | "SIGTERM"-style name}              -> {}
+process.resize {"process_id", "rows", "cols"}                                    -> {}
+process.list   {} -> {"processes": [{"process_id", "pid", "argv", "tag", "running", "exit_code",
+                                     "signal", "started_at", "ended_at", "pty", "output_bytes"}]}
+files.read   {"path", "offset": int = 0, "length": int|None} -> DATA BODY chunks, RESULT {"size"}
+files.write  {"path", "mode": int|None, "append": bool, "parents": bool = true}
+             + host DATA BODY + EOF BODY -> {"size"}   (atomic: temp file + rename unless appending)
+files.list   {"path"}                    -> {"entries": [stat]}
+files.stat   {"path"}                    -> stat = {"name", "path", "type": file|dir|symlink|other,
+                                                     "size", "mode", "mtime", "uid", "gid", "target"}
+files.mkdir  {"path", "parents": bool = true, "mode": int = 0o755} -> {}
+files.remove {"path", "recursive": bool = false}                   -> {}
+files.rename {"src", "dst"}                                        -> {}
+files.chmod  {"path", "mode": int}                                 -> {}
+files.watch  {"path", "recursive": bool = false}
+             -> EVENT {"type": "changes", "changes": [{"path", "kind": created|modified|deleted}]}
+                until CANCEL, then RESULT {}
+
+Details and extensions fixed by the daemon (spaced, space.guest); hosts ignore fields they do not know:
+- HELLO answering a host's HELLO also carries "negotiated" (the chosen version). ERROR frames sent on
+  stream 0 about a frame of another stream carry "stream". ERRORs from an OS error carry "errno".
+- Request bodies are accepted only by process.start (with "stdin": true), process.input and files.write;
+  BODY frames sent to any other call are dropped.
+- process.start / process.attach (follow) RESULT also carries "offset" (the next output offset).
+  CANCEL of a foreground start or a following attach ends the call with ERROR {"code": "cancelled",
+  "process_id", "offset"}; the process keeps running. "pty": true means {"rows": 24, "cols": 80}.
+  A foreground PTY's EOF BODY types ^D rather than closing the terminal. The RESULT comes once the
+  process exited and its output reached EOF, or 0.5 s after the exit when descendants keep it open.
+- process.signal {"process_id", "signal", "group": bool = true}: by default the whole process group
+  (each process is a session leader) gets the signal; group=false signals the process alone.
+  The name may omit "SIG" and is case-insensitive ("term", "KILL").
+- process.list entries also carry "timed_out" and "background".
+- files.read RESULT is {"size": the file's size, "read": bytes delivered}.
+- files.list of a directory too large for one frame sends EVENT {"type": "entries", "entries": [...]}
+  batches first; the RESULT holds the last batch (the host concatenates, in order; sorted by name).
+- files.watch sends EVENT {"type": "watching", "backend": "inotify"|"poll"} once the watch is in place,
+  before any "changes" event.
+- files.write through a symlink writes the symlink's target; an overwrite keeps the target's mode (and
+  owner, when root) unless "mode" is given; files.remove refuses "/" (permission_denied).
+"""
+
+from __future__ import annotations
+
+SYS_PING = "sys.ping"
+SYS_INFO = "sys.info"
+SYS_SYNC = "sys.sync"
+SYS_RESEED = "sys.reseed"
+PROCESS_START = "process.start"
+PROCESS_ATTACH = "process.attach"
+PROCESS_INPUT = "process.input"
+PROCESS_SIGNAL = "process.signal"
+PROCESS_RESIZE = "process.resize"
+PROCESS_LIST = "process.list"
+FILES_READ = "files.read"
+FILES_WRITE = "files.write"
+FILES_LIST = "files.list"
+FILES_STAT = "files.stat"
+FILES_MKDIR = "files.mkdir"
+FILES_REMOVE = "files.remove"
+FILES_RENAME = "files.rename"
+FILES_CHMOD = "files.chmod"
+FILES_WATCH = "files.watch"
+
+GUEST_ERROR_CODES = frozenset(
+    {
+        "not_found",
+        "already_exists",
+        "not_a_directory",
+        "is_a_directory",
+        "not_empty",
+        "permission_denied",
+        "invalid_argument",
+        "no_such_process",
+        "unknown_method",
+        "no_space",
+        "cancelled",
+        "internal",
+        # protocol-level codes (see space.protocol.errors)
+        "protocol_error",
+        "corrupt_frame",
+        "truncated_frame",
+        "frame_too_large",
+        "unknown_frame_type",
+        "malformed_payload",
+        "version_mismatch",
+    }
+)

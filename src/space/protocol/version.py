@@ -1,0 +1,33 @@
+"""Protocol version negotiation (standard library only).
+
+The HELLO frame carries {"protocol": <highest supported>, "min_protocol": <lowest supported>, ...}.
+Both sides pick the highest version inside both ranges; no overlap is a VersionMismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from space.protocol.errors import VersionMismatch
+
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+
+
+def hello_payload(**extra: Any) -> dict[str, Any]:
+    return {"protocol": PROTOCOL_VERSION, "min_protocol": MIN_PROTOCOL_VERSION, **extra}
+
+
+def negotiate(peer: dict[str, Any]) -> int:
+    try:
+        peer_max = int(peer["protocol"])
+        peer_min = int(peer.get("min_protocol", peer_max))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise VersionMismatch(f"HELLO without a usable protocol version: {peer!r}") from exc
+    chosen = min(peer_max, PROTOCOL_VERSION)
+    if chosen < max(peer_min, MIN_PROTOCOL_VERSION):
+        raise VersionMismatch(
+            f"no common protocol version: peer speaks {peer_min}..{peer_max}, "
+            f"we speak {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
+        )
+    return chosen

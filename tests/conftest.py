@@ -1,0 +1,72 @@
+"""Shared fixtures. `node` is one real node (root helper + runsc + btrfs image) for the whole session;
+its finalizer destroys everything and then checks the host for leaks (mounts, loop devices, processes,
+cgroups), so a leak fails the run instead of breaking the next one."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from space.node.agent.agent import NodeAgent
+from space.node.local import LocalNode
+from tests.support.host import cgroups_under, loop_devices_for, mounts_under, processes_mentioning
+from tests.support.loop import BackgroundLoop
+
+
+@dataclass
+class RealNode:
+    node: LocalNode
+    agent: NodeAgent
+    loop: BackgroundLoop
+
+    @property
+    def data_dir(self) -> pathlib.Path:
+        return self.node.layout.data_dir
+
+    def run(self, coro, timeout: float = 300.0):  # type: ignore[no-untyped-def]
+        return self.loop.run(coro, timeout)
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("this test needs root (runsc, btrfs, the node helper); CI runs as root")
+
+
+@pytest.fixture(scope="session")
+def loop() -> Iterator[BackgroundLoop]:
+    background = BackgroundLoop()
+    yield background
+    background.close()
+
+
+def make_data_dir(tag: str) -> pathlib.Path:
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"space-test-{tag}-", dir="/var/tmp"))
+
+
+def assert_no_leaks(data_dir: pathlib.Path, cgroups_before: set[str]) -> None:
+    prefix = str(data_dir)
+    assert mounts_under(prefix) == [], "mounts left behind"
+    assert loop_devices_for(prefix) == [], "loop devices left behind"
+    assert processes_mentioning(prefix) == [], "processes left behind"
+    assert sorted(set(cgroups_under("space")) - cgroups_before) == [], "cgroups left behind"
+
+
+@pytest.fixture(scope="session")
+def node(loop: BackgroundLoop) -> Iterator[RealNode]:
+    require_root()
+    data_dir = make_data_dir("node")
+    cgroups_before = set(cgroups_under("space"))
+    local = LocalNode(data_dir)
+    agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
+    real = RealNode(local, agent, loop)
+    try:
+        yield real
+    finally:
+        loop.run(agent.delete_all(), timeout=300)
+        loop.run(local.stop(purge=True), timeout=300)
+        assert_no_leaks(data_dir, cgroups_before)
