@@ -54,7 +54,8 @@ def sandbox_pids(data_dir: pathlib.Path, sandbox_id: str) -> set[int]:
     if holder.exists():
         info = json.loads(holder.read_text())
         pids.update({int(info["holder_pid"]), int(info["runtime_pid"])})
-    procs = pathlib.Path("/sys/fs/cgroup/memory/space") / sandbox_id / "cgroup.procs"
+    container = (data_dir / "run" / sandbox_id / "container").read_text().strip()
+    procs = pathlib.Path("/sys/fs/cgroup/memory/space") / container / "cgroup.procs"
     if procs.exists():
         pids.update(int(p) for p in procs.read_text().split())
     return pids

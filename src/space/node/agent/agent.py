@@ -86,6 +86,10 @@ class NodeAgent:
                 handle.state = State.RUNNING if observed.runtime == "running" else State.PAUSED
                 if observed.runtime == "running":
                     handle.channel = await self.driver.connect(observed.sandbox_id)
+            for snap in await self.driver.list_snapshots(observed.sandbox_id):
+                handle.snapshots[snap["snapshot_id"]] = SnapshotRecord(
+                    snap["snapshot_id"], snap["kind"], float(snap["created_at"]), int(snap["image_bytes"])
+                )
             self.sandboxes[observed.sandbox_id] = handle
             adopted.append(observed.sandbox_id)
         return adopted

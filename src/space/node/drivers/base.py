@@ -106,6 +106,10 @@ class Driver(abc.ABC):
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None: ...
 
     @abc.abstractmethod
+    async def list_snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """[{"snapshot_id", "kind": "disk"|"full", "created_at": unix time, "image_bytes"}] on this node."""
+
+    @abc.abstractmethod
     async def stop(self, sandbox_id: str) -> None:
         """End every process; keep the disk."""
 

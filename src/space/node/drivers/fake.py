@@ -156,6 +156,17 @@ class FakeDriver(Driver):
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         shutil.rmtree(self._snapshot_dir(sandbox_id, snapshot_id), ignore_errors=True)
 
+    async def list_snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
+        root = self.base_dir / "snapshots" / sandbox_id
+        return (
+            [
+                {"snapshot_id": p.name, "kind": "full", "created_at": p.stat().st_mtime, "image_bytes": 0}
+                for p in sorted(root.iterdir())
+            ]
+            if root.exists()
+            else []
+        )
+
     async def _kill(self, sandbox_id: str) -> None:
         proc = self.processes.pop(sandbox_id, None)
         self.paused.discard(sandbox_id)

@@ -94,6 +94,10 @@ class RunscDriver(Driver):
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         await self.helper.call("snapshot.delete", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id})
 
+    async def list_snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
+        result = await self.helper.call("snapshot.list", {"sandbox_id": sandbox_id})
+        return list(result["snapshots"])
+
     async def stop(self, sandbox_id: str) -> None:
         await self.helper.call("sandbox.stop", {"sandbox_id": sandbox_id})
 

@@ -10,7 +10,8 @@ Invariants:
   MAX_BUFFERED, then the holder stops reading (the sandbox blocks on its pipe) until an agent comes back.
 - When runsc exits, the holder records its exit status in `exit.json` next to the socket, removes the
   socket and exits; so a vanished socket plus `exit.json` always means "this runtime is gone".
-- Standard library only and started with `python3 -S`: its start-up time is part of sandbox creation.
+- Standard library only and started with `python3 -S`, ahead of need as a spare (`--spare`), so its
+  start-up time is not part of sandbox creation.
 """
 
 from __future__ import annotations
@@ -220,8 +221,29 @@ class Holder:
         self.to_client.clear()
 
 
+def _wait_for_assignment() -> list[str] | None:
+    """A spare holder is started ahead of need and blocks here until the helper hands it a sandbox (one JSON
+    line on stdin), so creating a sandbox does not wait for a Python interpreter to start."""
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return None  # the helper went away before using this spare
+    job = json.loads(line)
+    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return [job["socket"], str(job["owner_uid"]), job["log"], "--", *job["argv"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--spare"]:
+        assigned = _wait_for_assignment()
+        if assigned is None:
+            return 0
+        args = assigned
     if "--" not in args:
         print("usage: holder SOCKET OWNER_UID LOG -- RUNTIME_ARGV...", file=sys.stderr)
         return 2

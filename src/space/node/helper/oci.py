@@ -31,9 +31,16 @@ BASE_ENV = {
 }
 
 
+def resources(limits: SandboxLimits) -> dict[str, Any]:
+    return {
+        "memory": {"limit": limits.memory_mb << 20},
+        "cpu": {"quota": int(limits.cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
+        "pids": {"limit": limits.pids},
+    }
+
+
 def bundle_config(
     *,
-    sandbox_id: str,
     rootfs: pathlib.Path,
     init_argv: Sequence[str],
     init_env: Mapping[str, str],
@@ -66,12 +73,8 @@ def bundle_config(
         ],
         "linux": {
             "namespaces": [{"type": kind} for kind in ("pid", "network", "ipc", "uts", "mount")],
-            "cgroupsPath": f"/space/{sandbox_id}",
-            "resources": {
-                "memory": {"limit": limits.memory_mb << 20},
-                "cpu": {"quota": int(limits.cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
-                "pids": {"limit": limits.pids},
-            },
+            # cgroupsPath is set per container incarnation at launch (space.node.helper.runtime).
+            "resources": resources(limits),
         },
     }
 

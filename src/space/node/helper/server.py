@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        context.runtimes.close()
         server.server_close()
         if os.path.exists(socket_path):
             os.unlink(socket_path)

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +30,7 @@ from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAM
 from space.core.settings import SandboxLimits
 from space.node.helper import oci
 from space.node.helper.runsc import Runsc
+from space.node.helper.runtime import Runtimes
 from space.node.layout import NodeLayout
 from space.node.volumes import btrfs, filesystem, templates
 
@@ -109,9 +107,12 @@ class HelperContext:
     layout: NodeLayout
     runsc: Runsc
     owner_uid: int
+    runtimes: Runtimes = field(init=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
-    _holders: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.runtimes = Runtimes(self.layout, self.runsc, self.owner_uid)
 
     def lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
@@ -146,6 +147,8 @@ def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> 
         path.chmod(0o755)
     if not fs.quota:
         btrfs.enable_quota(fs.root)
+    ctx.runtimes.sweep()
+    ctx.runtimes.prime()
     return {"fs": str(fs.root), "quota": btrfs.quota_mode(fs.root)}
 
 
@@ -179,75 +182,6 @@ def template_receive(
 # -- sandbox runtime --------------------------------------------------------------------------------
 
 
-def _holder_alive(ctx: HelperContext, sandbox_id: str) -> bool:
-    info_path = ctx.layout.run_dir(sandbox_id) / "holder.json"
-    if not ctx.layout.channel_socket(sandbox_id).exists() or not info_path.exists():
-        return False
-    try:
-        pid = int(json.loads(info_path.read_text())["holder_pid"])
-        os.kill(pid, 0)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
-        return False
-    return True
-
-
-def _spawn_holder(ctx: HelperContext, sandbox_id: str, runtime_argv: list[str]) -> str:
-    run_dir = ctx.layout.run_dir(sandbox_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir.chmod(0o755)
-    socket_path = ctx.layout.channel_socket(sandbox_id)
-    for stale in ("exit.json", "holder.json", "channel.sock"):
-        with contextlib.suppress(FileNotFoundError):
-            (run_dir / stale).unlink()
-    log_path = run_dir / "runtime.log"
-    src_dir = pathlib.Path(__file__).resolve().parents[3]
-    # -S: the holder needs nothing from site-packages, and its start-up time is part of sandbox creation.
-    boot = (
-        f"import sys; sys.path.insert(0, {str(src_dir)!r}); "
-        "from space.node.helper.holder import main; raise SystemExit(main())"
-    )
-    with open(log_path, "ab") as log:
-        holder = subprocess.Popen(
-            [sys.executable, "-S", "-c", boot, str(socket_path), str(ctx.owner_uid), str(log_path), "--",
-             *runtime_argv],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True,
-            close_fds=True,
-        )  # fmt: skip
-    ctx._holders[sandbox_id] = holder
-    threading.Thread(target=holder.wait, name=f"reap-{sandbox_id}", daemon=True).start()
-    deadline = time.monotonic() + SOCKET_WAIT_S
-    while not socket_path.exists():
-        if holder.poll() is not None:
-            raise errors.RuntimeFailure(f"holder of {sandbox_id} exited early: {_log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            raise errors.RuntimeFailure(f"holder of {sandbox_id} did not open its socket")
-        time.sleep(0.001)
-    return str(socket_path)
-
-
-def _log_tail(path: pathlib.Path, lines: int = 5) -> str:
-    try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _wait_holder_exit(ctx: HelperContext, sandbox_id: str, timeout: float = HOLDER_EXIT_WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while _holder_alive(ctx, sandbox_id):
-        if time.monotonic() > deadline:
-            raise errors.RuntimeFailure(f"runtime of {sandbox_id} did not exit")
-        time.sleep(0.002)
-
-
-def _runtime_status(ctx: HelperContext, sandbox_id: str) -> str:
-    """'running', 'paused', 'created' or 'stopped' per runsc; 'absent' if runsc does not know it."""
-    state = ctx.runsc.state(sandbox_id)
-    if state is None:
-        return "absent"
-    return str(state.get("status", "unknown"))
-
-
 def _init_argv_env(ctx: HelperContext, template: str) -> tuple[list[str], dict[str, str]]:
     if not btrfs.is_subvolume(ctx.layout.template(template)):
         raise errors.NotFound(f"template {template!r} is not on this node", template=template)
@@ -266,79 +200,46 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
     btrfs.set_limit(rootfs, params.limits.disk_mb << 20)
     (bundle / "limits.json").write_text(params.limits.model_dump_json())
     config = oci.bundle_config(
-        sandbox_id=params.sandbox_id,
-        rootfs=rootfs,
-        init_argv=argv,
-        init_env={**env, **params.env},
-        limits=params.limits,
+        rootfs=rootfs, init_argv=argv, init_env={**env, **params.env}, limits=params.limits
     )
     oci.write_bundle_config(bundle, config)
     return {"bundle": str(bundle)}
 
 
 def sandbox_start(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
-    bundle = ctx.layout.bundle(params.sandbox_id)
-    if not (bundle / "config.json").exists():
-        raise errors.NotFound(f"sandbox {params.sandbox_id} has no bundle on this node")
-    if _holder_alive(ctx, params.sandbox_id):
-        return {"socket": str(ctx.layout.channel_socket(params.sandbox_id)), "already_running": True}
-    _forget_runtime(ctx, params.sandbox_id)
-    socket_path = _spawn_holder(ctx, params.sandbox_id, ctx.runsc.run_argv(bundle, params.sandbox_id))
-    return {"socket": socket_path, "already_running": False}
+    sandbox_id = params.sandbox_id
+    if not (ctx.layout.bundle(sandbox_id) / "config.json").exists():
+        raise errors.NotFound(f"sandbox {sandbox_id} has no bundle on this node")
+    if ctx.runtimes.holder_alive(sandbox_id):
+        return {"socket": str(ctx.layout.channel_socket(sandbox_id)), "already_running": True}
+    ctx.runtimes.stop(sandbox_id)  # retires a leftover stopped container, if any
+    return {"socket": ctx.runtimes.launch(sandbox_id), "already_running": False}
 
 
 def sandbox_pause(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
-    status = _runtime_status(ctx, params.sandbox_id)
-    if status == "paused":
-        return {"status": status}
-    if status != "running":
-        raise errors.InvalidState(f"runtime of {params.sandbox_id} is {status}", state=status, event="pause")
-    ctx.runsc.pause(params.sandbox_id)
+    if ctx.runtimes.status(params.sandbox_id) == "paused":
+        return {"status": "paused"}
+    container = ctx.runtimes.require(params.sandbox_id, "running", event="pause")
+    ctx.runsc.pause(container)
     return {"status": "paused"}
 
 
 def sandbox_resume(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
-    status = _runtime_status(ctx, params.sandbox_id)
-    if status == "running":
-        return {"status": status}
-    if status != "paused":
-        raise errors.InvalidState(f"runtime of {params.sandbox_id} is {status}", state=status, event="resume")
-    ctx.runsc.resume(params.sandbox_id)
+    if ctx.runtimes.status(params.sandbox_id) == "running":
+        return {"status": "running"}
+    container = ctx.runtimes.require(params.sandbox_id, "paused", event="resume")
+    ctx.runsc.resume(container)
     return {"status": "running"}
 
 
-def _forget_runtime(ctx: HelperContext, sandbox_id: str) -> None:
-    """Make runsc forget a container that is no longer running, so its id can be used again."""
-    if _runtime_status(ctx, sandbox_id) != "absent":
-        with contextlib.suppress(errors.RuntimeFailure):
-            ctx.runsc.delete(sandbox_id)
-
-
-def _stop_runtime(ctx: HelperContext, sandbox_id: str) -> None:
-    status = _runtime_status(ctx, sandbox_id)
-    if status == "paused":
-        with contextlib.suppress(errors.RuntimeFailure):
-            ctx.runsc.resume(sandbox_id)  # a paused sandbox does not act on SIGKILL until resumed
-    if status in {"running", "paused", "created"}:
-        with contextlib.suppress(errors.RuntimeFailure):
-            ctx.runsc.kill(sandbox_id)
-    _forget_runtime(ctx, sandbox_id)
-    _wait_holder_exit(ctx, sandbox_id)
-
-
 def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
-    _stop_runtime(ctx, params.sandbox_id)
+    ctx.runtimes.stop(params.sandbox_id)
     return {"status": "stopped"}
 
 
 def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id, snapshot_id = params.sandbox_id, params.snapshot_id
-    status = _runtime_status(ctx, sandbox_id)
-    if status != "running":
-        raise errors.InvalidState(
-            f"runtime of {sandbox_id} is {status}; only a running sandbox can be checkpointed",
-            state=status, event="checkpoint",
-        )  # fmt: skip
+    container = ctx.runtimes.require(sandbox_id, "running", event="checkpoint")
     image = ctx.layout.checkpoint_image(sandbox_id, snapshot_id)
     disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
     if image.exists() or disk.exists():
@@ -346,20 +247,20 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     image.mkdir(parents=True)
     disk.parent.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    started = time.monotonic()
-    ctx.runsc.checkpoint(sandbox_id, image)  # the container stops once its state is saved
-    timings["checkpoint_ms"] = (time.monotonic() - started) * 1000
+    mark = time.monotonic()
+    ctx.runsc.checkpoint(container, image)  # the container stops once its state is saved
+    timings["checkpoint_ms"] = (time.monotonic() - mark) * 1000
     mark = time.monotonic()
     btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
     timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
-    _forget_runtime(ctx, sandbox_id)
-    _wait_holder_exit(ctx, sandbox_id)
+    mark = time.monotonic()
+    ctx.runtimes.stop(sandbox_id)
+    timings["stop_ms"] = (time.monotonic() - mark) * 1000
     image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
     result: dict[str, Any] = {"image": str(image), "disk": str(disk), "image_bytes": image_bytes}
     if params.keep_running:
         mark = time.monotonic()
-        bundle = ctx.layout.bundle(sandbox_id)
-        result["socket"] = _spawn_holder(ctx, sandbox_id, ctx.runsc.restore_argv(bundle, image, sandbox_id))
+        result["socket"] = ctx.runtimes.launch(sandbox_id, image)
         timings["restore_spawn_ms"] = (time.monotonic() - mark) * 1000
     result["timings"] = timings
     return result
@@ -377,14 +278,14 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
         raise errors.NotFound(f"checkpoint {params.snapshot_id} of {source} is not on this node")
     bundle = ctx.layout.bundle(sandbox_id)
     rootfs = ctx.layout.rootfs(sandbox_id)
-    if source != sandbox_id:
-        source_config = ctx.layout.bundle(source) / "config.json"
-        if not source_config.exists():
-            raise errors.NotFound(f"sandbox {source} has no bundle on this node")
-        config = json.loads(source_config.read_text())
-    else:
-        config = json.loads((bundle / "config.json").read_text())
-        _stop_runtime(ctx, sandbox_id)
+    config_source = ctx.layout.bundle(source) / "config.json"
+    if not config_source.exists():
+        raise errors.NotFound(f"sandbox {source} has no bundle on this node")
+    config = json.loads(config_source.read_text())
+    if source == sandbox_id:
+        ctx.runtimes.stop(sandbox_id)
+    elif btrfs.is_subvolume(rootfs):
+        raise errors.AlreadyExists(f"sandbox {sandbox_id} already exists on this node")
     bundle.mkdir(parents=True, exist_ok=True)
     if btrfs.is_subvolume(rootfs):
         btrfs.delete_subvolume(rootfs)
@@ -392,15 +293,10 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
     limits = params.limits or _limits(ctx, source)
     btrfs.set_limit(rootfs, limits.disk_mb << 20)
     (bundle / "limits.json").write_text(limits.model_dump_json())
-    config["linux"]["resources"] = oci.bundle_config(
-        sandbox_id=sandbox_id, rootfs=rootfs, init_argv=[], init_env={}, limits=limits
-    )["linux"]["resources"]
+    config["linux"]["resources"] = oci.resources(limits)
     config["root"]["path"] = str(rootfs)
-    config["linux"]["cgroupsPath"] = f"/space/{sandbox_id}"
     oci.write_bundle_config(bundle, config)
-    _forget_runtime(ctx, sandbox_id)
-    socket_path = _spawn_holder(ctx, sandbox_id, ctx.runsc.restore_argv(bundle, image, sandbox_id))
-    return {"socket": socket_path}
+    return {"socket": ctx.runtimes.launch(sandbox_id, image)}
 
 
 def _limits(ctx: HelperContext, sandbox_id: str) -> SandboxLimits:
@@ -412,8 +308,11 @@ def sandbox_disk_snapshot(ctx: HelperContext, params: SnapshotParams, _progress:
     disk = ctx.layout.snapshot(params.sandbox_id, params.snapshot_id)
     if disk.exists():
         raise errors.AlreadyExists(f"snapshot {params.snapshot_id} of {params.sandbox_id} already exists")
+    rootfs = ctx.layout.rootfs(params.sandbox_id)
+    if not btrfs.is_subvolume(rootfs):
+        raise errors.NotFound(f"sandbox {params.sandbox_id} has no root filesystem on this node")
     disk.parent.mkdir(parents=True, exist_ok=True)
-    btrfs.snapshot(ctx.layout.rootfs(params.sandbox_id), disk, readonly=True)
+    btrfs.snapshot(rootfs, disk, readonly=True)
     return {"disk": str(disk)}
 
 
@@ -422,8 +321,8 @@ def sandbox_reset_rootfs(ctx: HelperContext, params: ResetParams, _progress: Pro
     disk = ctx.layout.snapshot(params.sandbox_id, params.snapshot_id)
     if not btrfs.is_subvolume(disk):
         raise errors.NotFound(f"snapshot {params.snapshot_id} of {params.sandbox_id} is not on this node")
-    status = _runtime_status(ctx, params.sandbox_id)
-    if status not in {"absent", "stopped"} or _holder_alive(ctx, params.sandbox_id):
+    if ctx.runtimes.holder_alive(params.sandbox_id):
+        status = ctx.runtimes.status(params.sandbox_id)
         raise errors.InvalidState(
             f"runtime of {params.sandbox_id} is {status}; stop it first", state=status, event="rollback"
         )
@@ -452,7 +351,8 @@ def snapshot_delete(ctx: HelperContext, params: SnapshotParams, _progress: Progr
 
 def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id = params.sandbox_id
-    _stop_runtime(ctx, sandbox_id)
+    ctx.runtimes.stop(sandbox_id)
+    ctx.runtimes.settle(sandbox_id)
     snapshots_dir = ctx.layout.snapshots_root / sandbox_id
     if snapshots_dir.exists():
         for snap in snapshots_dir.iterdir():
@@ -465,51 +365,39 @@ def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progre
         btrfs.delete_subvolume(rootfs)
     shutil.rmtree(ctx.layout.bundle(sandbox_id), ignore_errors=True)
     shutil.rmtree(ctx.layout.run_dir(sandbox_id), ignore_errors=True)
-    _remove_cgroups(sandbox_id)
     return {}
-
-
-def _remove_cgroups(sandbox_id: str) -> None:
-    """runsc removes its cgroups on delete; this sweeps up after a runtime that was killed hard."""
-    base = pathlib.Path("/sys/fs/cgroup")
-    for controller_dir in base.iterdir() if base.exists() else []:
-        leaf = controller_dir / "space" / sandbox_id
-        if leaf.is_dir():
-            with contextlib.suppress(OSError):
-                leaf.rmdir()
 
 
 def sandbox_state(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id = params.sandbox_id
-    exit_path = ctx.layout.run_dir(sandbox_id) / "exit.json"
-    exit_info = json.loads(exit_path.read_text()) if exit_path.exists() else None
     return {
         "sandbox_id": sandbox_id,
         "exists": ctx.layout.bundle(sandbox_id).exists(),
-        "runtime": _runtime_status(ctx, sandbox_id),
-        "holder": _holder_alive(ctx, sandbox_id),
+        "runtime": ctx.runtimes.status(sandbox_id),
+        "holder": ctx.runtimes.holder_alive(sandbox_id),
+        "container": ctx.runtimes.container(sandbox_id),
         "socket": str(ctx.layout.channel_socket(sandbox_id)),
-        "exit": exit_info,
+        "exit": ctx.runtimes.exit_info(sandbox_id),
     }
 
 
-def sandbox_list(ctx: HelperContext, _params: NoParams, _progress: Progress) -> dict[str, Any]:
-    found = []
+def sandbox_list(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:
     root = ctx.layout.sandboxes
-    for entry in sorted(root.iterdir()) if root.exists() else []:
-        found.append(sandbox_state(ctx, SandboxParams(sandbox_id=entry.name), _progress))
-    return {"sandboxes": found}
+    entries = sorted(root.iterdir()) if root.exists() else []
+    return {"sandboxes": [sandbox_state(ctx, SandboxParams(sandbox_id=e.name), progress) for e in entries]}
 
 
 def sandbox_usage(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
-    memory = pathlib.Path("/sys/fs/cgroup/memory/space") / params.sandbox_id / "memory.usage_in_bytes"
-    try:
-        memory_bytes: int | None = int(memory.read_text())
-    except (OSError, ValueError):
-        memory_bytes = None
+    cgroup = ctx.runtimes.cgroup_name(params.sandbox_id)
+    memory_bytes: int | None = None
+    if cgroup is not None:
+        with contextlib.suppress(OSError, ValueError):
+            memory_bytes = int(
+                (pathlib.Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes").read_text()
+            )
     rootfs = ctx.layout.rootfs(params.sandbox_id)
     disk = btrfs.exclusive_bytes(rootfs) if btrfs.is_subvolume(rootfs) else None
-    return {"memory_bytes": memory_bytes, "disk_exclusive_bytes": disk}
+    return {"memory_bytes": memory_bytes, "disk_exclusive_bytes": disk, "cgroup": cgroup}
 
 
 def snapshot_usage(ctx: HelperContext, params: SnapshotParams, _progress: Progress) -> dict[str, Any]:
@@ -519,15 +407,35 @@ def snapshot_usage(ctx: HelperContext, params: SnapshotParams, _progress: Progre
     return {"exclusive_bytes": btrfs.exclusive_bytes(disk), "referenced_bytes": btrfs.referenced_bytes(disk)}
 
 
+def snapshot_list(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
+    """The snapshots on this node's disk, so an agent that restarted can rebuild its records."""
+    found = []
+    root = ctx.layout.snapshots_root / params.sandbox_id
+    for disk in sorted(root.iterdir()) if root.exists() else []:
+        if not btrfs.is_subvolume(disk):
+            continue
+        image = ctx.layout.checkpoint_image(params.sandbox_id, disk.name)
+        image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file()) if image.is_dir() else 0
+        found.append(
+            {
+                "snapshot_id": disk.name,
+                "kind": "full" if image.is_dir() else "disk",
+                "created_at": disk.stat().st_mtime,
+                "image_bytes": image_bytes,
+            }
+        )
+    return {"snapshots": found}
+
+
 def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:
     """Destroy every sandbox and unmount the node's filesystem (tests, `space down --purge`)."""
     destroyed = []
     root = ctx.layout.sandboxes
     for entry in sorted(root.iterdir()) if root.exists() else []:
-        params = SandboxParams(sandbox_id=entry.name)
         with ctx.lock(entry.name):
-            sandbox_destroy(ctx, params, progress)
+            sandbox_destroy(ctx, SandboxParams(sandbox_id=entry.name), progress)
         destroyed.append(entry.name)
+    ctx.runtimes.sweep()
     filesystem.unmount_btrfs(ctx.layout.data_dir)
     return {"destroyed": destroyed}
 
@@ -554,5 +462,6 @@ VERBS: dict[str, Verb] = {
         Verb("sandbox.list", NoParams, sandbox_list),
         Verb("snapshot.delete", SnapshotParams, snapshot_delete, sandbox_scoped=True),
         Verb("snapshot.usage", SnapshotParams, snapshot_usage),
+        Verb("snapshot.list", SandboxParams, snapshot_list),
     )
 }

@@ -1,0 +1,337 @@
+"""Runtime incarnations of sandboxes: holders, runsc containers, their state (root helper only).
+
+A sandbox keeps its id for life, but each boot or restore runs as a new runsc *container* named
+`<sandbox id>-<generation>`. That lets the helper retire the previous container (`runsc delete`, ~30 ms) in
+the background instead of on the critical path of checkpoint, restore and rollback, without ever reusing a
+container id or a cgroup that a retiring container might still remove.
+
+Invariants:
+- `run/<sandbox>/container` names the current container; it is written before the holder is spawned, so a
+  helper restarted at any moment knows which container is current and that all others may be deleted.
+- Each container has its own cgroup `/space/<container id>`; limits are written into the bundle at launch.
+- Status is read from runsc's own state file (sub-millisecond) and cross-checked with the sandbox process'
+  liveness; `runsc state` (a ~30 ms process) is only the fallback for an unreadable file.
+- Every retired container is deleted by `runsc delete --force` in a tracked background thread; `settle()`
+  waits for them, and `sweep()` deletes leftovers of a previous helper (e.g. killed mid-way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from space.core import errors
+from space.node.helper.runsc import Runsc
+from space.node.layout import NodeLayout
+
+SOCKET_WAIT_S = 10.0
+HOLDER_EXIT_WAIT_S = 30.0
+KILL_GRACE_S = 10.0
+LIVE_STATUSES = frozenset({"running", "paused", "created"})
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def log_tail(path: pathlib.Path, lines: int = 5) -> str:
+    try:
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Runtimes:
+    def __init__(self, layout: NodeLayout, runsc: Runsc, owner_uid: int) -> None:
+        self.layout = layout
+        self.runsc = runsc
+        self.owner_uid = owner_uid
+        self._retiring: dict[str, threading.Thread] = {}
+        self._retiring_lock = threading.Lock()
+        self._spare: subprocess.Popen[bytes] | None = None
+        self._spare_lock = threading.Lock()
+
+    # -- naming and state ----------------------------------------------------------------------------------
+    def container(self, sandbox_id: str) -> str | None:
+        try:
+            name = (self.layout.run_dir(sandbox_id) / "container").read_text().strip()
+        except FileNotFoundError:
+            return None
+        return name or None
+
+    def _next_container(self, sandbox_id: str) -> str:
+        current = self.container(sandbox_id)
+        generation = 0
+        if current is not None:
+            with contextlib.suppress(ValueError):
+                generation = int(current.rsplit("-", 1)[1]) + 1
+        return f"{sandbox_id}-{generation}"
+
+    def _state_file(self, container: str) -> pathlib.Path:
+        return self.layout.runsc_root / f"{container}_sandbox:{container}.state"
+
+    def container_state(self, container: str) -> dict[str, Any] | None:
+        try:
+            raw = self._state_file(container).read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            return self.runsc.state(container)  # caught mid-write: ask runsc itself
+        return value if isinstance(value, dict) else None
+
+    def status(self, sandbox_id: str) -> str:
+        """running | paused | created | stopped | absent (runsc knows no current container)."""
+        container = self.container(sandbox_id)
+        state = self.container_state(container) if container else None
+        if state is None:
+            return "absent"
+        status = str(state.get("status", "unknown"))
+        pid = (state.get("sandbox") or {}).get("pid")
+        if status in LIVE_STATUSES and isinstance(pid, int) and pid > 0 and not _pid_alive(pid):
+            return "stopped"
+        return status
+
+    def cgroup_name(self, sandbox_id: str) -> str | None:
+        container = self.container(sandbox_id)
+        return f"space/{container}" if container else None
+
+    def holder_alive(self, sandbox_id: str) -> bool:
+        info_path = self.layout.run_dir(sandbox_id) / "holder.json"
+        if not self.layout.channel_socket(sandbox_id).exists():
+            return False
+        try:
+            pid = int(json.loads(info_path.read_text())["holder_pid"])
+        except (OSError, ValueError, KeyError, json.JSONDecodeError):
+            return False
+        return _pid_alive(pid)
+
+    def exit_info(self, sandbox_id: str) -> dict[str, Any] | None:
+        path = self.layout.run_dir(sandbox_id) / "exit.json"
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    # -- launching -------------------------------------------------------------------------------------------
+    def launch(self, sandbox_id: str, image: pathlib.Path | None = None) -> str:
+        """Start a new incarnation (boot, or restore from `image`); returns the channel socket path."""
+        bundle = self.layout.bundle(sandbox_id)
+        config_path = bundle / "config.json"
+        container = self._next_container(sandbox_id)
+        config = json.loads(config_path.read_text())
+        config["linux"]["cgroupsPath"] = f"/space/{container}"
+        tmp = bundle / "config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=1))
+        tmp.replace(config_path)
+        run_dir = self.layout.run_dir(sandbox_id)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.chmod(0o755)
+        for stale in ("exit.json", "holder.json", "channel.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                (run_dir / stale).unlink()
+        (run_dir / "container").write_text(container)
+        argv = (
+            self.runsc.run_argv(bundle, container)
+            if image is None
+            else self.runsc.restore_argv(bundle, image, container)
+        )
+        return self._spawn_holder(sandbox_id, argv)
+
+    @staticmethod
+    def _start_spare() -> subprocess.Popen[bytes]:
+        src_dir = pathlib.Path(__file__).resolve().parents[3]
+        # -S: the holder needs nothing from site-packages.
+        boot = (
+            f"import sys; sys.path.insert(0, {str(src_dir)!r}); "
+            "from space.node.helper.holder import main; raise SystemExit(main())"
+        )
+        spare = subprocess.Popen(
+            [sys.executable, "-S", "-c", boot, "--spare"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
+        threading.Thread(target=spare.wait, name="reap-holder", daemon=True).start()
+        return spare
+
+    def _take_spare(self) -> subprocess.Popen[bytes]:
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is None or spare.poll() is not None:
+            spare = self._start_spare()
+        threading.Thread(target=self._refill_spare, name="spare-holder", daemon=True).start()
+        return spare
+
+    def prime(self) -> None:
+        """Have a spare holder waiting before the first sandbox is created."""
+        with self._spare_lock:
+            if self._spare is not None and self._spare.poll() is None:
+                return
+        self._refill_spare()
+
+    def _refill_spare(self) -> None:
+        fresh = self._start_spare()
+        with self._spare_lock:
+            if self._spare is None:
+                self._spare = fresh
+                return
+        self._discard(fresh)
+
+    @staticmethod
+    def _discard(spare: subprocess.Popen[bytes]) -> None:
+        if spare.stdin is not None:
+            spare.stdin.close()  # EOF: the spare exits on its own
+
+    def close(self) -> None:
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(spare)
+
+    def _spawn_holder(self, sandbox_id: str, runtime_argv: list[str]) -> str:
+        run_dir = self.layout.run_dir(sandbox_id)
+        socket_path = self.layout.channel_socket(sandbox_id)
+        log_path = run_dir / "runtime.log"
+        holder = self._take_spare()
+        job = {
+            "socket": str(socket_path),
+            "owner_uid": self.owner_uid,
+            "log": str(log_path),
+            "argv": runtime_argv,
+        }
+        assert holder.stdin is not None
+        try:
+            holder.stdin.write(json.dumps(job).encode() + b"\n")
+            holder.stdin.close()
+        except BrokenPipeError as exc:
+            raise errors.RuntimeFailure(f"holder of {sandbox_id} died before its assignment") from exc
+        deadline = time.monotonic() + SOCKET_WAIT_S
+        while not socket_path.exists():
+            if holder.poll() is not None:
+                raise errors.RuntimeFailure(f"holder of {sandbox_id} exited early: {log_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise errors.RuntimeFailure(f"holder of {sandbox_id} did not open its socket")
+            time.sleep(0.001)
+        return str(socket_path)
+
+    # -- control ---------------------------------------------------------------------------------------------
+    def settled_status(self, sandbox_id: str, timeout: float = HOLDER_EXIT_WAIT_S) -> str:
+        """The status once a runtime that is still booting or restoring (holder up, no runsc state yet, or
+        `created`) has come up, so a request right after a launch is not refused as "absent"."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(sandbox_id)
+            if status not in {"absent", "created"} or not self.holder_alive(sandbox_id):
+                return status
+            if time.monotonic() > deadline:
+                return status
+            time.sleep(0.005)
+
+    def require(self, sandbox_id: str, *allowed: str, event: str) -> str:
+        status = self.settled_status(sandbox_id)
+        if status not in allowed:
+            raise errors.InvalidState(f"runtime of {sandbox_id} is {status}", state=status, event=event)
+        container = self.container(sandbox_id)
+        assert container is not None
+        return container
+
+    def wait_holder_exit(self, sandbox_id: str, timeout: float = HOLDER_EXIT_WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while self.holder_alive(sandbox_id):
+            if time.monotonic() > deadline:
+                raise errors.RuntimeFailure(f"runtime of {sandbox_id} did not exit")
+            time.sleep(0.002)
+
+    def stop(self, sandbox_id: str) -> None:
+        """End the current incarnation (idempotent); its container is retired in the background."""
+        status = self.settled_status(sandbox_id)  # a booting runtime is first let up, then stopped
+        container = self.container(sandbox_id)
+        if status == "paused" and container:
+            with contextlib.suppress(errors.RuntimeFailure):
+                self.runsc.resume(container)  # a paused sandbox does not act on SIGKILL until resumed
+        if status in LIVE_STATUSES and container:
+            with contextlib.suppress(errors.RuntimeFailure):
+                self.runsc.kill(container)
+        try:
+            self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
+        except errors.RuntimeFailure:
+            # runsc could not stop it (e.g. its state is damaged): kill the runtime process itself; runsc
+            # runs sandboxes "attached", so the sandbox and gofer die with it.
+            self._kill_runtime_process(sandbox_id)
+            self.wait_holder_exit(sandbox_id)
+        if container:
+            self.retire(container)
+
+    def _kill_runtime_process(self, sandbox_id: str) -> None:
+        info_path = self.layout.run_dir(sandbox_id) / "holder.json"
+        with contextlib.suppress(OSError, ValueError, KeyError, json.JSONDecodeError):
+            os.kill(int(json.loads(info_path.read_text())["runtime_pid"]), signal.SIGKILL)
+
+    def retire(self, container: str) -> None:
+        """Delete a container that no longer runs, off the critical path."""
+        with self._retiring_lock:
+            if container in self._retiring:
+                return
+            thread = threading.Thread(target=self._delete, args=(container,), name=f"retire-{container}")
+            self._retiring[container] = thread
+        thread.start()
+
+    def _delete(self, container: str) -> None:
+        try:
+            if self.container_state(container) is not None:
+                self.runsc.delete(container)
+        except errors.RuntimeFailure:
+            pass
+        finally:
+            _remove_cgroup_dirs(container)
+            with self._retiring_lock:
+                self._retiring.pop(container, None)
+
+    def settle(self, sandbox_id: str | None = None) -> None:
+        """Wait until retired containers (of one sandbox, or all) are deleted."""
+        with self._retiring_lock:
+            threads = [t for c, t in self._retiring.items() if sandbox_id is None or c.startswith(sandbox_id)]
+        for thread in threads:
+            thread.join(60)
+
+    def sweep(self) -> list[str]:
+        """Delete every container that is not the current one of a sandbox (leftovers of a killed helper)."""
+        removed = []
+        root = self.layout.runsc_root
+        for state_file in sorted(root.glob("*_sandbox:*.state")) if root.exists() else []:
+            container = state_file.name.split("_sandbox:", 1)[0]
+            sandbox_id = container.rsplit("-", 1)[0]
+            if self.container(sandbox_id) == container and self.status(sandbox_id) in LIVE_STATUSES:
+                continue
+            if self.container(sandbox_id) == container and self.holder_alive(sandbox_id):
+                continue
+            self.retire(container)
+            removed.append(container)
+        self.settle()
+        return removed
+
+
+def _remove_cgroup_dirs(container: str) -> None:
+    """runsc removes its cgroups on delete; this sweeps up after a runtime that was killed hard."""
+    base = pathlib.Path("/sys/fs/cgroup")
+    for controller_dir in base.iterdir() if base.exists() else []:
+        leaf = controller_dir / "space" / container
+        if leaf.is_dir():
+            with contextlib.suppress(OSError):
+                leaf.rmdir()
