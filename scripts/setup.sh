@@ -8,7 +8,7 @@ STAMP_DIR=${SPACE_SETUP_STAMPS:-/var/lib/space-setup}
 mkdir -p "$STAMP_DIR"
 
 APT_PACKAGES=(btrfs-progs iproute2 nftables debootstrap util-linux procps psmisc ca-certificates
-              python3 python3-venv cpio busybox-static)
+              python3 python3-venv cpio busybox-static postgresql)
 
 need_apt=0
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -1,0 +1,188 @@
+"""`space sandbox ...` and `space snapshot ...`."""
+
+from typing import Annotated, Any
+
+import typer
+
+from space.cli._common import client, fields, handles_errors, parse_pairs, print_json, progress, table
+from space.sdk import Sandbox, Snapshot
+
+sandbox_app = typer.Typer(help="Create, inspect and drive sandboxes.", no_args_is_help=True)
+snapshot_app = typer.Typer(help="Disk snapshots and full checkpoints of a sandbox.", no_args_is_help=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+SandboxId = Annotated[str, typer.Argument(metavar="ID", help="The sandbox id (sb-…).")]
+
+
+def _summary_rows(sandboxes: list[Sandbox]) -> list[list[Any]]:
+    return [
+        [sb.id, sb.state, sb.data.get("template"), sb.data.get("node_id"), sb.data.get("created_at")]
+        for sb in sandboxes
+    ]
+
+
+def _state_line(sb: Sandbox, as_json: bool) -> None:
+    if as_json:
+        print_json(sb.data)
+    else:
+        typer.echo(f"{sb.id} {sb.state}")
+
+
+@sandbox_app.command("create")
+@handles_errors
+def create(  # noqa: PLR0917
+    template: Annotated[str, typer.Option("--template", "-t", help="Template to start from.")] = "python",
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", metavar="K=V", help="Environment variable (repeat).")
+    ] = None,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option("--allow", metavar="DOMAIN_OR_CIDR", help="Allow egress to a domain or CIDR (repeat)."),
+    ] = None,
+    credential: Annotated[
+        list[str] | None,
+        typer.Option("--credential", metavar="NAME", help="Bind a stored credential (repeat)."),
+    ] = None,
+    cpus: Annotated[float | None, typer.Option("--cpus", help="CPU limit.")] = None,
+    memory_mb: Annotated[int | None, typer.Option("--memory-mb", help="Memory limit in MiB.")] = None,
+    disk_mb: Annotated[int | None, typer.Option("--disk-mb", help="Disk limit in MiB.")] = None,
+    idle_timeout_s: Annotated[
+        int | None, typer.Option("--idle-timeout", help="Pause after this many idle seconds.")
+    ] = None,
+    ttl_s: Annotated[int | None, typer.Option("--ttl", help="Delete after this many seconds.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Create a sandbox and wait until it runs; prints its id."""
+    env_vars = parse_pairs(env, "--env")
+    limits: dict[str, Any] = {}
+    if cpus is not None:
+        limits["cpus"] = cpus
+    if memory_mb is not None:
+        limits["memory_mb"] = memory_mb
+    if disk_mb is not None:
+        limits["disk_mb"] = disk_mb
+    sp = client()
+    with progress(f"creating a sandbox from template {template}…"):
+        sb = sp.sandboxes.create(
+            template=template,
+            env=env_vars,
+            limits=limits or None,
+            idle_timeout_s=idle_timeout_s,
+            ttl_s=ttl_s,
+            allow=allow,
+            credentials=credential,
+        )
+    if as_json:
+        print_json(sb.data)
+    else:
+        typer.echo(sb.id)
+
+
+@sandbox_app.command("list")
+@handles_errors
+def list_(as_json: JsonFlag = False) -> None:
+    """List the sandboxes of the key's project."""
+    sandboxes = client().sandboxes.list()
+    if as_json:
+        print_json([sb.data for sb in sandboxes])
+        return
+    table(_summary_rows(sandboxes), ["ID", "STATE", "TEMPLATE", "NODE", "CREATED"])
+
+
+@sandbox_app.command("get")
+@handles_errors
+def get(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
+    """Show one sandbox."""
+    sb = client().sandboxes.get(sandbox_id)
+    if as_json:
+        print_json(sb.data)
+    else:
+        fields(sb.data)
+
+
+def _lifecycle(action: str, doc: str, message: str | None = None) -> None:
+    @handles_errors
+    def command(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
+        sb = client().sandboxes.ref(sandbox_id)
+        with progress(message or f"{action} {sandbox_id}…"):
+            sb = getattr(sb, action)()
+        _state_line(sb, as_json)
+
+    command.__doc__ = doc
+    command.__name__ = action
+    sandbox_app.command(action)(command)
+
+
+_lifecycle("pause", "Pause a running sandbox (processes frozen, memory kept).", "pausing…")
+_lifecycle("resume", "Resume a paused sandbox.", "resuming…")
+_lifecycle("stop", "Stop a sandbox: processes end, the disk is kept.", "stopping…")
+_lifecycle("start", "Start a stopped sandbox.", "starting…")
+_lifecycle("suspend", "Suspend a sandbox to object storage, freeing its node.", "suspending…")
+_lifecycle("restore", "Restore a suspended sandbox onto a node.", "restoring…")
+_lifecycle("delete", "Delete a sandbox.", "deleting…")
+
+
+@sandbox_app.command("fork")
+@handles_errors
+def fork(
+    sandbox_id: SandboxId,
+    count: Annotated[int, typer.Option("--count", "-n", min=1, help="How many children.")] = 1,
+    as_json: JsonFlag = False,
+) -> None:
+    """Fork a sandbox (processes and files); prints the child's id (one per line with --count)."""
+    parent = client().sandboxes.ref(sandbox_id)
+    with progress(f"forking {sandbox_id}…"):
+        children = parent.fork(count=count)
+    if as_json:
+        print_json(children[0].data if count == 1 else [child.data for child in children])
+        return
+    for child in children:
+        typer.echo(child.id)
+
+
+@sandbox_app.command("rollback")
+@handles_errors
+def rollback(
+    sandbox_id: SandboxId,
+    snapshot_id: Annotated[str, typer.Argument(metavar="SNAPSHOT_ID", help="The snapshot (snap-…).")],
+    as_json: JsonFlag = False,
+) -> None:
+    """Roll a sandbox back to one of its snapshots."""
+    sb = client().sandboxes.ref(sandbox_id)
+    with progress(f"rolling {sandbox_id} back to {snapshot_id}…"):
+        sb.rollback(snapshot_id)
+    _state_line(sb, as_json)
+
+
+def _snapshot_rows(snapshots: list[Snapshot]) -> list[list[Any]]:
+    return [[s.id, s.kind, s.data.get("created_at"), s.data.get("size_bytes")] for s in snapshots]
+
+
+@snapshot_app.command("create")
+@handles_errors
+def snapshot_create(
+    sandbox_id: SandboxId,
+    full: Annotated[
+        bool, typer.Option("--full", help="A full checkpoint (processes and memory too).")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Snapshot a sandbox; prints the snapshot's id."""
+    sb = client().sandboxes.ref(sandbox_id)
+    with progress("checkpointing…" if full else "snapshotting…"):
+        snap = sb.snapshots.create(full=full)
+    if as_json:
+        print_json(snap.data)
+    else:
+        typer.echo(snap.id)
+
+
+@snapshot_app.command("list")
+@handles_errors
+def snapshot_list(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
+    """List a sandbox's snapshots."""
+    snapshots = client().sandboxes.ref(sandbox_id).snapshots.list()
+    if as_json:
+        print_json([s.data for s in snapshots])
+        return
+    table(_snapshot_rows(snapshots), ["ID", "KIND", "CREATED", "SIZE"])

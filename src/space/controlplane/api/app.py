@@ -1,0 +1,732 @@
+"""The public API gateway (FastAPI): authentication, authorization, desired state, and the data-plane relay.
+
+Invariants:
+- Lifecycle routes only *record desired state* (after checking the transition table allows the request,
+  so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
+  they never call a node themselves.
+- A key sees only its project's sandboxes: another project's sandbox is a 404 exactly like a missing one.
+- Mutations with an `Idempotency-Key` run once per (key id, Idempotency-Key); replays (also concurrent ones)
+  get the first answer; the same key with another body is a 409.
+- The data plane is relayed to the sandbox's node as a stream in both directions (no whole-file buffering);
+  a paused sandbox is resumed first, and every relayed request counts as activity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response, WebSocket
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from space.controlplane.api import errors as api_errors
+from space.controlplane.nodes import NodePool
+from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
+from space.controlplane.store.store import Store
+from space.core import errors
+from space.core.ids import parse_sandbox_id, parse_snapshot_id
+from space.core.lifecycle import Event, State, transition
+from space.core.settings import SandboxLimits
+
+log = logging.getLogger(__name__)
+
+WAIT_TIMEOUT_S = 120.0
+MAX_UPLOAD_BYTES = 8 << 30
+
+
+# -- request bodies ------------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateSandbox(_Body):
+    template: str = "python"
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: SandboxLimits | None = None
+    idle_timeout_s: int | None = Field(default=None, gt=0)
+    ttl_s: int | None = Field(default=None, gt=0)
+    wait: bool = True
+    allow: list[str] = Field(default_factory=list)
+    credentials: list[str] = Field(default_factory=list)
+
+
+class ForkBody(_Body):
+    count: int = Field(default=1, ge=1, le=100)
+
+
+class RollbackBody(_Body):
+    snapshot_id: str
+
+
+class SnapshotBody(_Body):
+    full: bool = False
+
+
+class ProjectBody(_Body):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class KeyBody(_Body):
+    project: str
+    role: Literal["admin", "member", "read-only"] = "member"
+
+
+# -- principals ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Principal:
+    key: ApiKeyRecord
+    project_id: str
+
+    @property
+    def role(self) -> str:
+        return self.key.role
+
+    def require(self, needed: Literal["read-only", "member", "admin"]) -> None:
+        order = {"read-only": 0, "member": 1, "admin": 2}
+        if order[self.role] < order[needed]:
+            raise errors.PermissionDenied(f"a {self.role} key may not do this (needs {needed})")
+
+
+@dataclass
+class Services:
+    store: Store
+    nodes: NodePool
+    reconciler: Reconciler
+    node_token: str
+    registry: CollectorRegistry
+    requests: Counter
+    latency: Histogram
+
+
+def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
+    return {
+        "id": sb.id,
+        "project_id": sb.project_id,
+        "template": sb.template,
+        "state": sb.state.value,
+        "desired_state": sb.desired_state.value,
+        "generation": sb.generation,
+        "node_id": sb.node_id,
+        "env": sb.env,
+        "limits": sb.limits.model_dump(),
+        "idle_timeout_s": sb.idle_timeout_s,
+        "ttl_s": sb.ttl_s,
+        "created_at": sb.created_at.isoformat(),
+        "updated_at": sb.updated_at.isoformat(),
+        "last_activity_at": sb.last_activity_at.isoformat(),
+        "error": sb.error,
+        "forked_from": sb.forked_from,
+    }
+
+
+def snapshot_view(snap: SnapshotRecord) -> dict[str, Any]:
+    return {
+        "id": snap.id,
+        "sandbox_id": snap.sandbox_id,
+        "kind": snap.kind,
+        "state": snap.state,
+        "created_at": snap.created_at.isoformat(),
+        "size_bytes": snap.size_bytes,
+        "location": "node",
+        "node_id": snap.node_id,
+    }
+
+
+def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) -> FastAPI:
+    registry = CollectorRegistry()
+    services = Services(
+        store=store,
+        nodes=NodePool(store, node_token),
+        reconciler=Reconciler(store, NodePool(store, node_token)),
+        node_token=node_token,
+        registry=registry,
+        requests=Counter("space_api_requests", "API requests", ["route", "status"], registry=registry),
+        latency=Histogram("space_api_latency_seconds", "API latency", ["route"], registry=registry),
+    )
+
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        background: list[asyncio.Task[None]] = []
+        if run_reconciler:
+            services.reconciler.start()
+            background.append(asyncio.create_task(_housekeeping(services), name="housekeeping"))
+        yield
+        for task in background:
+            task.cancel()
+        await services.reconciler.stop()
+        await services.nodes.aclose()
+        await services.reconciler.nodes.aclose()
+
+    app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
+    app.state.services = services
+    api_errors.install(app)
+
+    @app.middleware("http")
+    async def _metrics(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        name = getattr(route, "path", "unmatched")
+        services.requests.labels(name, str(response.status_code)).inc()
+        services.latency.labels(name).observe(time.perf_counter() - started)
+        return response
+
+    @app.get("/healthz", include_in_schema=False)
+    async def _health() -> dict[str, Any]:
+        await asyncio.to_thread(store.ping)
+        return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def _metrics_route() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(_public_router(services), prefix="/v1")
+    app.include_router(_node_router(services), prefix="/v1/nodes")
+    return app
+
+
+async def _housekeeping(services: Services) -> None:
+    """Idle sandboxes get paused, lost nodes get marked, orphans on nodes get removed."""
+    store = services.store
+    while True:
+        await asyncio.sleep(1.0)
+        try:
+            now = store.now()
+            for node in await asyncio.to_thread(store.list_nodes, "ready"):
+                for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
+                    idle = (now - sb.last_activity_at).total_seconds()
+                    if (
+                        sb.idle_timeout_s
+                        and sb.state == State.RUNNING
+                        and sb.desired_state == State.RUNNING
+                        and idle > sb.idle_timeout_s
+                    ):
+                        await asyncio.to_thread(store.set_desired, sb.id, State.PAUSED, sb.generation)
+                        services.reconciler.poke()
+            await asyncio.to_thread(store.mark_lost, 15.0)
+            await services.reconciler.collect_orphans()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("housekeeping round failed")
+
+
+# -- authentication ------------------------------------------------------------------------------------------
+def _services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+async def principal(
+    request: Request,
+    authorization: Annotated[str | None, Header()] = None,
+    x_space_project: Annotated[str | None, Header()] = None,
+) -> Principal:
+    services = _services(request)
+    if not authorization or not authorization.startswith("Bearer "):
+        raise errors.Unauthenticated("missing API key (Authorization: Bearer <key>)")
+    key = await asyncio.to_thread(services.store.authenticate, authorization.removeprefix("Bearer ").strip())
+    if key is None:
+        raise errors.Unauthenticated("unknown or revoked API key")
+    project_id = key.project_id
+    if project_id is None:
+        # An org-level key acts in the project named by X-Space-Project, else the org's "default" project.
+        name = x_space_project or "default"
+        project = await asyncio.to_thread(services.store.get_project_by_name, key.org_id, name)
+        if project is None and name.startswith("prj-"):
+            project = await asyncio.to_thread(services.store.get_project, name)
+            if project is not None and project.org_id != key.org_id:
+                project = None
+        if project is None:
+            raise errors.NotFound(f"project {name!r} not found")
+        project_id = project.id
+    return Principal(key, project_id)
+
+
+Auth = Annotated[Principal, Depends(principal)]
+
+
+async def _sandbox(services: Services, who: Principal, sandbox_id: str) -> SandboxRecord:
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+    sb = await asyncio.to_thread(services.store.get_sandbox, who.project_id, sandbox_id)
+    if sb is None or sb.state == State.DELETED:
+        raise errors.NotFound(f"sandbox {sandbox_id} not found")
+    return sb
+
+
+async def _wait_settled(
+    services: Services, sandbox_id: str, timeout: float = WAIT_TIMEOUT_S
+) -> SandboxRecord:
+    """Until the reconciler has made state == desired_state (or gave up)."""
+    services.reconciler.poke()
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        sb = await asyncio.to_thread(services.store.load_sandbox, sandbox_id)
+        if sb is None:
+            raise errors.NotFound(f"sandbox {sandbox_id} not found")
+        if sb.state == sb.desired_state:
+            return sb
+        if sb.state == State.FAILED or sb.error_permanent:
+            raise errors.RuntimeFailure(
+                f"sandbox {sandbox_id} could not reach '{sb.desired_state}': {sb.error}", state=sb.state.value
+            )
+        if time.monotonic() > deadline:
+            raise errors.Timeout(f"sandbox {sandbox_id} did not reach '{sb.desired_state}' in {timeout:.0f}s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.1)
+
+
+# -- idempotency ---------------------------------------------------------------------------------------------
+async def _idempotent(
+    services: Services,
+    who: Principal,
+    key: str | None,
+    request_fingerprint: str,
+    work: Callable[[], Awaitable[tuple[int, Any]]],
+) -> JSONResponse:
+    if not key:
+        status, body = await work()
+        return JSONResponse(body, status_code=status)
+    scope = who.key.id
+    digest = hashlib.sha256(request_fingerprint.encode()).hexdigest()
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while True:
+        begun = await asyncio.to_thread(
+            services.store.begin_idempotent, scope, key, digest, stale_after_s=300.0
+        )
+        if begun.outcome == "replay":
+            return JSONResponse(begun.body, status_code=int(begun.status_code or 200))
+        if begun.outcome == "new":
+            break
+        if time.monotonic() > deadline:
+            raise errors.Conflict("a request with this Idempotency-Key is still in progress", key=key)
+        await asyncio.sleep(0.05)  # a concurrent twin is working: wait for its answer
+    try:
+        status, body = await work()
+    except errors.SpaceError as exc:
+        status, body = api_errors.status_for(exc), api_errors.error_body(exc.code, exc.message, exc.details)
+        if status >= 500:
+            await asyncio.to_thread(services.store.abandon_idempotent, scope, key)
+            raise
+    except BaseException:
+        await asyncio.to_thread(services.store.abandon_idempotent, scope, key)
+        raise
+    await asyncio.to_thread(services.store.finish_idempotent, scope, key, status, body)
+    return JSONResponse(body, status_code=status)
+
+
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=128)]
+
+
+# -- public routes -------------------------------------------------------------------------------------------
+def _public_router(services: Services) -> APIRouter:
+    r = APIRouter()
+    store = services.store
+
+    @r.post("/sandboxes", status_code=201)
+    async def create_sandbox(body: CreateSandbox, who: Auth, idem: IdempotencyKey = None) -> JSONResponse:
+        who.require("member")
+        if body.allow or body.credentials:
+            raise errors.InvalidArgument(
+                "egress policies and credentials are not available yet", field="allow"
+            )
+
+        async def work() -> tuple[int, Any]:
+            sb = await asyncio.to_thread(
+                store.create_sandbox,
+                who.project_id,
+                body.template,
+                body.env,
+                body.limits,
+                idle_timeout_s=body.idle_timeout_s,
+                ttl_s=body.ttl_s,
+            )
+            if body.wait:
+                sb = await _wait_settled(services, sb.id)
+            else:
+                services.reconciler.poke()
+            return 201, sandbox_view(sb)
+
+        return await _idempotent(services, who, idem, f"POST /sandboxes {body.model_dump_json()}", work)
+
+    @r.get("/sandboxes")
+    async def list_sandboxes(who: Auth) -> dict[str, Any]:
+        rows = await asyncio.to_thread(store.list_sandboxes, who.project_id)
+        return {"sandboxes": [sandbox_view(sb) for sb in rows]}
+
+    @r.get("/sandboxes/{sandbox_id}")
+    async def get_sandbox(sandbox_id: str, who: Auth) -> dict[str, Any]:
+        return sandbox_view(await _sandbox(services, who, sandbox_id))
+
+    @r.delete("/sandboxes/{sandbox_id}", status_code=202)
+    async def delete_sandbox(
+        sandbox_id: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
+    ) -> JSONResponse:
+        who.require("member")
+        sb = await _sandbox(services, who, sandbox_id)
+
+        async def work() -> tuple[int, Any]:
+            updated = await asyncio.to_thread(store.set_desired, sb.id, State.DELETED)
+            if wait:
+                updated = await _wait_settled(services, sb.id)
+            services.reconciler.poke()
+            return 202, sandbox_view(updated)
+
+        return await _idempotent(services, who, idem, f"DELETE /sandboxes/{sandbox_id}", work)
+
+    @r.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+    async def create_snapshot(sandbox_id: str, body: SnapshotBody, who: Auth) -> dict[str, Any]:
+        who.require("member")
+        sb = await _running(services, who, sandbox_id)
+        node = services.nodes.client(_node_id(sb))
+        info = await node.create_snapshot(sb.id, full=body.full)
+        snap = await asyncio.to_thread(
+            store.create_snapshot, sb.id, "full" if body.full else "disk", node_id=sb.node_id,
+            snapshot_id=info.snapshot_id,
+        )  # fmt: skip
+        snap = await asyncio.to_thread(store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
+        return snapshot_view(snap)
+
+    @r.get("/sandboxes/{sandbox_id}/snapshots")
+    async def list_snapshots(sandbox_id: str, who: Auth) -> dict[str, Any]:
+        sb = await _sandbox(services, who, sandbox_id)
+        rows = await asyncio.to_thread(store.list_snapshots, sb.id)
+        return {"snapshots": [snapshot_view(s) for s in rows]}
+
+    @r.post("/sandboxes/{sandbox_id}/rollback")
+    async def rollback(sandbox_id: str, body: RollbackBody, who: Auth) -> dict[str, Any]:
+        who.require("member")
+        parse_snapshot_id(body.snapshot_id, field="snapshot_id")
+        sb = await _sandbox(services, who, sandbox_id)
+        snap = await asyncio.to_thread(store.get_snapshot, body.snapshot_id, project_id=who.project_id)
+        if snap is None or snap.sandbox_id != sb.id:
+            raise errors.NotFound(f"snapshot {body.snapshot_id} of sandbox {sandbox_id} not found")
+        sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLBACK)
+        try:
+            await services.nodes.client(_node_id(sb)).rollback(sb.id, snap.id)
+        except errors.SpaceError:
+            await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.FAIL)
+            raise
+        sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK)
+        if sb.desired_state != State.RUNNING:
+            sb = await asyncio.to_thread(store.set_desired, sb.id, State.RUNNING)
+        return sandbox_view(sb)
+
+    @r.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+    async def fork(sandbox_id: str, body: ForkBody, who: Auth) -> dict[str, Any]:
+        who.require("member")
+        sb = await _running(services, who, sandbox_id)
+        node_id = _node_id(sb)
+        observed = await services.nodes.client(node_id).fork(sb.id, count=body.count)
+        children = []
+        for child in observed:
+            record = await asyncio.to_thread(
+                store.create_sandbox, who.project_id, sb.template, sb.env, sb.limits,
+                idle_timeout_s=sb.idle_timeout_s, ttl_s=sb.ttl_s, forked_from=sb.id, sandbox_id=child.id,
+            )  # fmt: skip
+            record = await asyncio.to_thread(store.transition, record.id, record.state, record.generation,
+                                             Event.FORK, node_id=node_id)  # fmt: skip
+            record = await asyncio.to_thread(
+                store.transition, record.id, record.state, record.generation, Event.CREATED
+            )
+            children.append(sandbox_view(record))
+        return {"sandboxes": children}
+
+    @r.post("/projects", status_code=201)
+    async def create_project(body: ProjectBody, who: Auth) -> dict[str, Any]:
+        if who.key.project_id is not None or who.role != "admin":
+            raise errors.PermissionDenied("only an organization admin key may create projects")
+        project = await asyncio.to_thread(store.create_project, who.key.org_id, body.name)
+        return {"id": project.id, "name": project.name, "org_id": project.org_id}
+
+    @r.get("/projects")
+    async def list_projects(who: Auth) -> dict[str, Any]:
+        projects = await asyncio.to_thread(store.list_projects, who.key.org_id)
+        if who.key.project_id is not None:
+            projects = [p for p in projects if p.id == who.key.project_id]
+        return {"projects": [{"id": p.id, "name": p.name, "org_id": p.org_id} for p in projects]}
+
+    @r.post("/keys", status_code=201)
+    async def create_key(body: KeyBody, who: Auth) -> dict[str, Any]:
+        who.require("admin")
+        project = await asyncio.to_thread(store.get_project_by_name, who.key.org_id, body.project)
+        if project is None and body.project.startswith("prj-"):
+            project = await asyncio.to_thread(store.get_project, body.project)
+        if project is None or project.org_id != who.key.org_id:
+            raise errors.NotFound(f"project {body.project!r} not found")
+        if who.key.project_id not in (None, project.id):
+            raise errors.NotFound(f"project {body.project!r} not found")
+        record, secret = await asyncio.to_thread(store.create_api_key, project.id, who.key.org_id, body.role)
+        return {"id": record.id, "key": secret, "project_id": project.id, "role": record.role}
+
+    @r.delete("/keys/{key_id}", status_code=204)
+    async def revoke_key(key_id: str, who: Auth) -> Response:
+        who.require("admin")
+        await asyncio.to_thread(
+            store.revoke_key, key_id, org_id=who.key.org_id, project_id=who.key.project_id
+        )
+        return Response(status_code=204)
+
+    _data_plane_routes(r, services)
+    # Last: the generic /{action} route would otherwise shadow /exec, /fork, /snapshots and /rollback.
+    lifecycle_targets: dict[str, tuple[Event, State]] = {
+        "pause": (Event.PAUSE, State.PAUSED),
+        "resume": (Event.RESUME, State.RUNNING),
+        "stop": (Event.STOP, State.STOPPED),
+        "start": (Event.START, State.RUNNING),
+    }
+
+    @r.post("/sandboxes/{sandbox_id}/{action}")
+    async def lifecycle_action(
+        sandbox_id: str, action: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
+    ) -> JSONResponse:
+        who.require("member")
+        if action in {"suspend", "restore"}:
+            raise errors.InvalidArgument(
+                f"'{action}' needs object storage, which this control plane does not have yet", action=action
+            )
+        if action not in lifecycle_targets:
+            raise errors.NotFound(f"no action {action!r}")
+        event, target = lifecycle_targets[action]
+        sb = await _sandbox(services, who, sandbox_id)
+
+        async def work() -> tuple[int, Any]:
+            current = await asyncio.to_thread(store.load_sandbox, sb.id)
+            assert current is not None
+            if current.desired_state != target:
+                # The table decides on the state the user sees; an already-wished request is a no-op.
+                transition(current.state, event)
+                current = await asyncio.to_thread(store.set_desired, sb.id, target, current.generation)
+            if wait:
+                return 200, sandbox_view(await _wait_settled(services, sb.id))
+            services.reconciler.poke()
+            return 202, sandbox_view(current)
+
+        return await _idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/{action}", work)
+
+    return r
+
+
+def _node_id(sb: SandboxRecord) -> str:
+    if sb.node_id is None:
+        raise errors.InvalidState(
+            f"sandbox {sb.id} is not on a node (state '{sb.state}')", state=sb.state.value
+        )
+    return sb.node_id
+
+
+async def _running(services: Services, who: Principal, sandbox_id: str) -> SandboxRecord:
+    """The sandbox, running: a paused one is resumed first (transparently), others are refused by state."""
+    sb = await _sandbox(services, who, sandbox_id)
+    if sb.state == State.RUNNING and sb.desired_state == State.RUNNING:
+        return sb
+    if sb.state in {State.PAUSED, State.PAUSING, State.RESUMING} or (
+        sb.state == State.RUNNING and sb.desired_state == State.PAUSED
+    ):
+        if sb.desired_state != State.RUNNING:
+            await asyncio.to_thread(services.store.set_desired, sb.id, State.RUNNING)
+        return await _wait_settled(services, sb.id)
+    if sb.state in {State.PENDING, State.CREATING, State.STARTING} and sb.desired_state == State.RUNNING:
+        return await _wait_settled(services, sb.id)
+    raise errors.InvalidState(f"sandbox {sandbox_id} is '{sb.state}', not running", state=sb.state.value)
+
+
+# -- data plane relay ----------------------------------------------------------------------------------------
+HOP_HEADERS = {
+    "authorization",
+    "host",
+    "content-length",
+    "connection",
+    "transfer-encoding",
+    "idempotency-key",
+}
+
+
+def _data_plane_routes(r: APIRouter, services: Services) -> None:
+    async def relay(
+        request: Request, who: Principal, sandbox_id: str, subpath: str, *, mutating: bool
+    ) -> Response:
+        who.require("member" if mutating else "read-only")
+        sb = await _running(services, who, sandbox_id)
+        await asyncio.to_thread(services.store.record_activity, sb.id)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_UPLOAD_BYTES:
+            raise errors.TooLarge(f"upload of {length} bytes exceeds {MAX_UPLOAD_BYTES}")
+        node = services.nodes.client(_node_id(sb))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        has_body = request.method in {"POST", "PUT"}
+        upstream = await node.proxy_stream(
+            request.method,
+            f"/sandboxes/{sb.id}/{subpath}".rstrip("/"),
+            params=request.query_params,
+            content=_limited(request.stream()) if has_body else None,
+            headers=headers,
+        )
+        return StreamingResponse(
+            upstream.body(),
+            status_code=upstream.status_code,
+            media_type=upstream.media_type,
+            background=None,
+        )
+
+    async def _limited(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        total = 0
+        async for chunk in chunks:
+            total += len(chunk)
+            if total > MAX_UPLOAD_BYTES:
+                raise errors.TooLarge(f"upload exceeds {MAX_UPLOAD_BYTES} bytes")
+            yield chunk
+
+    @r.post("/sandboxes/{sandbox_id}/exec")
+    async def exec_(sandbox_id: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "exec", mutating=True)
+
+    @r.api_route("/sandboxes/{sandbox_id}/processes", methods=["GET", "POST"])
+    async def processes(sandbox_id: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "processes", mutating=request.method == "POST")
+
+    @r.api_route("/sandboxes/{sandbox_id}/processes/{rest:path}", methods=["GET", "POST"])
+    async def process_item(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, f"processes/{rest}", mutating=request.method == "POST")
+
+    @r.api_route("/sandboxes/{sandbox_id}/files", methods=["GET", "PUT", "DELETE"])
+    async def files(sandbox_id: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "files", mutating=request.method != "GET")
+
+    @r.api_route("/sandboxes/{sandbox_id}/files/{rest:path}", methods=["GET", "POST"])
+    async def files_item(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, f"files/{rest}", mutating=request.method == "POST")
+
+    @r.websocket("/sandboxes/{sandbox_id}/pty")
+    async def pty(websocket: WebSocket, sandbox_id: str) -> None:
+        await _relay_pty(websocket, services, sandbox_id)
+
+
+async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) -> None:
+    """PTY over WebSocket: authenticate like any request, then pump frames both ways to the node."""
+    from websockets.exceptions import ConnectionClosed
+
+    auth = websocket.headers.get("authorization")
+    try:
+        request_like = type("R", (), {"app": websocket.app})()
+        who = await principal(request_like, auth, websocket.headers.get("x-space-project"))
+        who.require("member")
+        sb = await _running(services, who, sandbox_id)
+    except errors.SpaceError as exc:
+        await websocket.close(
+            code=4000 + min(api_errors.status_for(exc), 999) % 1000, reason=exc.message[:120]
+        )
+        return
+    await websocket.accept()
+    node = services.nodes.client(_node_id(sb))
+    params = dict(websocket.query_params)
+    async with node.pty(
+        sb.id,
+        rows=int(params.get("rows", 24)),
+        cols=int(params.get("cols", 80)),
+        cmd=params.get("cmd", "/bin/bash"),
+    ) as upstream:
+
+        async def client_to_node() -> None:
+            while True:
+                message = await websocket.receive()
+                if message.get("type") == "websocket.disconnect":
+                    await upstream.close()
+                    return
+                if message.get("bytes") is not None:
+                    await upstream.send(message["bytes"])
+                elif message.get("text") is not None:
+                    await upstream.send(message["text"])
+
+        async def node_to_client() -> None:
+            try:
+                async for data in upstream:
+                    if isinstance(data, bytes):
+                        await websocket.send_bytes(data)
+                    else:
+                        await websocket.send_text(data)
+            except ConnectionClosed:
+                pass
+            await websocket.close()
+
+        tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
+        _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise errors.InvalidArgument(f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise errors.InvalidArgument("body must be a JSON object")
+    return body
+
+
+def _capacity(raw: dict[str, Any]) -> dict[str, Any]:
+    memory_mb = int(raw.get("memory_mb", 0))
+    return {"cpus": float(raw.get("cpus", 0)), "memory_mb": memory_mb, "sandboxes": max(1, memory_mb // 64)}
+
+
+# -- node registration ---------------------------------------------------------------------------------------
+def _node_router(services: Services) -> APIRouter:
+    r = APIRouter(include_in_schema=False)
+    store = services.store
+
+    def check_node_token(authorization: str | None) -> None:
+        presented = (authorization or "").removeprefix("Bearer ").strip()
+        if not presented or not hmac.compare_digest(presented, services.node_token):
+            raise errors.Unauthenticated("bad node token")
+
+    @r.post("/register")
+    async def register(
+        request: Request, authorization: Annotated[str | None, Header()] = None
+    ) -> dict[str, Any]:
+        check_node_token(authorization)
+        body = await _json_object(request)
+        node = await asyncio.to_thread(
+            store.register_node, str(body.get("url", "")), str(body.get("token", "")),
+            capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
+        )  # fmt: skip
+        return {"node_id": node.id}
+
+    @r.post("/{node_id}/heartbeat")
+    async def heartbeat(
+        node_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
+    ) -> dict[str, Any]:
+        check_node_token(authorization)
+        beat = await _json_object(request)
+        info = beat.get("info") or beat  # older agents nest capacity and use under "info"
+        node = await asyncio.to_thread(store.get_node, node_id)
+        if node is None:
+            raise errors.NotFound(f"node {node_id} not registered")
+        capacity = _capacity(info.get("capacity") or {})
+        templates = list(info.get("templates") or [])
+        if node.capacity != capacity:
+            await asyncio.to_thread(
+                store.register_node, node.url, services.node_token, capacity=capacity, templates=templates
+            )
+        used = dict(info.get("used") or {})
+        used["sandboxes"] = int(info.get("sandbox_count", len(beat.get("sandboxes") or [])))
+        activity = {}
+        for item in beat.get("sandboxes") or []:
+            at = item.get("last_activity_at")
+            if at:
+                activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
+        await asyncio.to_thread(store.heartbeat, node_id, used=used, templates=templates, activity=activity)
+        return {"ok": True}
+
+    return r

@@ -1,0 +1,81 @@
+"""The one map from typed errors to HTTP statuses, and the error body every response uses.
+
+Invariants:
+- Every error leaving the API is `{"error": {"code", "message", "details"}}` with a stable code.
+- The status of each error class is decided here and nowhere else.
+- Unexpected exceptions become a 500 `internal` whose message names no internals; they are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from space.core import errors
+
+log = logging.getLogger(__name__)
+
+STATUS_BY_CODE: dict[str, int] = {
+    errors.InvalidArgument.code: 400,
+    errors.Unauthenticated.code: 401,
+    errors.PermissionDenied.code: 403,
+    errors.NotFound.code: 404,
+    errors.InvalidState.code: 409,
+    errors.Conflict.code: 409,
+    errors.AlreadyExists.code: 409,
+    errors.TooLarge.code: 413,
+    errors.ResourceExhausted.code: 429,
+    errors.Timeout.code: 504,
+    errors.Unavailable.code: 503,
+    errors.ChannelError.code: 502,
+    errors.GuestError.code: 502,
+    errors.RuntimeFailure.code: 502,
+    errors.Internal.code: 500,
+}
+
+
+def status_for(exc: errors.SpaceError) -> int:
+    return STATUS_BY_CODE.get(exc.code, 500)
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, "details": details or {}}}
+
+
+def error_response(exc: errors.SpaceError) -> JSONResponse:
+    return JSONResponse(error_body(exc.code, exc.message, exc.details), status_code=status_for(exc))
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(errors.SpaceError)
+    async def _space_error(_request: Request, exc: errors.SpaceError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        fields = [
+            ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+            for err in exc.errors()
+        ]
+        message = "; ".join(
+            f"{field or '(body)'}: {err.get('msg', 'invalid')}"
+            for field, err in zip(fields, exc.errors(), strict=True)
+        )
+        return JSONResponse(error_body("validation_error", message, {"fields": fields}), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 401: "unauthenticated"}.get(
+            exc.status_code, "http_error"
+        )
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body("internal", "internal error"), status_code=500)

@@ -1,0 +1,199 @@
+"""One whole SPACE installation on this machine: root helper, node agent (as the `space` user) and control
+plane, each its own process, with SQLite and the node's btrfs image under one data directory.
+
+Used by `space up`, the end-to-end tests and the API benchmark.
+
+Invariants:
+- Secrets live in the data directory with mode 0600: the cluster node token (readable by the agent's user)
+  and the bootstrap admin key (root only). The admin key is created once and reused by later starts.
+- `stop(purge=True)` leaves nothing: every sandbox destroyed, the btrfs image unmounted, every process gone.
+- Start-up is idempotent: a data directory from an earlier run (sandboxes included) is adopted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import pwd
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from space.controlplane.store.engine import sqlite_url
+from space.controlplane.store.migrate import migrate
+from space.controlplane.store.store import Store
+from space.core import errors
+from space.node.local import LocalNode
+
+AGENT_USER = "space"
+READY_TIMEOUT_S = 600.0
+Progress = Callable[[str], None]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _secret_file(path: pathlib.Path, make: Callable[[], str], owner_uid: int = 0) -> str:
+    if path.exists():
+        return path.read_text().strip()
+    value = make()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+    os.chown(path, owner_uid, -1)
+    return value
+
+
+@dataclass
+class LocalCluster:
+    data_dir: pathlib.Path
+    port: int = 8470
+    node_port: int = 0
+    agent_user: str = AGENT_USER
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    api_key: str = ""
+    node: LocalNode | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _agent_uid(self) -> tuple[int, int]:
+        try:
+            entry = pwd.getpwnam(self.agent_user)
+        except KeyError:
+            return 0, 0  # no such user: the agent runs as root (development machines without `make setup`)
+        return entry.pw_uid, entry.pw_gid
+
+    def _spawn(self, name: str, argv: list[str], *, user: tuple[int, int] | None = None) -> None:
+        log = open(self.data_dir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
+        src = pathlib.Path(__file__).resolve().parents[2]
+        env["PYTHONPATH"] = str(src)
+        if user is not None and user[0] != 0:
+            argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
+            env["HOME"] = "/"
+        self.processes[name] = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+        )
+        log.close()
+
+    def bootstrap_admin_key(self) -> str:
+        """The org admin key of this installation: created with the org and its default project once."""
+        store = Store(sqlite_url(self.data_dir))
+        try:
+            key_file = self.data_dir / "admin.key"
+            if key_file.exists():
+                return key_file.read_text().strip()
+            org = store.get_org_by_name("default") or store.create_org("default")
+            if store.get_project_by_name(org.id, "default") is None:
+                store.create_project(org.id, "default")
+            _record, secret = store.create_api_key(None, org.id, "admin")
+            return _secret_file(key_file, lambda: secret)
+        finally:
+            store.close()
+
+    def start(self, progress: Progress = lambda _line: None) -> None:
+        if os.geteuid() != 0:
+            raise errors.PermissionDenied("`space up` starts the node's root helper: run it as root")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o755)  # noqa: S103 - the agent user must reach its sockets in here
+        uid, gid = self._agent_uid()
+        node_token = _secret_file(
+            self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid
+        )
+        progress("starting the node helper (root) and preparing storage and the python template")
+        self.node = LocalNode(self.data_dir, agent_user=uid)
+        self.node.start_helper()
+        assert self.node.helper_process is not None
+        self.processes["helper"] = self.node.helper_process
+        _prepare_node(self.node, progress)
+        progress("migrating the database")
+        migrate(sqlite_url(self.data_dir))
+        self.api_key = self.bootstrap_admin_key()
+        progress(f"starting the control plane on {self.url}")
+        self._spawn(
+            "controlplane",
+            [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(self.data_dir),
+             "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token")],
+        )  # fmt: skip
+        self.node_port = self.node_port or free_port()
+        progress(f"starting the node agent as user '{self.agent_user}' on 127.0.0.1:{self.node_port}")
+        self._spawn(
+            "agent",
+            [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
+             "--listen", f"127.0.0.1:{self.node_port}", "--token-file", str(self.data_dir / "node.token"),
+             "--control-plane", self.url, "--no-prepare"],
+            user=(uid, gid),
+        )  # fmt: skip
+        del node_token
+        self.wait_ready(progress)
+
+    def wait_ready(self, progress: Progress) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        while time.monotonic() < deadline:
+            for name, proc in self.processes.items():
+                if proc.poll() is not None:
+                    tail = (self.data_dir / f"{name}.log").read_text(errors="replace")[-2000:]
+                    raise errors.RuntimeFailure(f"{name} exited during start-up:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                health = httpx.get(f"{self.url}/healthz", timeout=2.0)
+                if health.status_code == 200 and self._node_ready(headers):
+                    progress("ready")
+                    return
+            time.sleep(0.2)
+        raise errors.Timeout("SPACE did not become ready in time")
+
+    def _node_ready(self, _headers: dict[str, str]) -> bool:
+        store = Store(sqlite_url(self.data_dir))
+        try:
+            return any(node.capacity for node in store.list_nodes("ready"))
+        finally:
+            store.close()
+
+    def stop(self, *, purge: bool = False) -> None:
+        """Stop the control plane and the agent (sandboxes keep running unless purge), then the helper."""
+        for name in ("controlplane", "agent"):
+            proc = self.processes.pop(name, None)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.processes.pop("helper", None)
+        if self.node is not None:
+            import asyncio
+
+            asyncio.run(self.node.stop(purge=purge))
+        elif purge:
+            raise errors.InvalidArgument("nothing to purge: this cluster was not started here")
+
+
+def _prepare_node(node: LocalNode, progress: Progress) -> None:
+    import asyncio
+
+    from space.node.agent.helper_client import HelperClient
+
+    async def prepare() -> None:
+        helper = HelperClient(str(node.layout.helper_socket))
+        try:
+            await helper.call("node.prepare", progress=progress, timeout=600.0)
+            await helper.call("template.ensure", {"name": "python"}, progress=progress, timeout=1800.0)
+        finally:
+            await helper.close()
+
+    asyncio.run(prepare())

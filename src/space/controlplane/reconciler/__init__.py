@@ -1,0 +1,1 @@
+"""The reconciler: observed state toward desired state."""

@@ -1,0 +1,60 @@
+"""The control plane's state store (SQLite embedded, PostgreSQL shared); see store.py for invariants.
+
+The only package of SPACE that imports SQLAlchemy: everything else uses `Store` and its records.
+"""
+
+from space.controlplane.store.engine import make_engine, sqlite_url
+from space.controlplane.store.migrate import head_revision, migrate
+from space.controlplane.store.records import (
+    ApiKeyRecord,
+    IdempotencyRecordView,
+    IdempotentBegin,
+    NodeRecord,
+    NodeStatus,
+    OrgRecord,
+    ProjectRecord,
+    Role,
+    SandboxRecord,
+    SnapshotKind,
+    SnapshotRecord,
+    SnapshotState,
+)
+from space.controlplane.store.store import (
+    DESIRABLE_STATES,
+    OBSERVED_FIELDS,
+    TRANSITION_FIELDS,
+    Clock,
+    Store,
+    hash_request,
+    hash_secret,
+    open_store,
+    utcnow,
+)
+
+__all__ = [
+    "DESIRABLE_STATES",
+    "OBSERVED_FIELDS",
+    "TRANSITION_FIELDS",
+    "ApiKeyRecord",
+    "Clock",
+    "IdempotencyRecordView",
+    "IdempotentBegin",
+    "NodeRecord",
+    "NodeStatus",
+    "OrgRecord",
+    "ProjectRecord",
+    "Role",
+    "SandboxRecord",
+    "SnapshotKind",
+    "SnapshotRecord",
+    "SnapshotState",
+    "Store",
+    "hash_request",
+    "hash_secret",
+    "head_revision",
+    "make_engine",
+    "migrate",
+    "open_store",
+    "sqlite_url",
+    "utcnow",
+]

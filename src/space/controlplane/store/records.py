@@ -1,0 +1,131 @@
+"""What the store hands out: frozen, detached snapshots of rows.
+
+Invariants:
+- A record is a value read inside one committed transaction; changing the database goes through Store
+  methods only (there is no "save" on a record), so nobody mutates a detached ORM object and expects it
+  to be persisted.
+- Sandbox states are `space.core.lifecycle.State` values, limits are `SandboxLimits`; a row that does not
+  parse is a bug and fails loudly on read rather than reaching the API.
+- No record carries a secret: API keys and node tokens expose only their hash/prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from space.core.lifecycle import State
+from space.core.settings import SandboxLimits
+
+Role = Literal["admin", "member", "read-only"]
+NodeStatus = Literal["ready", "lost", "draining"]
+SnapshotKind = Literal["disk", "full"]
+SnapshotState = Literal["creating", "ready", "deleting"]
+
+
+@dataclass(frozen=True, slots=True)
+class OrgRecord:
+    id: str
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ProjectRecord:
+    id: str
+    org_id: str
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    id: str
+    project_id: str | None  # None: an org-level key
+    org_id: str
+    role: Role
+    prefix: str  # the first characters of the secret, for display ("space_ab12…")
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    id: str
+    url: str
+    capacity: dict[str, Any]  # {"cpus": float, "memory_mb": int, "sandboxes": int}
+    used: dict[str, Any]
+    templates: list[str]
+    labels: dict[str, str]
+    status: NodeStatus
+    last_heartbeat_at: datetime
+    registered_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxRecord:
+    id: str
+    project_id: str
+    template: str
+    env: dict[str, str]
+    limits: SandboxLimits
+    state: State
+    desired_state: State
+    generation: int
+    node_id: str | None
+    forked_from: str | None
+    fork_snapshot_id: str | None
+    idle_timeout_s: int | None
+    ttl_s: int | None
+    expires_at: datetime | None
+    last_activity_at: datetime
+    error: str | None
+    error_permanent: bool
+    attempts: int
+    next_attempt_at: datetime
+    lease_owner: str | None
+    lease_until: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    deleted_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    id: str
+    sandbox_id: str
+    kind: SnapshotKind
+    state: SnapshotState
+    node_id: str | None
+    size_bytes: int | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyRecordView:
+    scope: str
+    key: str
+    request_hash: str
+    status_code: int | None  # None while the first request is still in progress
+    response_body: Any
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentBegin:
+    """The answer of Store.begin_idempotent.
+
+    - outcome "new": this caller owns the key; do the work, then finish_idempotent (or abandon_idempotent).
+    - outcome "replay": the work was done; answer `status_code` and `body` again.
+    - outcome "in_progress": another request with this key is running; answer 409 (retry later).
+    """
+
+    outcome: Literal["new", "replay", "in_progress"]
+    record: IdempotencyRecordView
+    status_code: int | None = None
+    body: Any = None

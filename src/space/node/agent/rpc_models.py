@@ -1,0 +1,331 @@
+"""Request and response models of the node RPC (control plane / gateway -> node agent).
+
+Invariants:
+- Request models reject unknown fields and take numbers strictly, like space.core.settings: a typo in a
+  reconciler's body is a 422 naming the field, never a silently ignored key.
+- Data-plane shapes are those of the public data plane in docs/api.md, so the gateway can relay bodies
+  without translating them; fields the daemon adds (stat entries, process entries) pass through as dicts.
+- Times are Unix seconds (float) on this API; the control plane formats them for its own clients.
+- These models are shared by the server (space.node.agent.server) and the client (space.node.rpc_client),
+  so both sides agree on the wire format by construction.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
+from space.core.settings import SandboxLimits
+
+_REQUEST = ConfigDict(extra="forbid")
+# Answers may grow fields; an older client must keep working against a newer node.
+_ANSWER = ConfigDict(extra="allow")
+
+LifecycleAction = Literal["pause", "resume", "stop", "start"]
+SnapshotKind = Literal["disk", "full"]
+
+
+# -- lifecycle -------------------------------------------------------------------------------------------
+class CreateSandboxRequest(BaseModel):
+    model_config = _REQUEST
+
+    template: str = Field(default="python", pattern=f"^{TEMPLATE_NAME_PATTERN}$")
+    env: dict[str, str] = Field(default_factory=dict)
+    limits: SandboxLimits | None = None
+
+
+class SnapshotRequest(BaseModel):
+    model_config = _REQUEST
+
+    full: bool = Field(default=False, strict=True)
+
+
+class RollbackRequest(BaseModel):
+    model_config = _REQUEST
+
+    snapshot_id: str = Field(pattern=f"^{SNAPSHOT_ID_PATTERN}$")
+
+
+class ForkRequest(BaseModel):
+    """`child_ids` lets the control plane choose the children's ids, which makes a repeated fork idempotent
+    (children that already exist are returned as they are); without it the node picks fresh ids."""
+
+    model_config = _REQUEST
+
+    count: int = Field(default=1, ge=1, le=100, strict=True)
+    snapshot_id: str | None = Field(default=None, pattern=f"^{SNAPSHOT_ID_PATTERN}$")
+    child_ids: list[str] | None = None
+
+    @field_validator("child_ids")
+    @classmethod
+    def _valid_ids(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        for item in value:
+            if re.fullmatch(SANDBOX_ID_PATTERN, item) is None:
+                raise ValueError(f"{item!r} is not a sandbox id")
+        if len(set(value)) != len(value):
+            raise ValueError("child_ids must be distinct")
+        return value
+
+    @model_validator(mode="after")
+    def _count_matches(self) -> ForkRequest:
+        if self.child_ids is not None and len(self.child_ids) != self.count:
+            raise ValueError("child_ids must hold exactly `count` ids")
+        return self
+
+
+class SnapshotInfo(BaseModel):
+    model_config = _ANSWER
+
+    snapshot_id: str
+    sandbox_id: str
+    kind: SnapshotKind
+    created_at: float
+    image_bytes: int = 0
+
+
+class SnapshotList(BaseModel):
+    model_config = _ANSWER
+
+    snapshots: list[SnapshotInfo]
+
+
+class SandboxObserved(BaseModel):
+    """What the node sees of one sandbox, for the reconciler and the heartbeat.
+
+    `state` is the node's lifecycle state; `runtime` what the driver reports (running, paused, stopped,
+    created, absent; None when the driver could not be asked); `channel_open` whether the agent holds a
+    working channel to the daemon. `last_activity_at` is the newest data-plane request the node served
+    for it; `guest` is the daemon's sys.info answer (running sandboxes only, None otherwise).
+    """
+
+    model_config = _ANSWER
+
+    id: str
+    state: str
+    template: str
+    limits: SandboxLimits
+    created_at: float
+    runtime: str | None = None
+    exists: bool = True
+    channel_open: bool = False
+    last_activity_at: float | None = None
+    guest: dict[str, Any] | None = None
+    snapshots: list[SnapshotInfo] = Field(default_factory=list)
+
+
+class SandboxList(BaseModel):
+    """`unmanaged`: ids the driver still holds something for that the agent does not manage (leftovers of
+    a step that failed half-way); DELETE /node/v1/sandboxes/{id} removes them."""
+
+    model_config = _ANSWER
+
+    sandboxes: list[SandboxObserved]
+    unmanaged: list[str] = Field(default_factory=list)
+
+
+class DeleteResult(BaseModel):
+    model_config = _ANSWER
+
+    id: str
+    state: Literal["deleted"] = "deleted"
+    existed: bool
+
+
+class Resources(BaseModel):
+    model_config = _ANSWER
+
+    cpus: float
+    memory_mb: int
+
+
+class NodeInfo(BaseModel):
+    model_config = _ANSWER
+
+    driver: str
+    isolating: bool
+    capacity: Resources
+    used: Resources
+    sandbox_count: int
+    templates: list[str]
+    time: float
+
+
+# -- data plane ------------------------------------------------------------------------------------------
+class _Command(BaseModel):
+    model_config = _REQUEST
+
+    cmd: str | None = None
+    argv: list[str] | None = Field(default=None, min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | int | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_command(self) -> _Command:
+        if (self.cmd is None) == (self.argv is None):
+            raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
+        return self
+
+    @property
+    def command(self) -> str | list[str]:
+        return self.cmd if self.cmd is not None else list(self.argv or [])
+
+
+class ExecRequest(_Command):
+    stdin_b64: str | None = None
+    stream: bool = False
+
+    @field_validator("stdin_b64")
+    @classmethod
+    def _base64(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError("stdin_b64 must be standard base64") from exc
+        return value
+
+    @property
+    def stdin(self) -> bytes | None:
+        return None if self.stdin_b64 is None else base64.b64decode(self.stdin_b64)
+
+
+class ExecResponse(BaseModel):
+    model_config = _ANSWER
+
+    exit_code: int | None
+    stdout_b64: str
+    stderr_b64: str
+    stdout: str
+    stderr: str
+    process_id: str
+    timed_out: bool
+    signal: int | None = None
+
+    @property
+    def stdout_bytes(self) -> bytes:
+        return base64.b64decode(self.stdout_b64)
+
+    @property
+    def stderr_bytes(self) -> bytes:
+        return base64.b64decode(self.stderr_b64)
+
+
+class PtySize(BaseModel):
+    model_config = _REQUEST
+
+    rows: int = Field(default=24, ge=1, le=1000, strict=True)
+    cols: int = Field(default=80, ge=1, le=1000, strict=True)
+
+
+class ProcessStartRequest(_Command):
+    """A background process. `stdin: true` keeps a pipe open for POST …/stdin (a PTY always has one)."""
+
+    tag: str | None = None
+    pty: PtySize | None = None
+    stdin: bool = False
+
+
+class ProcessStarted(BaseModel):
+    model_config = _ANSWER
+
+    process_id: str
+    pid: int | None = None
+
+
+class ProcessList(BaseModel):
+    model_config = _ANSWER
+
+    processes: list[dict[str, Any]]
+
+
+class SignalRequest(BaseModel):
+    model_config = _REQUEST
+
+    signal: str | int = "SIGTERM"
+
+
+class ResizeRequest(BaseModel):
+    model_config = _REQUEST
+
+    rows: int = Field(ge=1, le=1000, strict=True)
+    cols: int = Field(ge=1, le=1000, strict=True)
+
+
+class StdinWritten(BaseModel):
+    model_config = _ANSWER
+
+    written: int
+
+
+class FileWritten(BaseModel):
+    model_config = _ANSWER
+
+    size: int
+
+
+class FileList(BaseModel):
+    model_config = _ANSWER
+
+    entries: list[dict[str, Any]]
+
+
+class MkdirRequest(BaseModel):
+    model_config = _REQUEST
+
+    path: str = Field(min_length=1)
+    parents: bool = True
+    mode: int = Field(default=0o755, ge=0, le=0o7777, strict=True)
+
+
+class RenameRequest(BaseModel):
+    model_config = _REQUEST
+
+    src: str = Field(min_length=1)
+    dst: str = Field(min_length=1)
+
+
+# -- node -> control plane ---------------------------------------------------------------------------------
+class RegisterRequest(BaseModel):
+    """POST {control plane}/v1/nodes/register (Authorization: Bearer <node token>); the answer must carry
+    the node's id as "node_id" (or "id"). Registering again (after a restart) is expected to be idempotent
+    by url. `token` is the token the control plane must present on this node's RPC."""
+
+    model_config = _ANSWER
+
+    url: str
+    token: str
+    capacity: Resources
+    templates: list[str]
+    driver: str
+    isolating: bool
+
+
+class Heartbeat(BaseModel):
+    """POST {control plane}/v1/nodes/{node_id}/heartbeat every 2 s (Authorization: Bearer <node token>); a
+    401/404 answer makes the node register again. `activity` maps sandbox id -> last data-plane activity
+    (Unix seconds) for the sandboxes that had any; `sandboxes` is the observed state of each, without the
+    daemon's sys.info (polling every daemon every 2 s would count as their activity)."""
+
+    model_config = _ANSWER
+
+    node_id: str
+    url: str
+    driver: str
+    isolating: bool
+    capacity: Resources
+    used: Resources
+    sandbox_count: int
+    templates: list[str]
+    time: float
+    activity: dict[str, float]
+    sandboxes: list[SandboxObserved]
+    unmanaged: list[str] = Field(default_factory=list)

@@ -1,0 +1,487 @@
+"""NodeClient: the control plane's (and gateway's) async client of one node agent's RPC.
+
+Invariants:
+- Every failure is a space.core error: an error answer is rebuilt with `errors.error_from_dict` (same code,
+  message, details; e.g. InvalidState keeps `.state`), a node that cannot be reached is Unavailable, a
+  request that runs out of time is Timeout, a stream that breaks off is Unavailable. Nothing else escapes.
+- Streams are never buffered whole: file bodies go out from an async iterable and come back as an async
+  iterator of chunks; NDJSON answers come back as an async iterator of dicts, and an error line at the end
+  of a stream raises the typed error it carries.
+- `proxy_stream` is for the gateway: it relays a request body and hands back the response body as an
+  iterator of raw chunks, so a public request can be passed through without holding it in memory.
+- The lifecycle calls are as idempotent as the node makes them (see space.node.agent.server): retrying one
+  after a timeout or a crash is always safe; `fork` and `create_snapshot` take an idempotency key (or, for
+  fork, the children's ids) to make their retries safe too.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from websockets.asyncio.client import connect as ws_connect
+
+from space.core import errors
+from space.core.settings import SandboxLimits
+from space.node.agent import rpc_models as rm
+
+API_PREFIX = "/node/v1"
+DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+# Streams (exec, attach, watch, file bodies) may legitimately stay quiet or last for hours.
+STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
+
+Body = bytes | AsyncIterable[bytes]
+
+
+def _seg(value: str) -> str:
+    """One path segment: ids are validated by the node, but nothing here may add a '/' or a '?'."""
+    return quote(value, safe="")
+
+
+@contextlib.contextmanager
+def _translated(what: str) -> Iterator[None]:
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise errors.Timeout(f"node RPC {what} timed out: {exc}") from exc
+    except (httpx.TransportError, httpx.StreamError) as exc:
+        raise errors.Unavailable(f"node RPC {what} failed: {exc!r}") from exc
+
+
+def error_from_response(status: int, body: bytes) -> errors.SpaceError:
+    """The typed error of a node's error answer (or a best guess when the body is not ours)."""
+    try:
+        payload = json.loads(body)
+        error = payload["error"]
+        if isinstance(error, dict) and "code" in error:
+            return errors.error_from_dict(error)
+    except (ValueError, KeyError, TypeError):
+        pass
+    text = body[:300].decode("utf-8", "replace")
+    if status in {502, 503, 504}:
+        return errors.Unavailable(f"node answered {status}: {text}")
+    return errors.Internal(f"node answered {status} without an error body: {text}")
+
+
+async def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        raise error_from_response(response.status_code, await response.aread())
+
+
+@dataclass
+class ProxiedResponse:
+    """An open node response for the gateway to relay: iterate `body()` (which closes it at the end) or
+    call `aclose()`; e.g. `StreamingResponse(p.body(), p.status_code, media_type=p.media_type)`."""
+
+    response: httpx.Response
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self.response.headers
+
+    @property
+    def media_type(self) -> str | None:
+        value: str | None = self.response.headers.get("content-type")
+        return value
+
+    async def body(self) -> AsyncIterator[bytes]:
+        try:
+            with _translated("relay"):
+                async for chunk in self.response.aiter_raw():
+                    yield chunk
+        finally:
+            await self.response.aclose()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+
+class NodeClient:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url + API_PREFIX,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> NodeClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()
+
+    # -- plumbing --------------------------------------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        content: Body | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> Any:
+        with _translated(f"{method} {path}"):
+            kwargs: dict[str, Any] = {"params": _params(params), "headers": dict(headers or {})}
+            if json_body is not None:
+                kwargs["json"] = json_body
+            if content is not None:
+                kwargs["content"] = content
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+            response = await self._http.request(method, path, **kwargs)
+            await _raise_for_error(response)
+            if response.status_code == 204 or not response.content:
+                return {}
+            return response.json()
+
+    async def _lines(
+        self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json_body: Any = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        with _translated(f"{method} {path}"):
+            async with self._http.stream(
+                method, path, params=_params(params), json=json_body, timeout=STREAM_TIMEOUT
+            ) as response:
+                await _raise_for_error(response)
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    item = json.loads(line)
+                    if item.get("type") == "error" and isinstance(item.get("error"), dict):
+                        raise errors.error_from_dict(item["error"])
+                    yield item
+
+    # -- node ------------------------------------------------------------------------------------------------
+    async def info(self) -> rm.NodeInfo:
+        return rm.NodeInfo.model_validate(await self._request("GET", "/info"))
+
+    async def list_sandboxes(self, *, guest: bool = True) -> rm.SandboxList:
+        answer = await self._request("GET", "/sandboxes", params={"guest": guest})
+        return rm.SandboxList.model_validate(answer)
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    async def get_sandbox(self, sandbox_id: str) -> rm.SandboxObserved:
+        return rm.SandboxObserved.model_validate(await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}"))
+
+    async def create_sandbox(
+        self,
+        sandbox_id: str,
+        *,
+        template: str = "python",
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | Mapping[str, Any] | None = None,
+    ) -> tuple[rm.SandboxObserved, bool]:
+        """Create the sandbox with this id, or get it as it is if it exists; (observed, created)."""
+        body: dict[str, Any] = {"template": template, "env": dict(env or {})}
+        if limits is not None:
+            body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
+        path = f"/sandboxes/{_seg(sandbox_id)}"
+        with _translated(f"PUT {path}"):
+            response = await self._http.put(path, json=body)
+            await _raise_for_error(response)
+        return rm.SandboxObserved.model_validate(response.json()), response.status_code == 201
+
+    async def action(self, sandbox_id: str, action: rm.LifecycleAction) -> rm.SandboxObserved:
+        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/{action}")
+        return rm.SandboxObserved.model_validate(answer)
+
+    async def pause(self, sandbox_id: str) -> rm.SandboxObserved:
+        return await self.action(sandbox_id, "pause")
+
+    async def resume(self, sandbox_id: str) -> rm.SandboxObserved:
+        return await self.action(sandbox_id, "resume")
+
+    async def stop(self, sandbox_id: str) -> rm.SandboxObserved:
+        return await self.action(sandbox_id, "stop")
+
+    async def start(self, sandbox_id: str) -> rm.SandboxObserved:
+        return await self.action(sandbox_id, "start")
+
+    async def delete_sandbox(self, sandbox_id: str) -> rm.DeleteResult:
+        return rm.DeleteResult.model_validate(await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}"))
+
+    async def create_snapshot(
+        self, sandbox_id: str, *, full: bool = False, idempotency_key: str | None = None
+    ) -> rm.SnapshotInfo:
+        answer = await self._request(
+            "POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json_body={"full": full},
+            headers=_idempotency(idempotency_key),
+        )  # fmt: skip
+        return rm.SnapshotInfo.model_validate(answer)
+
+    async def list_snapshots(self, sandbox_id: str) -> list[rm.SnapshotInfo]:
+        answer = await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}/snapshots")
+        return rm.SnapshotList.model_validate(answer).snapshots
+
+    async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}/snapshots/{_seg(snapshot_id)}")
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str) -> rm.SandboxObserved:
+        answer = await self._request(
+            "POST", f"/sandboxes/{_seg(sandbox_id)}/rollback", json_body={"snapshot_id": snapshot_id}
+        )
+        return rm.SandboxObserved.model_validate(answer)
+
+    async def fork(
+        self,
+        sandbox_id: str,
+        *,
+        count: int = 1,
+        snapshot_id: str | None = None,
+        child_ids: Sequence[str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> list[rm.SandboxObserved]:
+        body: dict[str, Any] = {"count": count}
+        if snapshot_id is not None:
+            body["snapshot_id"] = snapshot_id
+        if child_ids is not None:
+            body["child_ids"] = list(child_ids)
+        answer = await self._request(
+            "POST",
+            f"/sandboxes/{_seg(sandbox_id)}/fork",
+            json_body=body,
+            headers=_idempotency(idempotency_key),
+        )
+        return rm.SandboxList.model_validate(answer).sandboxes
+
+    # -- data plane: processes -------------------------------------------------------------------------------
+    async def exec(
+        self,
+        sandbox_id: str,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> rm.ExecResponse:
+        body = _command(command, env, cwd, user, timeout) | _stdin(stdin)
+        answer = await self._request(
+            "POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body, timeout=STREAM_TIMEOUT
+        )
+        return rm.ExecResponse.model_validate(answer)
+
+    async def exec_stream(
+        self,
+        sandbox_id: str,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events: started, stdout/stderr (data_b64), then exit."""
+        body = _command(command, env, cwd, user, timeout) | _stdin(stdin) | {"stream": True}
+        async for item in self._lines("POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body):
+            yield item
+
+    async def start_process(
+        self,
+        sandbox_id: str,
+        command: str | Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | int | None = None,
+        timeout: float | None = None,
+        tag: str | None = None,
+        pty: tuple[int, int] | None = None,
+        stdin: bool = False,
+    ) -> rm.ProcessStarted:
+        body = _command(command, env, cwd, user, timeout) | {"stdin": stdin}
+        if tag is not None:
+            body["tag"] = tag
+        if pty is not None:
+            body["pty"] = {"rows": pty[0], "cols": pty[1]}
+        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/processes", json_body=body)
+        return rm.ProcessStarted.model_validate(answer)
+
+    async def list_processes(self, sandbox_id: str) -> list[dict[str, Any]]:
+        answer = await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}/processes")
+        return rm.ProcessList.model_validate(answer).processes
+
+    async def attach(
+        self, sandbox_id: str, process_id: str, *, offset: int = 0, follow: bool = True
+    ) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events: attached {offset, truncated}, stdout/stderr, then exit (end if not following)."""
+        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/output"
+        async for item in self._lines("GET", path, params={"offset": offset, "follow": follow}):
+            yield item
+
+    async def write_stdin(self, sandbox_id: str, process_id: str, data: Body, *, eof: bool = False) -> int:
+        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/stdin"
+        answer = await self._request("POST", path, params={"eof": eof}, content=data, timeout=STREAM_TIMEOUT)
+        return int(answer["written"])
+
+    async def signal(self, sandbox_id: str, process_id: str, signal: str | int = "SIGTERM") -> None:
+        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/signal"
+        await self._request("POST", path, json_body={"signal": signal})
+
+    async def resize(self, sandbox_id: str, process_id: str, rows: int, cols: int) -> None:
+        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/resize"
+        await self._request("POST", path, json_body={"rows": rows, "cols": cols})
+
+    def pty(self, sandbox_id: str, *, rows: int = 24, cols: int = 80, cmd: str = "/bin/bash") -> ws_connect:
+        """`async with client.pty(id) as ws:` — send bytes (input) or {"resize": [rows, cols]} as text;
+        receive bytes (output) and text events ({"type": "started"|"exit"|"error", ...})."""
+        base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        query = httpx.QueryParams({"rows": rows, "cols": cols, "cmd": cmd})
+        return ws_connect(
+            f"{base}{API_PREFIX}/sandboxes/{_seg(sandbox_id)}/pty?{query}",
+            additional_headers={"Authorization": f"Bearer {self._token}"},
+            max_size=None,
+        )
+
+    # -- data plane: files -----------------------------------------------------------------------------------
+    async def write_file(
+        self, sandbox_id: str, path: str, data: Body, *, mode: int | None = None, append: bool = False
+    ) -> int:
+        params: dict[str, Any] = {"path": path, "append": append}
+        if mode is not None:
+            params["mode"] = mode
+        answer = await self._request(
+            "PUT", f"/sandboxes/{_seg(sandbox_id)}/files", params=params, content=data,
+            headers={"Content-Type": "application/octet-stream"}, timeout=STREAM_TIMEOUT,
+        )  # fmt: skip
+        return int(answer["size"])
+
+    async def read_file_stream(
+        self, sandbox_id: str, path: str, *, offset: int = 0, length: int | None = None
+    ) -> AsyncIterator[bytes]:
+        params: dict[str, Any] = {"path": path, "offset": offset}
+        if length is not None:
+            params["length"] = length
+        url = f"/sandboxes/{_seg(sandbox_id)}/files"
+        with _translated(f"GET {url}"):
+            async with self._http.stream("GET", url, params=params, timeout=STREAM_TIMEOUT) as response:
+                await _raise_for_error(response)
+                async for chunk in response.aiter_raw():
+                    yield chunk
+
+    async def read_file(
+        self, sandbox_id: str, path: str, *, offset: int = 0, length: int | None = None
+    ) -> bytes:
+        buf = bytearray()
+        async for chunk in self.read_file_stream(sandbox_id, path, offset=offset, length=length):
+            buf.extend(chunk)
+        return bytes(buf)
+
+    async def list_files(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
+        answer = await self._request(
+            "GET", f"/sandboxes/{_seg(sandbox_id)}/files/list", params={"path": path}
+        )
+        return rm.FileList.model_validate(answer).entries
+
+    async def stat(self, sandbox_id: str, path: str) -> dict[str, Any]:
+        answer: dict[str, Any] = await self._request(
+            "GET", f"/sandboxes/{_seg(sandbox_id)}/files/stat", params={"path": path}
+        )
+        return answer
+
+    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
+        body = {"path": path, "parents": parents, "mode": mode}
+        await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/files/mkdir", json_body=body)
+
+    async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        params = {"path": path, "recursive": recursive}
+        await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}/files", params=params)
+
+    async def rename(self, sandbox_id: str, src: str, dst: str) -> None:
+        body = {"src": src, "dst": dst}
+        await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/files/rename", json_body=body)
+
+    async def watch(
+        self, sandbox_id: str, path: str, *, recursive: bool = False
+    ) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events: {"type": "watching"} once the watch is in place, then {"type": "changes"}."""
+        params = {"path": path, "recursive": recursive}
+        async for item in self._lines("GET", f"/sandboxes/{_seg(sandbox_id)}/files/watch", params=params):
+            yield item
+
+    # -- gateway relay ---------------------------------------------------------------------------------------
+    async def proxy_stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | httpx.QueryParams | None = None,
+        content: Body | None = None,
+        headers: Mapping[str, str] | None = None,
+        raise_errors: bool = True,
+    ) -> ProxiedResponse:
+        """Send `method path` (relative to /node/v1, e.g. f"/sandboxes/{id}/files") with `content` streamed
+        from an async iterable (e.g. a Starlette `request.stream()`), and return the open response for
+        relaying. With `raise_errors`, an error answer is read (it is small) and raised as its typed error."""
+        request = self._http.build_request(
+            method, path, params=params if isinstance(params, httpx.QueryParams) else _params(params),
+            content=content, headers=dict(headers or {}), timeout=STREAM_TIMEOUT,
+        )  # fmt: skip
+        with _translated(f"{method} {path}"):
+            response = await self._http.send(request, stream=True)
+            if raise_errors and response.status_code >= 400:
+                try:
+                    await _raise_for_error(response)
+                finally:
+                    await response.aclose()
+        return ProxiedResponse(response)
+
+
+def _params(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Query values as the server parses them (booleans as true/false, not Python's True/False)."""
+    if params is None:
+        return None
+    return {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items() if v is not None}
+
+
+def _idempotency(key: str | None) -> dict[str, str]:
+    return {"Idempotency-Key": key} if key is not None else {}
+
+
+def _command(
+    command: str | Sequence[str],
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | int | None,
+    timeout: float | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
+    if timeout is not None:
+        body["timeout"] = timeout
+    return body
+
+
+def _stdin(stdin: bytes | None) -> dict[str, Any]:
+    return {} if stdin is None else {"stdin_b64": base64.b64encode(stdin).decode()}

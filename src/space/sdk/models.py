@@ -1,0 +1,332 @@
+"""Plain result objects and the request bodies shared by the sync and async clients (no I/O here).
+
+Invariants:
+- Results keep the server's raw dict in `.data`, so fields the SDK does not know yet are never lost.
+- Bytes on the wire travel as base64 (`*_b64`); results expose raw bytes and utf-8 text decoded with
+  replacement, never raising on undecodable output.
+"""
+
+from __future__ import annotations
+
+import base64
+import signal as _signal
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from space.core.errors import InvalidArgument, SpaceError, error_from_dict
+
+__all__ = [
+    "ApiKey",
+    "Command",
+    "Credential",
+    "ExecResult",
+    "ProcessEvent",
+    "Project",
+    "Record",
+    "Snapshot",
+]
+
+Command = str | Sequence[str]
+
+
+class Record(Mapping[str, Any]):
+    """A server object: read-only mapping over its JSON, with attribute access (`rec.id`, `rec["id"]`)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self.data: dict[str, Any] = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "data":
+            raise AttributeError(name)
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}") from None
+
+    @property
+    def id(self) -> str:
+        return str(self.data.get("id", ""))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.data!r})"
+
+
+class Project(Record):
+    @property
+    def name(self) -> str:
+        return str(self.data.get("name", ""))
+
+
+class ApiKey(Record):
+    @property
+    def key(self) -> str | None:
+        value = self.data.get("key")
+        return None if value is None else str(value)
+
+
+class Credential(Record):
+    pass
+
+
+class Snapshot(Record):
+    @property
+    def kind(self) -> str:
+        return str(self.data.get("kind", ""))
+
+    @property
+    def sandbox_id(self) -> str:
+        return str(self.data.get("sandbox_id", ""))
+
+
+def _b64(value: Any) -> bytes:
+    if not value:
+        return b""
+    return base64.b64decode(str(value))
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What a command did: exit code (None if a signal ended it), output as bytes and as text."""
+
+    exit_code: int | None
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    process_id: str | None = None
+    signal: int | str | None = None
+    timed_out: bool = False
+    data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> ExecResult:
+        def channel(name: str) -> bytes:
+            if data.get(f"{name}_b64") is not None:
+                return _b64(data[f"{name}_b64"])
+            text = data.get(name)
+            return str(text).encode("utf-8") if text else b""
+
+        return cls(
+            exit_code=_opt_int(data.get("exit_code")),
+            stdout_bytes=channel("stdout"),
+            stderr_bytes=channel("stderr"),
+            process_id=_opt_str(data.get("process_id")),
+            signal=data.get("signal"),
+            timed_out=bool(data.get("timed_out", False)),
+            data=dict(data),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessEvent:
+    """One line of an exec/attach stream: started, attached, stdout, stderr or exit."""
+
+    type: str
+    data: bytes = b""
+    process_id: str | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | str | None = None
+    timed_out: bool = False
+    offset: int | None = None
+    truncated: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_wire(cls, event: Mapping[str, Any]) -> ProcessEvent:
+        return cls(
+            type=str(event.get("type", "")),
+            data=_b64(event.get("data_b64")),
+            process_id=_opt_str(event.get("process_id")),
+            pid=_opt_int(event.get("pid")),
+            exit_code=_opt_int(event.get("exit_code")),
+            signal=event.get("signal"),
+            timed_out=bool(event.get("timed_out", False)),
+            offset=_opt_int(event.get("offset")),
+            truncated=bool(event.get("truncated", False)),
+            raw=dict(event),
+        )
+
+
+def _opt_int(value: Any) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+# ---- request bodies (shared by Space and AsyncSpace) -------------------------------------------------
+
+
+def seg(value: str | int) -> str:
+    """One URL path segment (an id): quoted so it can never add path components."""
+    text = str(value)
+    if not text:
+        raise InvalidArgument("an id must not be empty")
+    return quote(text, safe="")
+
+
+def command_body(cmd: Command) -> dict[str, Any]:
+    if isinstance(cmd, str):
+        if not cmd:
+            raise InvalidArgument("the command must not be empty")
+        return {"cmd": cmd}
+    if isinstance(cmd, bytes | bytearray):
+        raise InvalidArgument("the command must be a str (shell) or a list of str (argv), not bytes")
+    argv = [str(arg) for arg in cmd]
+    if not argv:
+        raise InvalidArgument("argv must not be empty")
+    return {"argv": argv}
+
+
+def exec_body(
+    cmd: Command,
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    timeout: float | None,
+    stdin: bytes | None,
+    stream: bool,
+) -> dict[str, Any]:
+    body = command_body(cmd)
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
+    if timeout is not None:
+        body["timeout"] = timeout
+    if stdin is not None:
+        body["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
+    body["stream"] = stream
+    return body
+
+
+def process_body(
+    cmd: Command,
+    *,
+    env: Mapping[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    timeout: float | None,
+    tag: str | None,
+    pty: tuple[int, int] | None,
+) -> dict[str, Any]:
+    body = command_body(cmd)
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if user is not None:
+        body["user"] = user
+    if timeout is not None:
+        body["timeout"] = timeout
+    if tag is not None:
+        body["tag"] = tag
+    if pty is not None:
+        body["pty"] = {"rows": pty[0], "cols": pty[1]}
+    return body
+
+
+def create_body(
+    *,
+    template: str,
+    env: Mapping[str, str] | None,
+    limits: Mapping[str, Any] | None,
+    idle_timeout_s: int | None,
+    ttl_s: int | None,
+    allow: Sequence[str] | None,
+    credentials: Sequence[str] | None,
+    wait: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"template": template, "env": dict(env or {})}
+    if limits is not None:
+        body["limits"] = dict(limits)
+    if idle_timeout_s is not None:
+        body["idle_timeout_s"] = idle_timeout_s
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    if allow:
+        body["allow"] = list(allow)
+    if credentials:
+        body["credentials"] = list(credentials)
+    body["wait"] = wait
+    return body
+
+
+def credential_body(
+    name: str, *, value: str, hosts: Sequence[str], header: str | None, project: str | None
+) -> dict[str, Any]:
+    if not hosts:
+        raise InvalidArgument("a credential needs at least one host")
+    body: dict[str, Any] = {"name": name, "value": value, "hosts": list(hosts)}
+    if header is not None:
+        body["header"] = header
+    if project is not None:
+        body["project"] = project
+    return body
+
+
+def signal_name(sig: int | str) -> str:
+    if isinstance(sig, int):
+        try:
+            return _signal.Signals(sig).name
+        except ValueError as exc:
+            raise InvalidArgument(f"unknown signal number {sig}") from exc
+    name = sig.upper()
+    return name if name.startswith("SIG") else f"SIG{name}"
+
+
+def snapshot_id(snapshot: Snapshot | Mapping[str, Any] | str) -> str:
+    if isinstance(snapshot, str):
+        return snapshot
+    value = snapshot.get("id")
+    if not value:
+        raise InvalidArgument("the snapshot has no id")
+    return str(value)
+
+
+def stream_error(event: Mapping[str, Any]) -> SpaceError | None:
+    """An in-band error line (`{"type": "error", "error": {...}}`) of an NDJSON stream, as a typed error."""
+    if event.get("type") != "error":
+        return None
+    inner = event.get("error")
+    if isinstance(inner, dict):
+        return error_from_dict(inner)
+    return error_from_dict({"code": str(event.get("code", "internal")), "message": str(event.get("message"))})
+
+
+def sandboxes_of(payload: Any) -> list[dict[str, Any]]:
+    items = payload.get("sandboxes") if isinstance(payload, dict) else payload
+    if not isinstance(items, list):
+        raise SpaceError("unexpected answer: no list of sandboxes")
+    return [dict(item) for item in items]
