@@ -3,14 +3,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup check test test-unit demo bench clean-host
+.PHONY: setup check test test-unit demo demo-node bench clean-host
 
 setup:
 	@bash scripts/setup.sh
 
 check: setup
-	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples scripts
+	$(VENV)/bin/ruff format --check src tests bench examples scripts
 	$(VENV)/bin/mypy
 	$(PY) scripts/check_imports.py
 
@@ -20,7 +20,17 @@ test: check
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
+DEMO_DIR := /var/lib/space-demo
+DEMO_PORT := 8470
+
+# The main job: `space up` on this machine, the lifecycle end to end with the SDK, then `space down`.
 demo: setup
+	$(PY) -m space.cli.main up --data-dir $(DEMO_DIR) --port $(DEMO_PORT) --detach
+	$(PY) examples/lifecycle_demo.py; status=$$?; \
+	  $(PY) -m space.cli.main down --data-dir $(DEMO_DIR) --purge; exit $$status
+
+# The node-level demo (no control plane): one sandbox driven directly through the node agent.
+demo-node: setup
 	$(PY) -m space.node.demo
 
 bench: setup

@@ -16,6 +16,7 @@ from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.node.agent.server import create_app
 from space.node.rpc_client import NodeClient
+from tests.support.host import cgroups_under, processes_mentioning
 
 pytestmark = pytest.mark.root
 
@@ -85,6 +86,9 @@ def test_exec_and_files_through_the_rpc(node) -> None:  # type: ignore[no-untype
             assert (await client.delete_sandbox(sandbox_id)).existed is False
             with pytest.raises(errors.NotFound):
                 await client.get_sandbox(sandbox_id)
+            # nothing of this sandbox is left on the host (checked by id: other runs may share the host)
+            assert [g for g in cgroups_under("space") if sandbox_id in g] == []
+            assert [p for p in processes_mentioning(sandbox_id)] == []
 
     task = node.run(start(), timeout=30)
     try:

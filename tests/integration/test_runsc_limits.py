@@ -226,6 +226,7 @@ def test_disk_filler_gets_a_quota_error(node) -> None:
                 # through the channel too: the guest's error is typed
                 with pytest.raises(errors.ResourceExhausted):
                     await s.write_file("/work/fill2", chunked(b"\0" * (64 * MiB)))
+                await asyncio.sleep(1.0)
             finally:
                 await probe.stop()
             print(f"disk filler: exit {r.exit_code}, {r.stderr.decode().splitlines()[:1]}")

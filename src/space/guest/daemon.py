@@ -219,7 +219,6 @@ class Daemon:
         if stream in self._calls:
             self._send_stream0_error("protocol_error", f"stream {stream} already has a call open", stream)
             return
-        self.touch()
         try:
             request = frame.json()
         except MalformedPayload as exc:
@@ -227,6 +226,8 @@ class Daemon:
             return
         method = request.get("method")
         params = request.get("params", {})
+        if not (isinstance(method, str) and method.startswith("sys.")):
+            self.touch()  # the node's own health and activity polls must not keep a sandbox "busy"
         if not isinstance(method, str):
             self._send_error(stream, "malformed_payload", "CALL without a string 'method'")
             return

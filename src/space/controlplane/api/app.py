@@ -389,14 +389,7 @@ def _public_router(services: Services) -> APIRouter:
     async def create_snapshot(sandbox_id: str, body: SnapshotBody, who: Auth) -> dict[str, Any]:
         who.require("member")
         sb = await _running(services, who, sandbox_id)
-        node = services.nodes.client(_node_id(sb))
-        info = await node.create_snapshot(sb.id, full=body.full)
-        snap = await asyncio.to_thread(
-            store.create_snapshot, sb.id, "full" if body.full else "disk", node_id=sb.node_id,
-            snapshot_id=info.snapshot_id,
-        )  # fmt: skip
-        snap = await asyncio.to_thread(store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
-        return snapshot_view(snap)
+        return snapshot_view(await _take_snapshot(services, sb, full=body.full))
 
     @r.get("/sandboxes/{sandbox_id}/snapshots")
     async def list_snapshots(sandbox_id: str, who: Auth) -> dict[str, Any]:
@@ -424,24 +417,33 @@ def _public_router(services: Services) -> APIRouter:
         return sandbox_view(sb)
 
     @r.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-    async def fork(sandbox_id: str, body: ForkBody, who: Auth) -> dict[str, Any]:
+    async def fork(sandbox_id: str, body: ForkBody, who: Auth, idem: IdempotencyKey = None) -> JSONResponse:
         who.require("member")
         sb = await _running(services, who, sandbox_id)
-        node_id = _node_id(sb)
-        observed = await services.nodes.client(node_id).fork(sb.id, count=body.count)
-        children = []
-        for child in observed:
-            record = await asyncio.to_thread(
-                store.create_sandbox, who.project_id, sb.template, sb.env, sb.limits,
-                idle_timeout_s=sb.idle_timeout_s, ttl_s=sb.ttl_s, forked_from=sb.id, sandbox_id=child.id,
-            )  # fmt: skip
-            record = await asyncio.to_thread(store.transition, record.id, record.state, record.generation,
-                                             Event.FORK, node_id=node_id)  # fmt: skip
-            record = await asyncio.to_thread(
-                store.transition, record.id, record.state, record.generation, Event.CREATED
-            )
-            children.append(sandbox_view(record))
-        return {"sandboxes": children}
+
+        async def work() -> tuple[int, Any]:
+            # One checkpoint now; every child starts from it. The children are records the reconciler
+            # brings up (FORK -> creating -> running) on the parent's node, like any other create.
+            snap = await _take_snapshot(services, sb, full=True)
+            children = []
+            for _ in range(body.count):
+                children.append(
+                    await asyncio.to_thread(
+                        store.create_sandbox,
+                        who.project_id,
+                        sb.template,
+                        sb.env,
+                        sb.limits,
+                        idle_timeout_s=sb.idle_timeout_s,
+                        ttl_s=sb.ttl_s,
+                        forked_from=sb.id,
+                        fork_snapshot_id=snap.id,
+                    )
+                )
+            settled = [await _wait_settled(services, child.id) for child in children]
+            return 201, {"sandboxes": [sandbox_view(child) for child in settled]}
+
+        return await _idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/fork {body.count}", work)
 
     @r.post("/projects", status_code=201)
     async def create_project(body: ProjectBody, who: Auth) -> dict[str, Any]:
@@ -516,6 +518,15 @@ def _public_router(services: Services) -> APIRouter:
         return await _idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/{action}", work)
 
     return r
+
+
+async def _take_snapshot(services: Services, sb: SandboxRecord, *, full: bool) -> SnapshotRecord:
+    info = await services.nodes.client(_node_id(sb)).create_snapshot(sb.id, full=full)
+    snap = await asyncio.to_thread(
+        services.store.create_snapshot, sb.id, "full" if full else "disk", node_id=sb.node_id,
+        snapshot_id=info.snapshot_id,
+    )  # fmt: skip
+    return await asyncio.to_thread(services.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
 
 
 def _node_id(sb: SandboxRecord) -> str:

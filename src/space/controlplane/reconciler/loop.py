@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 LEASE_S = 30.0
 BATCH = 16
 MAX_BACKOFF_S = 30.0
+ORPHAN_GRACE_S = 60.0
 PERMANENT = (errors.InvalidArgument, errors.InvalidState, errors.PermissionDenied, errors.TooLarge)
 
 NodeCall = Callable[[NodeClient, str], Awaitable[object]]
@@ -160,7 +162,7 @@ class Reconciler:
             await asyncio.to_thread(self.store.set_desired, sb.id, State.DELETED)
             return await asyncio.to_thread(self.store.load_sandbox, sb.id)
         if sb.state == State.PENDING:
-            return await self._transition(sb, Event.CREATE)
+            return await self._transition(sb, Event.FORK if sb.forked_from else Event.CREATE)
         if sb.state == State.CREATING:
             return await self._guarded(sb, self._create)
         step = RESUME_STEP.get(sb.state)
@@ -209,6 +211,8 @@ class Reconciler:
         return self.nodes.client(sb.node_id)
 
     async def _create(self, sb: SandboxRecord) -> SandboxRecord:
+        if sb.forked_from is not None:
+            return await self._fork_child(sb)
         if sb.node_id is None:
             node_id = await asyncio.to_thread(choose_node, self.store, sb)
             sb = await asyncio.to_thread(
@@ -216,6 +220,20 @@ class Reconciler:
             )
         node = self._node_of(sb)
         await node.create_sandbox(sb.id, template=sb.template, env=sb.env, limits=sb.limits)
+        return await self._transition(sb, Event.CREATED)
+
+    async def _fork_child(self, sb: SandboxRecord) -> SandboxRecord:
+        """A fork child starts on its parent's node from the parent's checkpoint; the node call is idempotent
+        because the child's id is given."""
+        assert sb.forked_from is not None
+        parent = await asyncio.to_thread(self.store.load_sandbox, sb.forked_from)
+        if parent is None or parent.node_id is None:
+            raise errors.InvalidState(f"fork source {sb.forked_from} is not on a node", state="unknown")
+        if sb.node_id != parent.node_id:
+            sb = await asyncio.to_thread(
+                self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=parent.node_id
+            )
+        await self._node_of(sb).fork(parent.id, count=1, snapshot_id=sb.fork_snapshot_id, child_ids=[sb.id])
         return await self._transition(sb, Event.CREATED)
 
     async def _delete(self, sb: SandboxRecord) -> SandboxRecord:
@@ -235,6 +253,8 @@ class Reconciler:
             except errors.SpaceError:
                 continue
             for item in observed.sandboxes:
+                if time.time() - item.created_at < ORPHAN_GRACE_S:
+                    continue  # its record may still be on its way (e.g. a fork in flight)
                 record = await asyncio.to_thread(self.store.load_sandbox, item.id)
                 if record is None or record.state == State.DELETED or record.node_id not in (None, node.id):
                     with contextlib.suppress(errors.SpaceError):

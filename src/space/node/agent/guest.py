@@ -205,8 +205,13 @@ class GuestSession:
         return bytes(buf)
 
     async def list_dir(self, path: str) -> list[dict[str, Any]]:
-        result = await self.channel.call(m.FILES_LIST, {"path": path})
-        return list(result.get("entries", []))
+        call = await self.channel.open(m.FILES_LIST, {"path": path})
+        entries: list[dict[str, Any]] = []
+        async for item in call.events():  # large listings arrive in batches before the result
+            if item.kind == FrameType.EVENT and item.event.get("type") == "entries":
+                entries.extend(item.event.get("entries", []))
+        entries.extend((await call.result()).get("entries", []))
+        return entries
 
     async def stat(self, path: str) -> dict[str, Any]:
         return await self.channel.call(m.FILES_STAT, {"path": path})

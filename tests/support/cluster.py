@@ -1,0 +1,475 @@
+"""Whole control planes for tests: API + reconciler processes over a node agent, as real subprocesses.
+
+- `fake_cluster` (session scope, no root): one control plane (`python -m space.controlplane.server`, SQLite in
+  a temp dir) and one node agent with the FAKE driver (sandboxes are plain host processes). Tests share it
+  and isolate themselves with `project` (a fresh project + member key per test, its sandboxes deleted after).
+- `start_fake_cluster(...)`: the same as a context manager, for tests that kill, stop or restart processes
+  (crash convergence, lost nodes) or that run several control planes on one PostgreSQL database.
+- `real_cluster` (session scope, root): `space.controlplane.local.LocalCluster` (root helper + runsc node
+  agent + control plane), purged at the end and checked for leaks on the host.
+
+Everything the tests wait for is polled with a deadline (`wait_for`); nothing sleeps to assert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from space.controlplane.store.engine import sqlite_url
+from space.controlplane.store.migrate import migrate
+from space.controlplane.store.records import NodeRecord, SandboxRecord
+from space.controlplane.store.store import Store
+from space.core.lifecycle import IN_PROGRESS_STATES, State
+from space.sdk import Space
+from tests.support.host import cgroups_under, loop_devices_for, mounts_under, processes_mentioning
+
+T = TypeVar("T")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 60.0
+#: Small limits so that many sandboxes fit on a fake node (the scheduler overcommits CPUs 4x only).
+SMALL = {"cpus": 0.1, "memory_mb": 64}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """Call `check` until it returns something truthy; AssertionError with the last value after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout:.1f}s: {what} (last value: {last!r})")
+        time.sleep(interval)
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO / "src"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+    }
+    env.update(extra)
+    return env
+
+
+class Service:
+    """One subprocess (its own session, output in a log file) that tests may kill, stop and restart."""
+
+    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_child_env(),
+                cwd=REPO, start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: nothing gets to clean up."""
+        if self.alive:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (and SIGCONT, in case a test left it stopped), then SIGKILL if it does not exit."""
+        if not self.alive:
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if not self.alive:
+            raise AssertionError(f"{self.name} exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}")
+
+
+class ControlPlane(Service):
+    def __init__(
+        self, data_dir: pathlib.Path, token_file: pathlib.Path, *, database_url: str | None, name: str
+    ) -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(data_dir),
+                "--port", str(self.port), "--node-token-file", str(token_file), "--log-level", "warning"]  # fmt: skip
+        if database_url is not None:
+            argv += ["--database-url", database_url]
+        super().__init__(name, argv, data_dir / f"{name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def owner(self) -> str:
+        """The reconciler's lease owner name in this process (Reconciler's default)."""
+        return f"{socket.gethostname()}:{self.pid}"
+
+    def healthy(self) -> bool:
+        self.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{self.url}/healthz", timeout=2.0).status_code == 200
+        return False
+
+    def start_and_wait(self) -> None:
+        self.start()
+        wait_for(self.healthy, timeout=START_TIMEOUT_S, interval=0.1, what=f"{self.name} healthy")
+
+
+class FakeNode(Service):
+    def __init__(self, data_dir: pathlib.Path, token_file: pathlib.Path, control_plane: str) -> None:
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.token = token_file.read_text().strip()
+        argv = [sys.executable, "-m", "space.node.agent.server", "--driver", "fake",
+                "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{self.port}",
+                "--token-file", str(token_file), "--control-plane", control_plane, "--log-level", "warning"]  # fmt: skip
+        super().__init__("node", argv, data_dir / "node.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(
+            f"{self.url}/node/v1{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **kw
+        )
+
+    def sandboxes(self) -> dict[str, dict[str, Any]]:
+        """What the node runs: id -> observed (from GET /node/v1/sandboxes?guest=false)."""
+        answer = self.get("/sandboxes", params={"guest": "false"})
+        answer.raise_for_status()
+        body = answer.json()
+        assert body.get("unmanaged", []) == [], f"the node holds unmanaged leftovers: {body['unmanaged']}"
+        items = body["sandboxes"]
+        ids = [item["id"] for item in items]
+        assert len(ids) == len(set(ids)), f"the node lists a sandbox twice: {ids}"
+        return {item["id"]: item for item in items}
+
+    def guest_processes(self) -> dict[str, int]:
+        """sandbox id -> number of `spaced` processes running in its directory (the fake driver's sandboxes
+        are host processes whose cwd is <data dir>/sandboxes/<id>/work)."""
+        base = str(self.data_dir / "sandboxes") + "/"
+        counts: dict[str, int] = {}
+        for proc in pathlib.Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cwd = os.readlink(proc / "cwd")
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cwd.startswith(base) and b"space.guest" in cmdline:
+                sandbox_id = cwd[len(base) :].split("/")[0]
+                counts[sandbox_id] = counts.get(sandbox_id, 0) + 1
+        return counts
+
+
+def processes_in(directory: pathlib.Path) -> list[str]:
+    """Processes whose command line or working directory is under `directory`."""
+    prefix = str(directory)
+    found = processes_mentioning(prefix)
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(proc / "cwd").startswith(prefix):
+                found.append(f"{proc.name}: cwd {os.readlink(proc / 'cwd')}")
+    return found
+
+
+@dataclass
+class Cluster:
+    """Control plane(s) + one fake node, and direct access to their database (for checks only)."""
+
+    root: pathlib.Path
+    database_url: str
+    token_file: pathlib.Path
+    store: Store
+    org_id: str
+    project_id: str
+    admin_key: str
+    control_planes: list[ControlPlane]
+    node: FakeNode
+    clients: list[httpx.Client] = field(default_factory=list)
+
+    @property
+    def cp(self) -> ControlPlane:
+        return self.control_planes[0]
+
+    @property
+    def url(self) -> str:
+        return self.cp.url
+
+    def http(self, key: str | None = None, cp: int = 0, **kw: Any) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        client = httpx.Client(
+            base_url=self.control_planes[cp].url, headers=headers, timeout=kw.pop("timeout", 60.0), **kw
+        )
+        self.clients.append(client)
+        return client
+
+    def sdk(self, key: str | None = None, cp: int = 0, **kw: Any) -> Space:
+        return Space(url=self.control_planes[cp].url, api_key=key or self.admin_key, **kw)
+
+    # -- database views ----------------------------------------------------------------------------------
+    def node_record(self) -> NodeRecord | None:
+        nodes = [n for n in self.store.list_nodes(None) if n.url == self.node.url]
+        return nodes[0] if nodes else None
+
+    def node_ready(self) -> bool:
+        self.node.check_alive()
+        record = self.node_record()
+        return record is not None and record.status == "ready" and bool(record.capacity)
+
+    def records(self, project_id: str | None = None) -> dict[str, SandboxRecord]:
+        """Live (not deleted) sandbox records of a project (default: the org's default project)."""
+        return {sb.id: sb for sb in self.store.list_sandboxes(project_id or self.project_id)}
+
+    def converged(self, project_id: str | None = None) -> str | None:
+        """None when the database and the node agree and nothing is in flight; else what is not yet so."""
+        records = self.records(project_id)
+        problems = []
+        for sb in records.values():
+            if sb.state in IN_PROGRESS_STATES or sb.state != sb.desired_state or sb.state == State.PENDING:
+                problems.append(f"{sb.id}: {sb.state} -> {sb.desired_state} ({sb.error})")
+        on_node = self.node.sandboxes()
+        mine = {sid for sid, sb in records.items() if sb.node_id is not None}
+        everyone = {sb.id for sb in self.store.list_sandboxes_on_node(self.node_record().id)}  # type: ignore[union-attr]
+        for sid in mine - set(on_node):
+            problems.append(f"{sid}: in the database ({records[sid].state}) but not on the node")
+        for sid in set(on_node) - everyone:
+            problems.append(f"{sid}: orphan on the node ({on_node[sid]['state']})")
+        for sid in mine & set(on_node):
+            if on_node[sid]["state"] != records[sid].state.value:
+                problems.append(f"{sid}: node says {on_node[sid]['state']}, database {records[sid].state}")
+        return "; ".join(problems) or None
+
+    def wait_converged(self, timeout: float, project_id: str | None = None) -> float:
+        """Seconds it took until `converged` (AssertionError naming what is not after `timeout`)."""
+        started = time.monotonic()
+        last: str | None = "not checked"
+        while time.monotonic() - started < timeout:
+            last = self.converged(project_id)
+            if last is None:
+                return time.monotonic() - started
+            time.sleep(0.1)
+        raise AssertionError(f"not converged within {timeout:.0f}s: {last}\n{self.logs()}")
+
+    def logs(self) -> str:
+        parts = [f"--- {s.name} log ---\n{s.log_tail(1500)}" for s in [*self.control_planes, self.node]]
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for cp in self.control_planes:
+            cp.stop()
+        self.node.stop()
+        self.store.close()
+
+
+def bootstrap(database_url: str) -> tuple[Store, str, str, str]:
+    """Migrate, then org "default", project "default" and an org admin key, straight in the store."""
+    migrate(database_url)
+    store = Store(database_url)
+    org = store.create_org("default")
+    project = store.create_project(org.id, "default")
+    _record, secret = store.create_api_key(None, org.id, "admin")
+    return store, org.id, project.id, secret
+
+
+@contextlib.contextmanager
+def start_fake_cluster(
+    root: pathlib.Path, *, database_url: str | None = None, control_planes: int = 1
+) -> Iterator[Cluster]:
+    """Control plane(s) over `database_url` (default: SQLite in `root`) + a fake node registered with the
+    first one; everything is killed at the end and nothing may be left running in `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    url = database_url or sqlite_url(root / "cp")
+    token_file = root / "node.token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
+    store, org_id, project_id, admin_key = bootstrap(url)
+    cps = []
+    for i in range(control_planes):
+        cp_dir = root / f"cp{i}" if i else root / "cp"
+        cp_dir.mkdir(parents=True, exist_ok=True)
+        cps.append(ControlPlane(cp_dir, token_file, database_url=database_url, name=f"controlplane{i}"))
+    node_dir = root / "node"
+    node_dir.mkdir()
+    node = FakeNode(node_dir, token_file, cps[0].url)
+    cluster = Cluster(root, url, token_file, store, org_id, project_id, admin_key, cps, node)
+    try:
+        for cp in cps:
+            cp.start()
+        node.start()
+        for cp in cps:
+            wait_for(cp.healthy, timeout=START_TIMEOUT_S, interval=0.1, what=f"{cp.name} healthy")
+        wait_for(cluster.node_ready, timeout=START_TIMEOUT_S, interval=0.1, what="node registered")
+        yield cluster
+    finally:
+        cluster.close()
+        left = processes_in(root)
+        assert left == [], f"processes left behind by the cluster: {left}"
+
+
+@pytest.fixture(scope="session")
+def fake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with start_fake_cluster(tmp_path_factory.mktemp("fake-cluster")) as cluster:
+        yield cluster
+
+
+@dataclass
+class Project:
+    """A fresh project of the shared cluster with a member key (its sandboxes deleted at the end)."""
+
+    id: str
+    name: str
+    key: str
+    cluster: Cluster
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        return self.cluster.http(key or self.key)
+
+    def sdk(self, **kw: Any) -> Space:
+        return self.cluster.sdk(self.key, **kw)
+
+    def new_key(self, role: str) -> tuple[str, str]:
+        """(key id, secret) of a new key of this project, made through the API with the org admin key."""
+        answer = self.cluster.http(self.cluster.admin_key).post(
+            "/v1/keys", json={"project": self.name, "role": role}
+        )
+        assert answer.status_code == 201, answer.text
+        return answer.json()["id"], answer.json()["key"]
+
+
+def new_project(cluster: Cluster, name: str | None = None) -> Project:
+    name = name or f"p-{secrets.token_hex(4)}"
+    admin = cluster.http(cluster.admin_key)
+    answer = admin.post("/v1/projects", json={"name": name})
+    assert answer.status_code == 201, answer.text
+    project_id = answer.json()["id"]
+    project = Project(project_id, name, "", cluster)
+    _key_id, project.key = project.new_key("member")
+    return project
+
+
+def delete_all(cluster: Cluster, project: Project) -> None:
+    client = cluster.http(project.key)
+    for sb in cluster.store.list_sandboxes(project.id):
+        client.delete(f"/v1/sandboxes/{sb.id}", params={"wait": "false"})
+    wait_for(
+        lambda: not cluster.store.list_sandboxes(project.id),
+        timeout=30,
+        what=f"sandboxes of {project.name} deleted",
+    )
+
+
+@pytest.fixture
+def project(fake_cluster: Cluster) -> Iterator[Project]:
+    made = new_project(fake_cluster)
+    try:
+        yield made
+    finally:
+        delete_all(fake_cluster, made)
+
+
+# -- the real thing (root) -----------------------------------------------------------------------------------
+@dataclass
+class RealCluster:
+    local: Any  # space.controlplane.local.LocalCluster
+    data_dir: pathlib.Path
+
+    @property
+    def url(self) -> str:
+        return str(self.local.url)
+
+    @property
+    def api_key(self) -> str:
+        return str(self.local.api_key)
+
+    def sdk(self) -> Space:
+        return Space(url=self.url, api_key=self.api_key)
+
+
+def assert_host_clean(data_dir: pathlib.Path, cgroups_before: set[str]) -> None:
+    prefix = str(data_dir)
+    assert mounts_under(prefix) == [], "mounts left behind"
+    assert loop_devices_for(prefix) == [], "loop devices left behind"
+    assert processes_in(data_dir) == [], "processes left behind"
+    assert sorted(set(cgroups_under("space")) - cgroups_before) == [], "cgroups left behind"
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    from space.controlplane.local import LocalCluster
+
+    if os.geteuid() != 0:
+        pytest.fail("real_cluster starts the node's root helper: run the tests as root")
+    data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-cluster-", dir="/var/tmp"))
+    cgroups_before = set(cgroups_under("space"))
+    local = LocalCluster(data_dir=data_dir, port=free_port())
+    try:
+        local.start()
+        yield RealCluster(local, data_dir)
+    finally:
+        local.stop(purge=True)
+        assert_host_clean(data_dir, cgroups_before)
