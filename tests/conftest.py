@@ -48,25 +48,36 @@ def make_data_dir(tag: str) -> pathlib.Path:
     return pathlib.Path(tempfile.mkdtemp(prefix=f"space-test-{tag}-", dir="/var/tmp"))
 
 
-def assert_no_leaks(data_dir: pathlib.Path, cgroups_before: set[str]) -> None:
+def sandbox_ids_in(data_dir: pathlib.Path) -> set[str]:
+    found: set[str] = set()
+    for sub in ("fs/sandboxes", "run"):
+        root = data_dir / sub
+        if root.is_dir():
+            found.update(p.name for p in root.iterdir() if p.name.startswith("sb-"))
+    return found
+
+
+def assert_no_leaks(data_dir: pathlib.Path, sandbox_ids: set[str]) -> None:
+    """Only this node's traces count: other test sessions may share the machine."""
     prefix = str(data_dir)
     assert mounts_under(prefix) == [], "mounts left behind"
     assert loop_devices_for(prefix) == [], "loop devices left behind"
     assert processes_mentioning(prefix) == [], "processes left behind"
-    assert sorted(set(cgroups_under("space")) - cgroups_before) == [], "cgroups left behind"
+    leftover = [g for g in cgroups_under("space") if pathlib.Path(g).name.rsplit("-", 1)[0] in sandbox_ids]
+    assert leftover == [], "cgroups left behind"
 
 
 @pytest.fixture(scope="session")
 def node(loop: BackgroundLoop) -> Iterator[RealNode]:
     require_root()
     data_dir = make_data_dir("node")
-    cgroups_before = set(cgroups_under("space"))
     local = LocalNode(data_dir)
     agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
     real = RealNode(local, agent, loop)
     try:
         yield real
     finally:
+        sandbox_ids = sandbox_ids_in(data_dir) | set(agent.sandboxes)
         loop.run(agent.delete_all(), timeout=300)
         loop.run(local.stop(purge=True), timeout=300)
-        assert_no_leaks(data_dir, cgroups_before)
+        assert_no_leaks(data_dir, sandbox_ids)

@@ -22,8 +22,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -52,9 +53,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for(
-    check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
-) -> T:
+def wait_for(check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:
     """Call `check` until it returns something truthy; AssertionError with the last value after `timeout`."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -139,7 +138,9 @@ class Service:
 
     def check_alive(self) -> None:
         if not self.alive:
-            raise AssertionError(f"{self.name} exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}")
+            raise AssertionError(
+                f"{self.name} exited ({self.proc and self.proc.returncode}):\n{self.log_tail()}"
+            )
 
 
 class ControlPlane(Service):
@@ -148,7 +149,8 @@ class ControlPlane(Service):
     ) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(data_dir),
-                "--port", str(self.port), "--node-token-file", str(token_file), "--log-level", "warning"]  # fmt: skip
+                "--port", str(self.port), "--node-token-file", str(token_file),
+                "--log-level", "warning"]  # fmt: skip
         if database_url is not None:
             argv += ["--database-url", database_url]
         super().__init__(name, argv, data_dir / f"{name}.log")
@@ -180,7 +182,8 @@ class FakeNode(Service):
         self.token = token_file.read_text().strip()
         argv = [sys.executable, "-m", "space.node.agent.server", "--driver", "fake",
                 "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{self.port}",
-                "--token-file", str(token_file), "--control-plane", control_plane, "--log-level", "warning"]  # fmt: skip
+                "--token-file", str(token_file), "--control-plane", control_plane,
+                "--log-level", "warning"]  # fmt: skip
         super().__init__("node", argv, data_dir / "node.log")
 
     @property
@@ -235,6 +238,12 @@ def processes_in(directory: pathlib.Path) -> list[str]:
     return found
 
 
+def kill_pids(pids: Iterable[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @dataclass
 class Cluster:
     """Control plane(s) + one fake node, and direct access to their database (for checks only)."""
@@ -260,6 +269,7 @@ class Cluster:
 
     def http(self, key: str | None = None, cp: int = 0, **kw: Any) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers.update(kw.pop("headers", {}))
         client = httpx.Client(
             base_url=self.control_planes[cp].url, headers=headers, timeout=kw.pop("timeout", 60.0), **kw
         )
@@ -368,13 +378,36 @@ def start_fake_cluster(
     finally:
         cluster.close()
         left = processes_in(root)
+        kill_pids(int(line.split(":")[0]) for line in left)
         assert left == [], f"processes left behind by the cluster: {left}"
+
+
+_shared_lock = threading.Lock()
+_shared: tuple[Cluster, contextlib.ExitStack] | None = None
+_shared_users = 0
 
 
 @pytest.fixture(scope="session")
 def fake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with start_fake_cluster(tmp_path_factory.mktemp("fake-cluster")) as cluster:
+    """One cluster for the whole run. Test modules bind this fixture at module level
+    (`fake_cluster = tests.support.cluster.fake_cluster`), which makes one fixture per module: they share
+    the cluster through a reference count, so it starts once and stops after the last user."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None:
+            stack = contextlib.ExitStack()
+            cluster = stack.enter_context(start_fake_cluster(tmp_path_factory.mktemp("fake-cluster")))
+            _shared = (cluster, stack)
+        _shared_users += 1
+        cluster = _shared[0]
+    try:
         yield cluster
+    finally:
+        with _shared_lock:
+            _shared_users -= 1
+            if _shared_users == 0 and _shared is not None:
+                stack, _shared = _shared[1], None
+                stack.close()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id, parse_sandbox_id, parse_snapshot_id
-from space.core.lifecycle import Event, State, transition
+from space.core.lifecycle import LIVE_STATES, Event, State, transition
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.guest import GuestSession
@@ -50,6 +50,21 @@ class SandboxHandle:
     channel: GuestChannel | None = None
     snapshots: dict[str, SnapshotRecord] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    crashed_at: float | None = None
+
+    def attach(self, channel: GuestChannel | None) -> None:
+        """Adopt a new channel; if it ends without the node closing it, the runtime died: `crash`."""
+        self.channel = channel
+        if channel is not None:
+            channel.on_lost = lambda reason: self._lost(channel, reason)
+
+    def _lost(self, channel: GuestChannel, reason: str) -> None:
+        if channel is not self.channel:
+            return  # a channel we already replaced
+        if self.state in LIVE_STATES and not self.lock.locked():
+            log.warning("sandbox %s lost its runtime (%s): crashed", self.sandbox_id, reason)
+            self.state = transition(self.state, Event.CRASH)
+            self.crashed_at = time.time()
 
     @property
     def session(self) -> GuestSession:
@@ -80,12 +95,12 @@ class NodeAgent:
         for observed in await self.driver.list():
             if observed.sandbox_id in self.sandboxes or not observed.exists:
                 continue
-            spec = SandboxSpec(sandbox_id=observed.sandbox_id)
+            spec = observed.spec or SandboxSpec(sandbox_id=observed.sandbox_id)
             handle = SandboxHandle(observed.sandbox_id, spec, State.STOPPED, time.time())
             if observed.channel_open and observed.runtime in {"running", "paused"}:
                 handle.state = State.RUNNING if observed.runtime == "running" else State.PAUSED
                 if observed.runtime == "running":
-                    handle.channel = await self.driver.connect(observed.sandbox_id)
+                    handle.attach(await self.driver.connect(observed.sandbox_id))
             for snap in await self.driver.list_snapshots(observed.sandbox_id):
                 handle.snapshots[snap["snapshot_id"]] = SnapshotRecord(
                     snap["snapshot_id"], snap["kind"], float(snap["created_at"]), int(snap["image_bytes"])
@@ -138,7 +153,7 @@ class NodeAgent:
 
             async def effect() -> None:
                 await self.driver.create(spec)
-                handle.channel = await self.driver.start(spec.sandbox_id)
+                handle.attach(await self.driver.start(spec.sandbox_id))
 
             try:
                 await self._step(handle, Event.CREATE, Event.CREATED, effect)
@@ -162,7 +177,7 @@ class NodeAgent:
             async def effect() -> None:
                 await self.driver.resume(sandbox_id)
                 if handle.channel is None or handle.channel.closed:
-                    handle.channel = await self.driver.connect(sandbox_id)
+                    handle.attach(await self.driver.connect(sandbox_id))
 
             await self._step(handle, Event.RESUME, Event.RESUMED, effect)
 
@@ -181,7 +196,7 @@ class NodeAgent:
         async with handle.lock:
 
             async def effect() -> None:
-                handle.channel = await self.driver.start(sandbox_id)
+                handle.attach(await self.driver.start(sandbox_id))
 
             await self._step(handle, Event.START, Event.STARTED, effect)
 
@@ -215,7 +230,7 @@ class NodeAgent:
                     sandbox_id, record.snapshot_id, keep_running=True
                 )
                 record.image_bytes = info.image_bytes
-                handle.channel = channel
+                handle.attach(channel)
 
             try:
                 await self._step(handle, Event.CHECKPOINT, Event.CHECKPOINTED, effect)
@@ -238,12 +253,12 @@ class NodeAgent:
             async def effect() -> None:
                 await self._close_channel(handle)
                 if record.kind == "full":
-                    handle.channel = await self.driver.restore(sandbox_id, snapshot_id)
-                    await GuestSession(handle.channel).reseed()
+                    handle.attach(await self.driver.restore(sandbox_id, snapshot_id))
+                    await handle.session.reseed()
                 else:
                     await self.driver.stop(sandbox_id)
                     await self.driver.reset_rootfs(sandbox_id, snapshot_id)
-                    handle.channel = await self.driver.start(sandbox_id)
+                    handle.attach(await self.driver.start(sandbox_id))
 
             await self._step(handle, Event.ROLLBACK, Event.ROLLED_BACK, effect)
 
@@ -272,10 +287,12 @@ class NodeAgent:
             self.sandboxes[child.sandbox_id] = child
 
             async def effect() -> None:
-                child.channel = await self.driver.restore(
-                    child.sandbox_id, snapshot_id, source_sandbox_id=sandbox_id, limits=child_spec.limits
+                child.attach(
+                    await self.driver.restore(
+                        child.sandbox_id, snapshot_id, source_sandbox_id=sandbox_id, limits=child_spec.limits
+                    )
                 )
-                await GuestSession(child.channel).reseed()
+                await child.session.reseed()
 
             async with child.lock:
                 try:
@@ -329,7 +346,7 @@ class NodeAgent:
         with contextlib.suppress(errors.SpaceError):
             observed = await self.driver.state(handle.sandbox_id)
             if observed.channel_open and observed.runtime == "running":
-                handle.channel = await self.driver.connect(handle.sandbox_id)
+                handle.attach(await self.driver.connect(handle.sandbox_id))
 
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         self.get(sandbox_id)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,9 @@ class GuestChannel:
         self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.protocol_errors = 0
         self.protocol_version = 0
+        #: Called once when the stream ends without the node having closed it (the sandbox died).
+        self.on_lost: Callable[[str], None] | None = None
+        self._closing = False
         self.peer: dict[str, Any] = {}
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"guest-channel-{name}")
 
@@ -175,12 +178,20 @@ class GuestChannel:
     @classmethod
     async def connect_unix(cls, path: str, *, timeout: float = 10.0, name: str = "") -> GuestChannel:
         """Connect to a holder socket and complete the HELLO exchange."""
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path, limit=1 << 22), timeout
-            )
-        except (OSError, TimeoutError) as exc:
-            raise errors.Unavailable(f"cannot reach sandbox channel at {path}: {exc}") from exc
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(path, limit=1 << 22), timeout
+                )
+                break
+            except (ConnectionRefusedError, FileNotFoundError) as exc:
+                # A holder that is being replaced (restore) may briefly have no listener: retry shortly.
+                if asyncio.get_running_loop().time() > deadline:
+                    raise errors.Unavailable(f"cannot reach sandbox channel at {path}: {exc}") from exc
+                await asyncio.sleep(0.005)
+            except (OSError, TimeoutError) as exc:
+                raise errors.Unavailable(f"cannot reach sandbox channel at {path}: {exc}") from exc
         channel = cls(reader, writer, name=name)
         await channel.handshake(timeout=timeout)
         return channel
@@ -296,6 +307,8 @@ class GuestChannel:
     def _fail_all(self, reason: str) -> None:
         if not self._closed.done():
             self._closed.set_result(None)
+            if not self._closing and self.on_lost is not None:
+                self.on_lost(reason)
         if not self._hello.done():
             self._hello.set_exception(errors.ChannelError(reason))
             self._hello.exception()  # mark retrieved: nobody may be waiting for it
@@ -311,6 +324,7 @@ class GuestChannel:
         await asyncio.shield(self._closed)
 
     async def close(self) -> None:
+        self._closing = True
         self._reader_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader_task

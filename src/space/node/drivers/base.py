@@ -36,6 +36,7 @@ class RuntimeState:
     runtime: str  # running | paused | stopped | created | absent
     channel_open: bool  # a holder keeps the channel (the runtime process is alive)
     exit: dict[str, Any] | None = None
+    spec: SandboxSpec | None = None  # as created (template, limits, env), when the node kept it
 
 
 @dataclass(frozen=True)

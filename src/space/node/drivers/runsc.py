@@ -119,7 +119,17 @@ class RunscDriver(Driver):
 
 
 def _runtime_state(raw: dict[str, Any]) -> RuntimeState:
+    spec = None
+    if isinstance(raw.get("spec"), dict):
+        saved = raw["spec"]
+        spec = SandboxSpec(
+            sandbox_id=str(raw["sandbox_id"]),
+            template=str(saved.get("template", "python")),
+            limits=SandboxLimits.model_validate(saved.get("limits") or {}),
+            env=dict(saved.get("env") or {}),
+        )
     return RuntimeState(
+        spec=spec,
         sandbox_id=str(raw["sandbox_id"]),
         exists=bool(raw["exists"]),
         runtime=str(raw["runtime"]),

@@ -54,12 +54,16 @@ class Holder:
             os.unlink(self.socket_path)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.run_dir, "exit.json"))
+        # Bound under a temporary name and renamed into place once owned and listening: whoever sees the
+        # socket path can connect to it at once.
+        staging = f"{self.socket_path}.{os.getpid()}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o600)
-        os.chown(self.socket_path, self.owner_uid, -1)
-        listener.listen(4)
+        listener.bind(staging)
+        os.chmod(staging, 0o600)
+        os.chown(staging, self.owner_uid, -1)
+        listener.listen(16)
         listener.setblocking(False)
+        os.rename(staging, self.socket_path)
 
         log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the child
         child = subprocess.Popen(

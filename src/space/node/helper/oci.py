@@ -35,7 +35,9 @@ def resources(limits: SandboxLimits) -> dict[str, Any]:
     return {
         "memory": {"limit": limits.memory_mb << 20},
         "cpu": {"quota": int(limits.cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
-        "pids": {"limit": limits.pids},
+        # The host counts the application kernel's own threads (~20 idle) and several host tasks per guest
+        # process; the guest's process budget gets that headroom so `pids` means guest processes.
+        "pids": {"limit": limits.pids * 3 + 64},
     }
 
 

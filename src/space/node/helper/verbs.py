@@ -199,6 +199,7 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
     btrfs.snapshot(template_path, rootfs, readonly=False)
     btrfs.set_limit(rootfs, params.limits.disk_mb << 20)
     (bundle / "limits.json").write_text(params.limits.model_dump_json())
+    (bundle / "spec.json").write_text(json.dumps({"template": params.template, "env": params.env}))
     config = oci.bundle_config(
         rootfs=rootfs, init_argv=argv, init_env={**env, **params.env}, limits=params.limits
     )
@@ -293,6 +294,9 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
     limits = params.limits or _limits(ctx, source)
     btrfs.set_limit(rootfs, limits.disk_mb << 20)
     (bundle / "limits.json").write_text(limits.model_dump_json())
+    source_spec = ctx.layout.bundle(source) / "spec.json"
+    if source != sandbox_id and source_spec.exists():
+        (bundle / "spec.json").write_text(source_spec.read_text())
     config["linux"]["resources"] = oci.resources(limits)
     config["root"]["path"] = str(rootfs)
     oci.write_bundle_config(bundle, config)
@@ -368,9 +372,19 @@ def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progre
     return {}
 
 
+def _spec(ctx: HelperContext, sandbox_id: str) -> dict[str, Any]:
+    try:
+        spec = json.loads((ctx.layout.bundle(sandbox_id) / "spec.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        spec = {}
+    return {"template": spec.get("template", "python"), "env": spec.get("env", {}),
+            "limits": _limits(ctx, sandbox_id).model_dump()}  # fmt: skip
+
+
 def sandbox_state(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id = params.sandbox_id
     return {
+        "spec": _spec(ctx, sandbox_id),
         "sandbox_id": sandbox_id,
         "exists": ctx.layout.bundle(sandbox_id).exists(),
         "runtime": ctx.runtimes.status(sandbox_id),
