@@ -348,10 +348,11 @@ def bootstrap(database_url: str) -> tuple[Store, str, str, str]:
 
 @contextlib.contextmanager
 def start_fake_cluster(
-    root: pathlib.Path, *, database_url: str | None = None, control_planes: int = 1
+    root: pathlib.Path, *, database_url: str | None = None, control_planes: int = 1, node_reports_to: int = 0
 ) -> Iterator[Cluster]:
-    """Control plane(s) over `database_url` (default: SQLite in `root`) + a fake node registered with the
-    first one; everything is killed at the end and nothing may be left running in `root`."""
+    """Control plane(s) over `database_url` (default: SQLite in `root`) + a fake node that registers with
+    and heartbeats to control plane number `node_reports_to`; everything is killed at the end and nothing
+    may be left running in `root`."""
     root.mkdir(parents=True, exist_ok=True)
     url = database_url or sqlite_url(root / "cp")
     token_file = root / "node.token"
@@ -365,7 +366,7 @@ def start_fake_cluster(
         cps.append(ControlPlane(cp_dir, token_file, database_url=database_url, name=f"controlplane{i}"))
     node_dir = root / "node"
     node_dir.mkdir()
-    node = FakeNode(node_dir, token_file, cps[0].url)
+    node = FakeNode(node_dir, token_file, cps[node_reports_to].url)
     cluster = Cluster(root, url, token_file, store, org_id, project_id, admin_key, cps, node)
     try:
         for cp in cps:

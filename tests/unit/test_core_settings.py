@@ -83,7 +83,7 @@ def test_limits_are_frozen() -> None:
 
 def test_node_settings_defaults_and_nesting() -> None:
     node = NodeSettings()
-    assert node.platform == "systrap"
+    assert node.platform == "ptrace"
     assert node.runsc_binary == "runsc"
     assert node.data_dir.is_absolute() and node.helper_socket.is_absolute()
     assert node.default_limits == SandboxLimits()

@@ -53,7 +53,7 @@ class NodeSettings(BaseModel):
 
     data_dir: Path = Path("/var/lib/space")
     runsc_binary: str = "runsc"
-    platform: Platform = "systrap"
+    platform: Platform = "ptrace"  # measured faster and leaner here: docs/adr/0007-gvisor-platform.md
     helper_socket: Path = Path("/run/space/helper.sock")
     default_limits: SandboxLimits = Field(default_factory=SandboxLimits)
 

@@ -39,7 +39,7 @@ class LocalNode:
         data_dir: pathlib.Path,
         *,
         agent_user: str | int = 0,
-        platform: str = "systrap",
+        platform: str = "ptrace",
         runsc: str = "runsc",
     ) -> None:
         self.layout = NodeLayout(pathlib.Path(data_dir).resolve())

@@ -39,6 +39,7 @@ class SnapshotRecord:
     kind: str  # "disk" | "full"
     created_at: float
     image_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -225,12 +226,14 @@ class NodeAgent:
 
             async def effect() -> None:
                 await handle.session.sync()
-                await self._close_channel(handle)
                 info, channel = await self.driver.checkpoint(
                     sandbox_id, record.snapshot_id, keep_running=True
                 )
                 record.image_bytes = info.image_bytes
-                handle.attach(channel)
+                record.timings = info.timings
+                if channel is not None:
+                    await self._close_channel(handle)
+                    handle.attach(channel)
 
             try:
                 await self._step(handle, Event.CHECKPOINT, Event.CHECKPOINTED, effect)
@@ -343,6 +346,8 @@ class NodeAgent:
             await channel.close()
 
     async def _reconnect_if_running(self, handle: SandboxHandle) -> None:
+        if handle.channel is not None and not handle.channel.closed:
+            return
         with contextlib.suppress(errors.SpaceError):
             observed = await self.driver.state(handle.sandbox_id)
             if observed.channel_open and observed.runtime == "running":

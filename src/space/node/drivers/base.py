@@ -82,8 +82,9 @@ class Driver(abc.ABC):
     async def checkpoint(
         self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
     ) -> tuple[CheckpointInfo, GuestChannel | None]:
-        """Save processes + memory and a disk snapshot; with keep_running the sandbox continues and the
-        new channel is returned (the runtime process is replaced by a restored one)."""
+        """Save processes + memory and a disk snapshot of one consistent moment; with keep_running the
+        sandbox continues. A driver that had to replace the runtime to do so returns the new channel; None
+        means the existing channel is still good."""
 
     @abc.abstractmethod
     async def restore(

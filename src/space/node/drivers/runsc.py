@@ -64,7 +64,8 @@ class RunscDriver(Driver):
             timeout=600.0,
         )
         info = CheckpointInfo(sandbox_id, snapshot_id, int(result["image_bytes"]), dict(result["timings"]))
-        channel = await self._channel(sandbox_id, str(result["socket"])) if keep_running else None
+        # The runtime keeps running with its channel; a new socket only comes from drivers that restart it.
+        channel = await self._channel(sandbox_id, str(result["socket"])) if "socket" in result else None
         return info, channel
 
     async def restore(

@@ -25,7 +25,7 @@ CONTROL_TIMEOUT_S = 60.0
 class Runsc:
     root: pathlib.Path
     binary: str = "runsc"
-    platform: str = "systrap"
+    platform: str = "ptrace"
     network: str = "none"
 
     def global_flags(self) -> list[str]:
@@ -74,8 +74,13 @@ class Runsc:
     def resume(self, sandbox_id: str) -> None:
         self.control("resume", sandbox_id)
 
-    def checkpoint(self, sandbox_id: str, image: pathlib.Path) -> None:
-        self.control("checkpoint", f"--image-path={image}", sandbox_id, timeout=300.0)
+    def checkpoint(self, sandbox_id: str, image: pathlib.Path, *, leave_running: bool = False) -> None:
+        # Uncompressed: ~3x faster to write and to restore here (measured: 70-150 ms vs 195-270 ms for an idle
+        # Python daemon); images that leave the node are compressed and encrypted by the uploader instead.
+        flags = ["--compression=none", f"--image-path={image}"]
+        if leave_running:
+            flags.append("--leave-running")
+        self.control("checkpoint", *flags, sandbox_id, timeout=300.0)
 
     def kill(self, sandbox_id: str) -> None:
         self.control("kill", "--all", sandbox_id, "KILL", timeout=10.0)

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-user", default="0", help="user name or uid allowed to call the helper")
     parser.add_argument("--socket", type=pathlib.Path, default=None)
     parser.add_argument("--runsc", default="runsc")
-    parser.add_argument("--platform", default="systrap", choices=["systrap", "ptrace"])
+    parser.add_argument("--platform", default="ptrace", choices=["systrap", "ptrace"])
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("space-node-helper must run as root", file=sys.stderr)

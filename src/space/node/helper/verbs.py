@@ -248,21 +248,28 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     image.mkdir(parents=True)
     disk.parent.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
+    # Paused from the moment the state is saved until the disk snapshot is taken, so the memory image and
+    # the files are one consistent moment: whatever runsc flushes while saving is in the snapshot, and no
+    # process can write after it. `--leave-running` keeps the same runtime (and channel) afterwards.
     mark = time.monotonic()
-    ctx.runsc.checkpoint(container, image)  # the container stops once its state is saved
-    timings["checkpoint_ms"] = (time.monotonic() - mark) * 1000
-    mark = time.monotonic()
-    btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
-    timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
-    mark = time.monotonic()
-    ctx.runtimes.stop(sandbox_id)
-    timings["stop_ms"] = (time.monotonic() - mark) * 1000
+    ctx.runsc.pause(container)
+    try:
+        timings["pause_ms"] = (time.monotonic() - mark) * 1000
+        mark = time.monotonic()
+        ctx.runsc.checkpoint(container, image, leave_running=True)
+        timings["checkpoint_ms"] = (time.monotonic() - mark) * 1000
+        mark = time.monotonic()
+        btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
+        timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
+    finally:
+        mark = time.monotonic()
+        if ctx.runtimes.status(sandbox_id) == "paused":
+            ctx.runsc.resume(container)
+        timings["resume_ms"] = (time.monotonic() - mark) * 1000
     image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
     result: dict[str, Any] = {"image": str(image), "disk": str(disk), "image_bytes": image_bytes}
-    if params.keep_running:
-        mark = time.monotonic()
-        result["socket"] = ctx.runtimes.launch(sandbox_id, image)
-        timings["restore_spawn_ms"] = (time.monotonic() - mark) * 1000
+    if not params.keep_running:
+        ctx.runtimes.stop(sandbox_id)
     result["timings"] = timings
     return result
 
