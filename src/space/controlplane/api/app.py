@@ -14,13 +14,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -98,6 +99,11 @@ class Principal:
             raise errors.PermissionDenied(f"a {self.role} key may not do this (needs {needed})")
 
 
+AUTH_CACHE_S = 5.0  # a revoked key keeps working at most this long on other replicas
+RUNNING_CACHE_S = 1.0  # how long a data-plane request trusts that a sandbox it saw running still is
+ACTIVITY_DEBOUNCE_S = 1.0
+
+
 @dataclass
 class Services:
     store: Store
@@ -107,6 +113,15 @@ class Services:
     registry: CollectorRegistry
     requests: Counter
     latency: Histogram
+    # Hot-path caches of the data plane: the database is the truth, these only save round trips.
+    keys: dict[str, tuple[ApiKeyRecord, float]] = field(default_factory=dict)
+    projects: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    running: dict[tuple[str, str], tuple[SandboxRecord, float]] = field(default_factory=dict)
+    activity: dict[str, float] = field(default_factory=dict)
+
+    def forget(self, sandbox_id: str) -> None:
+        for cache_key in [k for k in self.running if k[1] == sandbox_id]:
+            self.running.pop(cache_key, None)
 
 
 def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
@@ -211,6 +226,7 @@ async def _housekeeping(services: Services) -> None:
                         and sb.desired_state == State.RUNNING
                         and idle > sb.idle_timeout_s
                     ):
+                        services.forget(sb.id)
                         await asyncio.to_thread(store.set_desired, sb.id, State.PAUSED, sb.generation)
                         services.reconciler.poke()
             await asyncio.to_thread(store.mark_lost, 15.0)
@@ -235,13 +251,26 @@ async def principal(
     services = _services(request)
     if not authorization or not authorization.startswith("Bearer "):
         raise errors.Unauthenticated("missing API key (Authorization: Bearer <key>)")
-    key = await asyncio.to_thread(services.store.authenticate, authorization.removeprefix("Bearer ").strip())
-    if key is None:
-        raise errors.Unauthenticated("unknown or revoked API key")
+    secret = authorization.removeprefix("Bearer ").strip()
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    cached = services.keys.get(digest)
+    now = time.monotonic()
+    if cached is not None and cached[1] > now:
+        key = cached[0]
+    else:
+        found = await asyncio.to_thread(services.store.authenticate, secret)
+        if found is None:
+            services.keys.pop(digest, None)
+            raise errors.Unauthenticated("unknown or revoked API key")
+        key = found
+        services.keys[digest] = (key, now + AUTH_CACHE_S)
     project_id = key.project_id
+    name = x_space_project or "default"
+    resolved = services.projects.get((key.org_id, name)) if project_id is None else None
+    if resolved is not None and resolved[1] > now:
+        project_id = resolved[0]
     if project_id is None:
         # An org-level key acts in the project named by X-Space-Project, else the org's "default" project.
-        name = x_space_project or "default"
         project = await asyncio.to_thread(services.store.get_project_by_name, key.org_id, name)
         if project is None and name.startswith("prj-"):
             project = await asyncio.to_thread(services.store.get_project, name)
@@ -250,6 +279,7 @@ async def principal(
         if project is None:
             raise errors.NotFound(f"project {name!r} not found")
         project_id = project.id
+        services.projects[(key.org_id, name)] = (project_id, now + AUTH_CACHE_S)
     return Principal(key, project_id)
 
 
@@ -283,7 +313,10 @@ async def _wait_settled(
             )
         if time.monotonic() > deadline:
             raise errors.Timeout(f"sandbox {sandbox_id} did not reach '{sb.desired_state}' in {timeout:.0f}s")
-        await asyncio.sleep(delay)
+        # Woken at once when this process's reconciler moves a sandbox; the timeout covers the work of other
+        # replicas, which only the database tells about.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(services.reconciler.changed.wait(), delay)
         delay = min(delay * 1.5, 0.1)
 
 
@@ -377,6 +410,7 @@ def _public_router(services: Services) -> APIRouter:
         sb = await _sandbox(services, who, sandbox_id)
 
         async def work() -> tuple[int, Any]:
+            services.forget(sb.id)
             updated = await asyncio.to_thread(store.set_desired, sb.id, State.DELETED)
             if wait:
                 updated = await _wait_settled(services, sb.id)
@@ -405,6 +439,7 @@ def _public_router(services: Services) -> APIRouter:
         snap = await asyncio.to_thread(store.get_snapshot, body.snapshot_id, project_id=who.project_id)
         if snap is None or snap.sandbox_id != sb.id:
             raise errors.NotFound(f"snapshot {body.snapshot_id} of sandbox {sandbox_id} not found")
+        services.forget(sb.id)
         sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLBACK)
         try:
             await services.nodes.client(_node_id(sb)).rollback(sb.id, snap.id)
@@ -509,6 +544,7 @@ def _public_router(services: Services) -> APIRouter:
             if current.desired_state != target:
                 # The table decides on the state the user sees; an already-wished request is a no-op.
                 transition(current.state, event)
+                services.forget(sb.id)
                 current = await asyncio.to_thread(store.set_desired, sb.id, target, current.generation)
             if wait:
                 return 200, sandbox_view(await _wait_settled(services, sb.id))
@@ -539,8 +575,12 @@ def _node_id(sb: SandboxRecord) -> str:
 
 async def _running(services: Services, who: Principal, sandbox_id: str) -> SandboxRecord:
     """The sandbox, running: a paused one is resumed first (transparently), others are refused by state."""
+    cached = services.running.get((who.project_id, sandbox_id))
+    if cached is not None and cached[1] > time.monotonic():
+        return cached[0]
     sb = await _sandbox(services, who, sandbox_id)
     if sb.state == State.RUNNING and sb.desired_state == State.RUNNING:
+        services.running[(who.project_id, sandbox_id)] = (sb, time.monotonic() + RUNNING_CACHE_S)
         return sb
     if sb.state in {State.PAUSED, State.PAUSING, State.RESUMING} or (
         sb.state == State.RUNNING and sb.desired_state == State.PAUSED
@@ -570,7 +610,10 @@ def _data_plane_routes(r: APIRouter, services: Services) -> None:
     ) -> Response:
         who.require("member" if mutating else "read-only")
         sb = await _running(services, who, sandbox_id)
-        await asyncio.to_thread(services.store.record_activity, sb.id)
+        now = time.monotonic()
+        if now - services.activity.get(sb.id, 0.0) > ACTIVITY_DEBOUNCE_S:
+            services.activity[sb.id] = now
+            await asyncio.to_thread(services.store.record_activity, sb.id)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_UPLOAD_BYTES:
             raise errors.TooLarge(f"upload of {length} bytes exceeds {MAX_UPLOAD_BYTES}")

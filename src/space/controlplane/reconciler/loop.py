@@ -96,6 +96,8 @@ class Reconciler:
         self.interval = interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: Set (and replaced) whenever this reconciler moved a sandbox: waiters re-read without polling.
+        self.changed = asyncio.Event()
 
     def poke(self) -> None:
         """Something changed (a request recorded a wish): look now instead of at the next tick."""
@@ -149,7 +151,16 @@ class Reconciler:
             sb = nxt
 
     async def _transition(self, sb: SandboxRecord, event: Event, **fields: object) -> SandboxRecord:
-        return await asyncio.to_thread(self.store.transition, sb.id, sb.state, sb.generation, event, **fields)
+        record = await asyncio.to_thread(
+            self.store.transition, sb.id, sb.state, sb.generation, event, **fields
+        )
+        self._notify()
+        return record
+
+    def _notify(self) -> None:
+        """Wake requests in this process that wait for a sandbox to settle (others poll the database)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     async def _advance(self, sb: SandboxRecord) -> SandboxRecord | None:
         if sb.state == State.DELETED:
@@ -198,6 +209,7 @@ class Reconciler:
                 retry_in_s=backoff(sb.attempts),
                 expected_generation=sb.generation,
             )
+            self._notify()
             return None
 
     async def _run_step(self, sb: SandboxRecord, step: Step) -> SandboxRecord:
