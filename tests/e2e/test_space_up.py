@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.cluster import free_port, processes_in, wait_for
-from tests.support.host import cgroups_under, loop_devices_for, mounts_under
+from tests.support.cluster import free_port, host_leftovers, sandbox_ids_in, wait_for
 
 pytestmark = pytest.mark.root
 
@@ -62,15 +61,6 @@ class Cli:
         return "\n".join(parts)
 
 
-def sandbox_ids_in(data_dir: pathlib.Path) -> set[str]:
-    found: set[str] = set()
-    for sub in ("fs/sandboxes", "run"):
-        root = data_dir / sub
-        if root.is_dir():
-            found.update(p.name for p in root.iterdir() if p.name.startswith("sb-"))
-    return found
-
-
 @pytest.fixture
 def cli(tmp_path: pathlib.Path) -> Iterator[Cli]:
     if os.geteuid() != 0:
@@ -85,13 +75,7 @@ def cli(tmp_path: pathlib.Path) -> Iterator[Cli]:
         seen = sandbox_ids_in(data_dir)
         down = made.run("down", "--data-dir", str(data_dir), "--purge", timeout=600, check=False)
         logs = made.logs()
-        prefix = str(data_dir)
-        left = {
-            "mounts": mounts_under(prefix),
-            "loop devices": loop_devices_for(prefix),
-            "processes": processes_in(data_dir),
-            "cgroups": [g for g in cgroups_under("space") if pathlib.Path(g).name.rsplit("-", 1)[0] in seen],
-        }
+        left = host_leftovers(data_dir, seen)
         remains = (
             sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob("*")) if data_dir.exists() else []
         )

@@ -167,6 +167,11 @@ def revoked_key(fake_cluster: c.Cluster) -> str:
     assert made.cluster.http(secret).get("/v1/sandboxes").status_code == 200
     answer = fake_cluster.http(fake_cluster.admin_key).delete(f"/v1/keys/{key_id}")
     assert answer.status_code == 204, answer.text
+    # A control plane may trust a key it has just seen for a few seconds (app.py AUTH_CACHE_S, meant for
+    # *other* replicas); once that has passed the key must be refused everywhere. Whether the replica that
+    # revoked it refuses it at once is test_revocation_takes_effect_at_once.
+    client = made.cluster.http(secret)
+    c.wait_for(lambda: client.get("/v1/sandboxes").status_code == 401, timeout=15, what="revoked key refused")
     return secret
 
 
@@ -307,6 +312,7 @@ def test_project_admins_manage_only_their_own_keys(
 
 
 def test_revocation_takes_effect_at_once(fake_cluster: c.Cluster, project: c.Project) -> None:
+    """On the control plane that revoked it, a key stops working with the 204 (one replica here)."""
     key_id, secret = project.new_key("member")
     client = fake_cluster.http(secret)
     assert client.get("/v1/sandboxes").status_code == 200

@@ -154,7 +154,7 @@ def test_idle_timeout_pauses_and_the_next_exec_resumes(fake_cluster: c.Cluster, 
         assert sb.exec("echo back").stdout == "back\n"
         settled(fake_cluster, sb, "running")
         # Activity keeps it running: while requests keep coming, it is never paused.
-        deadline = time.monotonic() + 4
+        deadline = time.monotonic() + 3  # longer than the idle timeout
         while time.monotonic() < deadline:
             assert sb.exec("true").exit_code == 0
             assert fake_cluster.store.load_sandbox(sb.id).desired_state == "running"  # type: ignore[union-attr]

@@ -47,6 +47,7 @@ HANDLERS: dict[str, tuple[str, str]] = {
     "sys.info": (__name__, "sys_info"),
     "sys.sync": (__name__, "sys_sync"),
     "sys.reseed": (__name__, "sys_reseed"),
+    "sys.configure": (__name__, "sys_configure"),
     "process.start": ("space.guest.processes", "process_start"),
     "process.attach": ("space.guest.processes", "process_attach"),
     "process.input": ("space.guest.processes", "process_input"),
@@ -330,6 +331,20 @@ def sys_reseed(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, 
     random.seed(entropy + os.urandom(32))
     daemon.boot_id = os.urandom(16).hex()
     return {}
+
+
+def sys_configure(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    """Set environment variables every later process inherits (a sandbox started from a template's
+    checkpoint gets its own env this way, since its daemon's environment came with the checkpoint)."""
+    env = params.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in env.items()
+    ):
+        raise GuestError("invalid_argument", "'env' must map variable names to strings")
+    os.environ.update(env)
+    daemon.processes.set_base_environment(env)
+    return {"env": sorted(env)}
 
 
 # --- start-up --------------------------------------------------------------------------------------------

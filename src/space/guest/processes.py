@@ -293,6 +293,10 @@ class ProcessTable:
         self._processes: dict[str, Process] = {}
         self._base_env = _base_environment()
 
+    def set_base_environment(self, env: dict[str, str]) -> None:
+        """Variables every later process inherits (sys.configure)."""
+        self._base_env.update(env)
+
     def get(self, process_id: Any) -> Process:
         if not isinstance(process_id, str):
             raise GuestError("invalid_argument", "'process_id' must be a string")

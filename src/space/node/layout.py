@@ -60,6 +60,10 @@ class NodeLayout:
     def template(self, name: str) -> pathlib.Path:
         return self.templates / name
 
+    def warm(self, template: str) -> pathlib.Path:
+        """A template's warm start: a checkpoint of a booted sandbox of it (image, disk, config)."""
+        return self.templates / ".warm" / template
+
     def bundle(self, sandbox_id: str) -> pathlib.Path:
         return self.sandboxes / sandbox_id
 

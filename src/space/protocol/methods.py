@@ -13,6 +13,7 @@ sys.info     {}                                   -> {"boot_id", "pid", "uptime"
                                                       "idle_seconds", "running_processes", "protocol"}
 sys.sync     {}                                   -> {}   flush file data (before a disk snapshot)
 sys.reseed   {"entropy": hex str}                 -> {}   after a restore: new randomness, new tokens
+sys.configure {"env": {str: str}}                 -> {"env": [names]}  env inherited by later processes
 process.start {"argv": [str] | "cmd": str, "env": {str: str}, "cwd": str, "user": str|int,
                "timeout": float, "pty": {"rows", "cols"}, "stdin": bool, "background": bool,
                "tag": str}
@@ -74,6 +75,7 @@ SYS_PING = "sys.ping"
 SYS_INFO = "sys.info"
 SYS_SYNC = "sys.sync"
 SYS_RESEED = "sys.reseed"
+SYS_CONFIGURE = "sys.configure"
 PROCESS_START = "process.start"
 PROCESS_ATTACH = "process.attach"
 PROCESS_INPUT = "process.input"

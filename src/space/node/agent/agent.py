@@ -89,6 +89,27 @@ class NodeAgent:
         await self.driver.prepare(progress)
         for name in templates:
             await self.driver.ensure_template(name, progress)
+            await self.ensure_warm(name, progress)
+
+    async def ensure_warm(self, template: str, progress: Progress | None = None) -> None:
+        """Give `template` a warm start: boot one sandbox of it, let its daemon finish initialising, take a
+        full checkpoint, and hand that to the driver. Later creates restore it instead of booting."""
+        if not self.driver.warm_supported or await self.driver.warm_ready(template):
+            return
+        if progress is not None:
+            progress(f"preparing the warm start of template {template}")
+        handle = await self.create(template, warm=False)
+        try:
+            session = handle.session
+            await session.processes()  # loads the daemon's process code, as the first exec would
+            await session.stat("/")  # and its file code
+            record = await self.checkpoint(handle.sandbox_id)
+            await self._close_channel(handle)
+            await self.driver.adopt_warm(template, handle.sandbox_id, record.snapshot_id)
+        finally:
+            self.sandboxes.pop(handle.sandbox_id, None)
+            with contextlib.suppress(errors.SpaceError):
+                await self.driver.destroy(handle.sandbox_id)
 
     async def recover(self) -> list[str]:
         """Adopt what the node already runs (after an agent restart); returns the adopted ids."""
@@ -139,6 +160,7 @@ class NodeAgent:
         limits: SandboxLimits | None = None,
         env: dict[str, str] | None = None,
         sandbox_id: str | None = None,
+        warm: bool = True,
     ) -> SandboxHandle:
         spec = SandboxSpec(
             sandbox_id=sandbox_id or new_sandbox_id(),
@@ -153,8 +175,16 @@ class NodeAgent:
         async with handle.lock:
 
             async def effect() -> None:
-                await self.driver.create(spec)
-                handle.attach(await self.driver.start(spec.sandbox_id))
+                channel = await self.driver.create_warm(spec) if warm and self.driver.warm_supported else None
+                if channel is None:
+                    await self.driver.create(spec)
+                    handle.attach(await self.driver.start(spec.sandbox_id))
+                    return
+                handle.attach(channel)
+                # Restored from the template's checkpoint: its own randomness and its own environment.
+                await handle.session.reseed()
+                if spec.env:
+                    await handle.session.configure(spec.env)
 
             try:
                 await self._step(handle, Event.CREATE, Event.CREATED, effect)

@@ -72,6 +72,9 @@ class GuestSession:
     async def reseed(self) -> None:
         await self.channel.call(m.SYS_RESEED, {"entropy": secrets.token_hex(64)})
 
+    async def configure(self, env: Mapping[str, str]) -> None:
+        await self.channel.call(m.SYS_CONFIGURE, {"env": dict(env)})
+
     # -- processes ----------------------------------------------------------------------------------------
     async def exec(
         self,

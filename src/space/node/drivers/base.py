@@ -51,6 +51,8 @@ class Driver(abc.ABC):
     name: str = "abstract"
     #: True only for drivers that give a sandbox its own kernel; the fake driver says False loudly.
     isolating: bool = True
+    #: Whether create_warm/adopt_warm work (templates can start from a checkpoint instead of booting).
+    warm_supported: bool = False
 
     @abc.abstractmethod
     async def prepare(self, progress: Progress | None = None) -> None:
@@ -63,6 +65,19 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> None:
         """Give the sandbox its root filesystem and runtime configuration; nothing runs yet."""
+
+    async def create_warm(self, spec: SandboxSpec) -> GuestChannel | None:
+        """Create and start the sandbox from its template's warm checkpoint, if the driver has one; None
+        means "no warm start here": the caller uses create() and start()."""
+        return None
+
+    async def warm_ready(self, template: str) -> bool:
+        return False
+
+    async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
+        """Make a full checkpoint of a freshly booted sandbox of `template` its warm start (the sandbox is
+        consumed)."""
+        raise NotImplementedError(f"{self.name} has no warm starts")
 
     @abc.abstractmethod
     async def start(self, sandbox_id: str) -> GuestChannel:

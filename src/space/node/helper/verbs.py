@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import pathlib
 import shutil
@@ -72,11 +73,18 @@ class SandboxParams(Params):
     sandbox_id: SandboxId
 
 
+class AdoptWarmParams(Params):
+    name: TemplateName
+    sandbox_id: SandboxId
+    snapshot_id: SnapshotId
+
+
 class CreateParams(Params):
     sandbox_id: SandboxId
     template: TemplateName = "python"
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+    warm: bool = False  # start from the template's warm checkpoint when it has one (create + start)
 
 
 class SnapshotParams(Params):
@@ -195,8 +203,10 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
     argv, env = _init_argv_env(ctx, params.template)
     if btrfs.is_subvolume(rootfs):
         raise errors.AlreadyExists(f"sandbox {params.sandbox_id} already has a root filesystem")
+    warm = ctx.layout.warm(params.template)
+    use_warm = params.warm and _warm_ready(ctx, params.template)
     bundle.mkdir(parents=True, exist_ok=True)
-    btrfs.snapshot(template_path, rootfs, readonly=False)
+    btrfs.snapshot(warm / "rootfs" if use_warm else template_path, rootfs, readonly=False)
     btrfs.set_limit(rootfs, params.limits.disk_mb << 20)
     (bundle / "limits.json").write_text(params.limits.model_dump_json())
     (bundle / "spec.json").write_text(json.dumps({"template": params.template, "env": params.env}))
@@ -204,7 +214,63 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
         rootfs=rootfs, init_argv=argv, init_env={**env, **params.env}, limits=params.limits
     )
     oci.write_bundle_config(bundle, config)
+    if use_warm:
+        # Restored, not booted: the daemon comes up already initialised, so the sandbox answers sooner. The
+        # config above (with the caller's env) is what a later `start` boots with.
+        return {"bundle": str(bundle), "socket": ctx.runtimes.launch(params.sandbox_id, warm / "image")}
     return {"bundle": str(bundle)}
+
+
+def _template_stamp(ctx: HelperContext, template: str) -> str:
+    """Changes whenever the template is rebuilt (its metadata file is rewritten last on every build)."""
+    meta = ctx.layout.templates / f"{template}.json"
+    try:
+        return hashlib.sha256(meta.read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def _warm_ready(ctx: HelperContext, template: str) -> bool:
+    try:
+        info = json.loads((ctx.layout.warm(template) / "warm.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(info.get("template_stamp")) and info.get("template_stamp") == _template_stamp(ctx, template)
+
+
+def template_warm_status(ctx: HelperContext, params: TemplateParams, _progress: Progress) -> dict[str, Any]:
+    return {"name": params.name, "ready": _warm_ready(ctx, params.name)}
+
+
+def template_adopt_warm(ctx: HelperContext, params: AdoptWarmParams, progress: Progress) -> dict[str, Any]:
+    """Turn a full checkpoint of a freshly booted sandbox of the template into the template's warm start,
+    then destroy that sandbox. warm.json is written last: a half-adopted warm start is never used."""
+    image = ctx.layout.checkpoint_image(params.sandbox_id, params.snapshot_id)
+    disk = ctx.layout.snapshot(params.sandbox_id, params.snapshot_id)
+    if not image.is_dir() or not btrfs.is_subvolume(disk):
+        raise errors.NotFound(f"checkpoint {params.snapshot_id} of {params.sandbox_id} is not on this node")
+    with ctx.lock(f"template:{params.name}"):
+        warm = ctx.layout.warm(params.name)
+        _discard_warm(ctx, params.name)
+        warm.mkdir(parents=True)
+        with ctx.lock(params.sandbox_id):
+            ctx.runtimes.stop(params.sandbox_id)
+            image.rename(warm / "image")
+            btrfs.snapshot(disk, warm / "rootfs", readonly=True)  # a read-only subvolume cannot be moved
+            shutil.copy2(ctx.layout.bundle(params.sandbox_id) / "config.json", warm / "config.json")
+            sandbox_destroy(ctx, SandboxParams(sandbox_id=params.sandbox_id), progress)
+        (warm / "warm.json").write_text(json.dumps({"template_stamp": _template_stamp(ctx, params.name)}))
+    return {"name": params.name, "ready": True}
+
+
+def _discard_warm(ctx: HelperContext, template: str) -> None:
+    warm = ctx.layout.warm(template)
+    if not warm.exists():
+        return
+    (warm / "warm.json").unlink(missing_ok=True)
+    if btrfs.is_subvolume(warm / "rootfs"):
+        btrfs.delete_subvolume(warm / "rootfs")
+    shutil.rmtree(warm, ignore_errors=True)
 
 
 def sandbox_start(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
@@ -468,6 +534,8 @@ VERBS: dict[str, Verb] = {
         Verb("node.teardown", NoParams, node_teardown),
         Verb("template.ensure", TemplateParams, template_ensure),
         Verb("template.receive", TemplateReceiveParams, template_receive),
+        Verb("template.warm_status", TemplateParams, template_warm_status),
+        Verb("template.adopt_warm", AdoptWarmParams, template_adopt_warm),
         Verb("sandbox.create", CreateParams, sandbox_create, sandbox_scoped=True),
         Verb("sandbox.start", SandboxParams, sandbox_start, sandbox_scoped=True),
         Verb("sandbox.pause", SandboxParams, sandbox_pause, sandbox_scoped=True),
