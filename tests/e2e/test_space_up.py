@@ -79,7 +79,8 @@ def cli(tmp_path: pathlib.Path) -> Iterator[Cli]:
         remains = (
             sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob("*")) if data_dir.exists() else []
         )
-        shutil.rmtree(data_dir, ignore_errors=True)
+        if not left["mounts"]:  # never recurse into a mount left behind: leave it for a post-mortem
+            shutil.rmtree(data_dir, ignore_errors=True)
         assert down.returncode == 0, down.stderr.decode(errors="replace") + logs
         assert {k: v for k, v in left.items() if v} == {}, f"left behind by `space down --purge`: {left}"
         assert remains == [], f"files left in the data directory after --purge: {remains[:20]}"

@@ -55,7 +55,8 @@ class Route:
         kwargs: dict[str, Any] = {"json": body} if isinstance(body, dict) else {"content": body}
         if self.stream:
             with client.stream(self.method, path, **kwargs) as answer:
-                answer.read() if answer.status_code >= 400 else None
+                if answer.status_code >= 400:
+                    answer.read()  # an error is small; a success streams for ever: only its status counts
                 return answer
         return client.request(self.method, path, **kwargs)
 

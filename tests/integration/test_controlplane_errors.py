@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from space.core.ids import new_sandbox_id, new_snapshot_id
+from space.sdk import InvalidState
 from tests.support import cluster as c
 
 fake_cluster = c.fake_cluster
@@ -178,8 +179,6 @@ def test_a_refused_transition_names_the_current_state(fake_cluster: c.Cluster, s
     # Also through the data plane and for the SDK's typed error.
     error = error_of(client.post(f"/v1/sandboxes/{setup.stopped}/exec", json={"cmd": "true"}))
     assert error["details"]["state"] == "stopped", error
-    from space.sdk import InvalidState
-
     with setup.project.sdk() as sp, pytest.raises(InvalidState) as raised:
         sp.sandboxes.get(setup.stopped).pause()
     assert raised.value.state == "stopped"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 CHANNEL_FD_MIN = 100  # the channel's fds sit above anything a library or child expects to find
 READ_SIZE = 1 << 20
 RECENT_STREAMS = 4096
+MAX_IDLE_WORKERS = 8
 BODY_METHODS = frozenset({"process.start", "process.input", "files.write"})
 
 # method -> (module, function); modules are imported on first use to keep start-up fast.
@@ -85,6 +87,9 @@ class Daemon:
         self._recent_order: deque[int] = deque()
         self._lock = threading.Lock()
         self._processes: ProcessTable | None = None
+        self._pool_lock = threading.Lock()
+        self._idle_workers = 0
+        self._jobs: queue.SimpleQueue[tuple[Call, tuple[str, str], dict[str, Any]]] = queue.SimpleQueue()
 
     # --- shared state for handlers -------------------------------------------------------------------
 
@@ -247,9 +252,26 @@ class Daemon:
         with self._lock:
             self._calls[stream] = call
             self._recent.discard(stream)
-        threading.Thread(
-            target=self._run_call, args=(call, target, params), name=f"call-{stream}", daemon=True
-        ).start()
+        self._submit((call, target, params))
+
+    def _submit(self, job: tuple[Call, tuple[str, str], dict[str, Any]]) -> None:
+        """Hand the call to an idle worker thread, or start one: creating a thread per call costs a few
+        hundred microseconds inside a sandbox, more than a whole small call."""
+        with self._pool_lock:
+            if self._idle_workers > 0:
+                self._idle_workers -= 1
+                self._jobs.put(job)
+                return
+        threading.Thread(target=self._worker, args=(job,), name="call-worker", daemon=True).start()
+
+    def _worker(self, job: tuple[Call, tuple[str, str], dict[str, Any]]) -> None:
+        while True:
+            self._run_call(*job)
+            with self._pool_lock:
+                if self._idle_workers >= MAX_IDLE_WORKERS:
+                    return
+                self._idle_workers += 1  # each put() above is matched by exactly one idle worker
+            job = self._jobs.get()
 
     def _run_call(self, call: Call, target: tuple[str, str], params: dict[str, Any]) -> None:
         try:

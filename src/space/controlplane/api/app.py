@@ -99,6 +99,8 @@ class Principal:
             raise errors.PermissionDenied(f"a {self.role} key may not do this (needs {needed})")
 
 
+NODE_LOST_AFTER_S = 15.0
+IDEMPOTENCY_STALE_S = 15.0  # an in-progress request not heard of for this long died with its process
 AUTH_CACHE_S = 5.0  # a revoked key keeps working at most this long on other replicas
 RUNNING_CACHE_S = 1.0  # how long a data-plane request trusts that a sandbox it saw running still is
 ACTIVITY_DEBOUNCE_S = 1.0
@@ -211,30 +213,44 @@ def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) ->
 
 
 async def _housekeeping(services: Services) -> None:
-    """Idle sandboxes get paused, lost nodes get marked, orphans on nodes get removed."""
+    """Idle sandboxes get paused and lost nodes marked every second; orphans on nodes are collected in a
+    loop of their own, so a hung node cannot hold up the rest."""
+
+    async def every(period: float, work: Callable[[], Awaitable[object]], what: str) -> None:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await work()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("housekeeping: %s failed", what)
+
+    await asyncio.gather(
+        every(1.0, lambda: _pause_idle(services), "pausing idle sandboxes"),
+        every(
+            1.0, lambda: asyncio.to_thread(services.store.mark_lost, NODE_LOST_AFTER_S), "marking lost nodes"
+        ),
+        every(5.0, services.reconciler.collect_orphans, "collecting orphans"),
+    )
+
+
+async def _pause_idle(services: Services) -> None:
     store = services.store
-    while True:
-        await asyncio.sleep(1.0)
-        try:
-            now = store.now()
-            for node in await asyncio.to_thread(store.list_nodes, "ready"):
-                for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
-                    idle = (now - sb.last_activity_at).total_seconds()
-                    if (
-                        sb.idle_timeout_s
-                        and sb.state == State.RUNNING
-                        and sb.desired_state == State.RUNNING
-                        and idle > sb.idle_timeout_s
-                    ):
-                        services.forget(sb.id)
-                        await asyncio.to_thread(store.set_desired, sb.id, State.PAUSED, sb.generation)
-                        services.reconciler.poke()
-            await asyncio.to_thread(store.mark_lost, 15.0)
-            await services.reconciler.collect_orphans()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("housekeeping round failed")
+    now = store.now()
+    for node in await asyncio.to_thread(store.list_nodes, "ready"):
+        for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
+            idle = (now - sb.last_activity_at).total_seconds()
+            if (
+                sb.idle_timeout_s
+                and sb.state == State.RUNNING
+                and sb.desired_state == State.RUNNING
+                and idle > sb.idle_timeout_s
+            ):
+                services.forget(sb.id)
+                with contextlib.suppress(errors.Conflict, errors.InvalidState):
+                    await asyncio.to_thread(store.set_desired, sb.id, State.PAUSED, sb.generation)
+                services.reconciler.poke()
 
 
 # -- authentication ------------------------------------------------------------------------------------------
@@ -345,6 +361,7 @@ async def _idempotent(
         if time.monotonic() > deadline:
             raise errors.Conflict("a request with this Idempotency-Key is still in progress", key=key)
         await asyncio.sleep(0.05)  # a concurrent twin is working: wait for its answer
+    keeper = asyncio.create_task(_keep_claimed(services, scope, key))
     try:
         status, body = await work()
     except errors.SpaceError as exc:
@@ -355,8 +372,19 @@ async def _idempotent(
     except BaseException:
         await asyncio.to_thread(services.store.abandon_idempotent, scope, key)
         raise
+    finally:
+        keeper.cancel()
     await asyncio.to_thread(services.store.finish_idempotent, scope, key, status, body)
     return JSONResponse(body, status_code=status)
+
+
+async def _keep_claimed(services: Services, scope: str, key: str) -> None:
+    """Refresh an in-progress idempotency record while its request works, so that the record of a request
+    whose process died goes stale quickly and a retry takes it over (IDEMPOTENCY_STALE_S)."""
+    while True:
+        await asyncio.sleep(IDEMPOTENCY_STALE_S / 3)
+        with contextlib.suppress(errors.SpaceError):
+            await asyncio.to_thread(services.store.touch_idempotent, scope, key)
 
 
 IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=128)]
@@ -407,9 +435,11 @@ def _public_router(services: Services) -> APIRouter:
         sandbox_id: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
     ) -> JSONResponse:
         who.require("member")
-        sb = await _sandbox(services, who, sandbox_id)
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
 
         async def work() -> tuple[int, Any]:
+            # Looked up inside: a replay of a finished DELETE must get its first answer, not a 404.
+            sb = await _sandbox(services, who, sandbox_id)
             services.forget(sb.id)
             updated = await asyncio.to_thread(store.set_desired, sb.id, State.DELETED)
             if wait:
@@ -536,9 +566,10 @@ def _public_router(services: Services) -> APIRouter:
         if action not in lifecycle_targets:
             raise errors.NotFound(f"no action {action!r}")
         event, target = lifecycle_targets[action]
-        sb = await _sandbox(services, who, sandbox_id)
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
 
         async def work() -> tuple[int, Any]:
+            sb = await _sandbox(services, who, sandbox_id)
             current = await asyncio.to_thread(store.load_sandbox, sb.id)
             assert current is not None
             if current.desired_state != target:

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 STATUS_BY_CODE: dict[str, int] = {
     errors.InvalidArgument.code: 400,
+    "validation_error": 422,  # relayed from a node's own request validation
     errors.Unauthenticated.code: 401,
     errors.PermissionDenied.code: 403,
     errors.NotFound.code: 404,

@@ -35,10 +35,11 @@ from space.node.rpc_client import NodeClient
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0
+LEASE_S = 8.0
 BATCH = 16
 MAX_BACKOFF_S = 30.0
 ORPHAN_GRACE_S = 60.0
+NODE_CALL_TIMEOUT_S = 5.0
 PERMANENT = (errors.InvalidArgument, errors.InvalidState, errors.PermissionDenied, errors.TooLarge)
 
 NodeCall = Callable[[NodeClient, str], Awaitable[object]]
@@ -131,6 +132,7 @@ class Reconciler:
         return len(claimed)
 
     async def _work(self, record: SandboxRecord) -> None:
+        renewer = asyncio.create_task(self._renew(record.id))
         try:
             await self.reconcile(record)
         except errors.Conflict:
@@ -138,8 +140,17 @@ class Reconciler:
         except Exception:
             log.exception("reconciling %s failed unexpectedly", record.id)
         finally:
+            renewer.cancel()
             with contextlib.suppress(errors.SpaceError):
                 await asyncio.to_thread(self.store.release, record.id, self.owner)
+
+    async def _renew(self, sandbox_id: str) -> None:
+        """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
+        work is taken over within LEASE_S."""
+        while True:
+            await asyncio.sleep(LEASE_S / 3)
+            with contextlib.suppress(errors.SpaceError):
+                await asyncio.to_thread(self.store.renew, sandbox_id, self.owner, LEASE_S)
 
     # -- one sandbox ----------------------------------------------------------------------------------------
     async def reconcile(self, sb: SandboxRecord) -> None:
@@ -261,9 +272,9 @@ class Reconciler:
         for node in await asyncio.to_thread(self.store.list_nodes, "ready"):
             client = self.nodes.client(node.id)
             try:
-                observed = await client.list_sandboxes(guest=False)
-            except errors.SpaceError:
-                continue
+                observed = await asyncio.wait_for(client.list_sandboxes(guest=False), NODE_CALL_TIMEOUT_S)
+            except (errors.SpaceError, TimeoutError):
+                continue  # a hung node is the lost-node detector's business, not a reason to stall here
             for item in observed.sandboxes:
                 if time.time() - item.created_at < ORPHAN_GRACE_S:
                     continue  # its record may still be on its way (e.g. a fork in flight)

@@ -1054,6 +1054,21 @@ class Store:
                 return IdempotentBegin("in_progress", view)
         raise Conflict("this Idempotency-Key is changing concurrently; retry", key=key)
 
+    def touch_idempotent(self, scope: str, key: str) -> bool:
+        """The request holding an in-progress key is still alive: push its staleness horizon forward."""
+        statement = (
+            update(IdempotencyRecord)
+            .where(
+                IdempotencyRecord.scope == scope,
+                IdempotencyRecord.key == key,
+                IdempotencyRecord.status_code.is_(None),
+            )
+            .values(created_at=self.now())
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx("refreshing an idempotent request") as session:
+            return _rowcount(session.execute(statement)) == 1
+
     def finish_idempotent(self, scope: str, key: str, status_code: int, body: Any) -> None:
         """Store the answer of the request begun with "new"; later begins replay it."""
         statement = (

@@ -93,7 +93,7 @@ class FakeDriver(Driver):
         proc = self.processes.get(sandbox_id)
         if proc is None or proc.returncode is not None:
             raise errors.InvalidState(f"sandbox {sandbox_id} is not running", state="stopped")
-        os.killpg(proc.pid, sig)
+        _signal_tree(proc.pid, sig)
 
     async def pause(self, sandbox_id: str) -> None:
         self._signal(sandbox_id, signal.SIGSTOP)
@@ -172,8 +172,7 @@ class FakeDriver(Driver):
         self.paused.discard(sandbox_id)
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _signal_tree(proc.pid, signal.SIGKILL)
         await proc.wait()
 
     async def stop(self, sandbox_id: str) -> None:
@@ -201,3 +200,26 @@ class FakeDriver(Driver):
     async def close(self) -> None:
         for sandbox_id in list(self.processes):
             await self._kill(sandbox_id)
+
+
+def _signal_tree(root: int, sig: signal.Signals) -> None:
+    """Signal the daemon and every process below it: spaced gives each process its own session, so its
+    process group alone would miss them (the daemon is their subreaper, so orphans stay below it too)."""
+    children: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    pending, seen = [root], []
+    while pending:
+        pid = pending.pop()
+        seen.append(pid)
+        pending.extend(children.get(pid, []))
+    for pid in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
