@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from space.controlplane.reconciler.loop import process_start_time
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.records import NodeRecord, SandboxRecord
@@ -161,8 +162,8 @@ class ControlPlane(Service):
 
     @property
     def owner(self) -> str:
-        """The reconciler's lease owner name in this process (Reconciler's default)."""
-        return f"{socket.gethostname()}:{self.pid}"
+        """The reconciler's lease owner name in this process (Reconciler's default: host, pid, start time)."""
+        return f"{socket.gethostname()}:{self.pid}:{process_start_time(self.pid)}"
 
     def healthy(self) -> bool:
         self.check_alive()

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -100,7 +101,7 @@ class Principal:
 
 
 NODE_LOST_AFTER_S = 15.0
-IDEMPOTENCY_STALE_S = 15.0  # an in-progress request not heard of for this long died with its process
+IDEMPOTENCY_STALE_S = 3.0  # an in-progress request not heard of for this long died with its process
 AUTH_CACHE_S = 5.0  # a revoked key keeps working at most this long on other replicas
 RUNNING_CACHE_S = 1.0  # how long a data-plane request trusts that a sandbox it saw running still is
 ACTIVITY_DEBOUNCE_S = 1.0
@@ -352,7 +353,7 @@ async def _idempotent(
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     while True:
         begun = await asyncio.to_thread(
-            services.store.begin_idempotent, scope, key, digest, stale_after_s=300.0
+            services.store.begin_idempotent, scope, key, digest, stale_after_s=IDEMPOTENCY_STALE_S
         )
         if begun.outcome == "replay":
             return JSONResponse(begun.body, status_code=int(begun.status_code or 200))
@@ -376,6 +377,11 @@ async def _idempotent(
         keeper.cancel()
     await asyncio.to_thread(services.store.finish_idempotent, scope, key, status, body)
     return JSONResponse(body, status_code=status)
+
+
+def _derived_sandbox_id(scope: str, key: str) -> str:
+    digest = hashlib.sha256(f"{scope}\0{key}".encode()).digest()[:16]
+    return "sb-" + base64.b32encode(digest).decode().lower().rstrip("=")
 
 
 async def _keep_claimed(services: Services, scope: str, key: str) -> None:
@@ -403,16 +409,25 @@ def _public_router(services: Services) -> APIRouter:
                 "egress policies and credentials are not available yet", field="allow"
             )
 
+        # With an Idempotency-Key the id is derived from it: a retry that takes over the key of a request
+        # that died mid-way finds the sandbox that request recorded instead of making a second one.
+        sandbox_id = _derived_sandbox_id(who.key.id, idem) if idem else None
+
         async def work() -> tuple[int, Any]:
-            sb = await asyncio.to_thread(
-                store.create_sandbox,
-                who.project_id,
-                body.template,
-                body.env,
-                body.limits,
-                idle_timeout_s=body.idle_timeout_s,
-                ttl_s=body.ttl_s,
-            )
+            try:
+                sb = await asyncio.to_thread(
+                    store.create_sandbox,
+                    who.project_id,
+                    body.template,
+                    body.env,
+                    body.limits,
+                    idle_timeout_s=body.idle_timeout_s,
+                    ttl_s=body.ttl_s,
+                    sandbox_id=sandbox_id,
+                )
+            except errors.AlreadyExists:
+                assert sandbox_id is not None
+                sb = await _sandbox(services, who, sandbox_id)
             if body.wait:
                 sb = await _wait_settled(services, sb.id)
             else:
@@ -543,6 +558,9 @@ def _public_router(services: Services) -> APIRouter:
         await asyncio.to_thread(
             store.revoke_key, key_id, org_id=who.key.org_id, project_id=who.key.project_id
         )
+        for digest, (cached, _until) in list(services.keys.items()):
+            if cached.id == key_id:
+                services.keys.pop(digest, None)  # at once here; other replicas within AUTH_CACHE_S
         return Response(status_code=204)
 
     _data_plane_routes(r, services)
@@ -709,9 +727,8 @@ async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) 
         who.require("member")
         sb = await _running(services, who, sandbox_id)
     except errors.SpaceError as exc:
-        await websocket.close(
-            code=4000 + min(api_errors.status_for(exc), 999) % 1000, reason=exc.message[:120]
-        )
+        # Refused before the handshake completes: the client sees the real status and error body.
+        await websocket.send_denial_response(api_errors.error_response(exc))
         return
     await websocket.accept()
     node = services.nodes.client(_node_id(sb))

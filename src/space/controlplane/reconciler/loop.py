@@ -93,7 +93,7 @@ class Reconciler:
     ) -> None:
         self.store = store
         self.nodes = nodes
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{process_start_time(os.getpid())}"
         self.interval = interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -104,7 +104,25 @@ class Reconciler:
         """Something changed (a request recorded a wish): look now instead of at the next tick."""
         self._wake.set()
 
+    async def free_dead_leases(self) -> list[str]:
+        """Leases of control planes on this host whose process is gone (same pid *and* start time) are
+        freed at once instead of waiting LEASE_S; other hosts' leases simply expire."""
+        freed = []
+        host = socket.gethostname()
+        for owner in await asyncio.to_thread(self.store.lease_owners):
+            parts = owner.split(":")
+            if len(parts) != 3 or parts[0] != host or owner == self.owner or not parts[1].isdigit():
+                continue
+            if process_start_time(int(parts[1])) != parts[2]:
+                await asyncio.to_thread(self.store.clear_leases, owner)
+                freed.append(owner)
+        return freed
+
     async def run_forever(self) -> None:
+        with contextlib.suppress(errors.SpaceError):
+            freed = await self.free_dead_leases()
+            if freed:
+                log.info("freed the leases of dead control planes: %s", ", ".join(freed))
         while True:
             try:
                 worked = await self.run_once()
@@ -284,3 +302,13 @@ class Reconciler:
                         await client.delete_sandbox(item.id)
                         removed.append(item.id)
         return removed
+
+
+def process_start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot ("" if it does not exist): with the pid, it names
+    one process uniquely even when pids are reused."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - tiny read
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]

@@ -776,6 +776,24 @@ class Store:
             rows.sort(key=lambda r: (r.next_attempt_at, r.id))
             return [_sandbox(row) for row in rows]
 
+    def lease_owners(self) -> list[str]:
+        """Owners currently holding unexpired leases."""
+        now = self.now()
+        query = select(Sandbox.lease_owner).where(Sandbox.lease_owner.is_not(None), Sandbox.lease_until > now)
+        with self._tx("listing lease owners") as session:
+            return sorted({owner for owner in session.scalars(query.distinct()) if owner})
+
+    def clear_leases(self, owner: str) -> int:
+        """Free every lease of `owner` (a process known to be dead), so its work is taken over at once."""
+        statement = (
+            update(Sandbox)
+            .where(Sandbox.lease_owner == owner)
+            .values(lease_owner=None, lease_until=None)
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx("clearing a dead owner's leases") as session:
+            return _rowcount(session.execute(statement))
+
     def renew(self, sandbox_id: str, owner: str, lease_s: float) -> bool:
         """Extend `owner`'s lease; False if the lease now belongs to someone else (stop working on it)."""
         until = self.now() + _seconds(lease_s, "lease_s")
