@@ -12,8 +12,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from alembic import command
@@ -50,11 +52,27 @@ def current_revision(connection: Connection) -> str | None:
     return MigrationContext.configure(connection).get_current_revision()
 
 
+@contextlib.contextmanager
+def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
+    """SQLite: migrations of one database file run one at a time (a lock file beside it), so a second
+    process waits for the first instead of timing out on the database lock during a long upgrade."""
+    database = engine.url.database
+    if engine.dialect.name != "sqlite" or not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.migrate.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _run_locked(url_or_engine: str | URL | Engine, what: str, step: Callable[[Config], None]) -> None:
     owned = not isinstance(url_or_engine, Engine)
     engine = make_engine(url_or_engine) if not isinstance(url_or_engine, Engine) else url_or_engine
     try:
-        with translate_db_errors(what), engine.begin() as connection:
+        with translate_db_errors(what), _sqlite_file_lock(engine), engine.begin() as connection:
             if connection.dialect.name == "postgresql":
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
             step(alembic_config(connection))
