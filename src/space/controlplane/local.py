@@ -134,7 +134,7 @@ class LocalCluster:
             "agent",
             [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
              "--listen", f"127.0.0.1:{self.node_port}", "--token-file", str(self.data_dir / "node.token"),
-             "--control-plane", self.url, "--no-prepare"],
+             "--control-plane", self.url],  # prepares (idempotent): also the warm starts
             user=(uid, gid),
         )  # fmt: skip
         del node_token

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WAIT_TIMEOUT_S = 120.0
 MAX_UPLOAD_BYTES = 8 << 30
+SMALL_BODY_BYTES = 64 << 10
 
 
 # -- request bodies ------------------------------------------------------------------------------------------
@@ -669,13 +670,23 @@ def _data_plane_routes(r: APIRouter, services: Services) -> None:
         node = services.nodes.client(_node_id(sb))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         has_body = request.method in {"POST", "PUT"}
+        small = length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES
+        body: bytes | AsyncIterator[bytes] | None = None
+        if has_body:
+            # Small bodies (exec requests, control calls) are passed whole: streaming them costs more
+            # than they weigh. Uploads stream through.
+            body = await request.body() if small else _limited(request.stream())
         upstream = await node.proxy_stream(
             request.method,
             f"/sandboxes/{sb.id}/{subpath}".rstrip("/"),
             params=request.query_params,
-            content=_limited(request.stream()) if has_body else None,
+            content=body,
             headers=headers,
         )
+        if (upstream.media_type or "").startswith("application/json"):
+            # A plain JSON answer (not NDJSON or a file): relay it whole, without chunked framing.
+            content = b"".join([chunk async for chunk in upstream.body()])
+            return Response(content, status_code=upstream.status_code, media_type="application/json")
         return StreamingResponse(
             upstream.body(),
             status_code=upstream.status_code,
