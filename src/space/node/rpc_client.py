@@ -30,6 +30,7 @@ from websockets.asyncio.client import connect as ws_connect
 from space.core import errors
 from space.core.settings import SandboxLimits
 from space.node.agent import rpc_models as rm
+from space.node.agent.guest import command_params
 
 API_PREFIX = "/node/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
@@ -280,7 +281,7 @@ class NodeClient:
         timeout: float | None = None,
         stdin: bytes | None = None,
     ) -> rm.ExecResponse:
-        body = _command(command, env, cwd, user, timeout) | _stdin(stdin)
+        body = command_params(command, env, cwd, user, timeout) | _stdin(stdin)
         answer = await self._request(
             "POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body, timeout=STREAM_TIMEOUT
         )
@@ -298,7 +299,7 @@ class NodeClient:
         stdin: bytes | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """NDJSON events: started, stdout/stderr (data_b64), then exit."""
-        body = _command(command, env, cwd, user, timeout) | _stdin(stdin) | {"stream": True}
+        body = command_params(command, env, cwd, user, timeout) | _stdin(stdin) | {"stream": True}
         async for item in self._lines("POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body):
             yield item
 
@@ -315,7 +316,7 @@ class NodeClient:
         pty: tuple[int, int] | None = None,
         stdin: bool = False,
     ) -> rm.ProcessStarted:
-        body = _command(command, env, cwd, user, timeout) | {"stdin": stdin}
+        body = command_params(command, env, cwd, user, timeout) | {"stdin": stdin}
         if tag is not None:
             body["tag"] = tag
         if pty is not None:
@@ -462,25 +463,6 @@ def _params(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def _idempotency(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key} if key is not None else {}
-
-
-def _command(
-    command: str | Sequence[str],
-    env: Mapping[str, str] | None,
-    cwd: str | None,
-    user: str | int | None,
-    timeout: float | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
-    if env:
-        body["env"] = dict(env)
-    if cwd is not None:
-        body["cwd"] = cwd
-    if user is not None:
-        body["user"] = user
-    if timeout is not None:
-        body["timeout"] = timeout
-    return body
 
 
 def _stdin(stdin: bytes | None) -> dict[str, Any]:

@@ -266,7 +266,13 @@ async def principal(
     authorization: Annotated[str | None, Header()] = None,
     x_space_project: Annotated[str | None, Header()] = None,
 ) -> Principal:
-    services = _services(request)
+    return await authenticate(_services(request), authorization, x_space_project)
+
+
+async def authenticate(
+    services: Services, authorization: str | None, x_space_project: str | None
+) -> Principal:
+    """The principal of a request's headers (HTTP and WebSocket alike)."""
     if not authorization or not authorization.startswith("Bearer "):
         raise errors.Unauthenticated("missing API key (Authorization: Bearer <key>)")
     secret = authorization.removeprefix("Bearer ").strip()
@@ -733,8 +739,7 @@ async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) 
 
     auth = websocket.headers.get("authorization")
     try:
-        request_like = type("R", (), {"app": websocket.app})()
-        who = await principal(request_like, auth, websocket.headers.get("x-space-project"))
+        who = await authenticate(services, auth, websocket.headers.get("x-space-project"))
         who.require("member")
         sb = await _running(services, who, sandbox_id)
     except errors.SpaceError as exc:

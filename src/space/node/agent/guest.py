@@ -36,13 +36,14 @@ class ExecResult:
         return self.exit_code == 0
 
 
-def _command_params(
+def command_params(
     command: str | Sequence[str],
     env: Mapping[str, str] | None,
     cwd: str | None,
     user: str | int | None,
     timeout: float | None,
 ) -> dict[str, Any]:
+    """How a command is described, both to spaced (process.start) and on the node RPC (exec bodies)."""
     params: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
     if env:
         params["env"] = dict(env)
@@ -88,7 +89,7 @@ class GuestSession:
         on_output: OutputCallback | None = None,
     ) -> ExecResult:
         """Run a command to completion; output is collected (and also streamed to `on_output`)."""
-        params = _command_params(command, env, cwd, user, timeout)
+        params = command_params(command, env, cwd, user, timeout)
         params["stdin"] = stdin is not None
         call = await self.channel.open(m.PROCESS_START, params)
         if stdin is not None:
@@ -130,7 +131,7 @@ class GuestSession:
         pty: tuple[int, int] | None = None,
         stdin: bool = False,
     ) -> dict[str, Any]:
-        params = _command_params(command, env, cwd, user, timeout)
+        params = command_params(command, env, cwd, user, timeout)
         params.update(background=True, stdin=stdin)
         if tag is not None:
             params["tag"] = tag
