@@ -7,10 +7,13 @@ cluster's node token; clients are cached per node and rebuilt if the node re-reg
 from __future__ import annotations
 
 import threading
+import time
 
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.node.rpc_client import NodeClient
+
+URL_RECHECK_S = 5.0  # a node that re-registers at another URL is followed within this long
 
 
 class NodePool:
@@ -18,13 +21,19 @@ class NodePool:
         self.store = store
         self.node_token = node_token
         self._clients: dict[str, tuple[str, NodeClient]] = {}
+        self._checked: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def client(self, node_id: str) -> NodeClient:
+        with self._lock:
+            cached = self._clients.get(node_id)
+            if cached is not None and time.monotonic() - self._checked.get(node_id, 0.0) < URL_RECHECK_S:
+                return cached[1]  # the data plane's hot path: no database read per request
         node = self.store.get_node(node_id)
         if node is None:
             raise errors.Unavailable(f"node {node_id} is not registered")
         with self._lock:
+            self._checked[node_id] = time.monotonic()
             cached = self._clients.get(node_id)
             if cached is not None and cached[0] == node.url:
                 return cached[1]
