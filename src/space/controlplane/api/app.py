@@ -164,10 +164,11 @@ def snapshot_view(snap: SnapshotRecord) -> dict[str, Any]:
 
 def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) -> FastAPI:
     registry = CollectorRegistry()
+    nodes = NodePool(store, node_token)  # one client per node for the reconciler and the data plane
     services = Services(
         store=store,
-        nodes=NodePool(store, node_token),
-        reconciler=Reconciler(store, NodePool(store, node_token)),
+        nodes=nodes,
+        reconciler=Reconciler(store, nodes),
         node_token=node_token,
         registry=registry,
         requests=Counter("space_api_requests", "API requests", ["route", "status"], registry=registry),
@@ -184,7 +185,6 @@ def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) ->
             task.cancel()
         await services.reconciler.stop()
         await services.nodes.aclose()
-        await services.reconciler.nodes.aclose()
 
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
     app.state.services = services
@@ -827,24 +827,18 @@ def _node_router(services: Services) -> APIRouter:
     ) -> dict[str, Any]:
         check_node_token(authorization)
         beat = await _json_object(request)
-        info = beat.get("info") or beat  # older agents nest capacity and use under "info"
-        node = await asyncio.to_thread(store.get_node, node_id)
-        if node is None:
-            raise errors.NotFound(f"node {node_id} not registered")
-        capacity = _capacity(info.get("capacity") or {})
-        templates = list(info.get("templates") or [])
-        if node.capacity != capacity:
-            await asyncio.to_thread(
-                store.register_node, node.url, services.node_token, capacity=capacity, templates=templates
-            )
-        used = dict(info.get("used") or {})
-        used["sandboxes"] = int(info.get("sandbox_count", len(beat.get("sandboxes") or [])))
+        templates = list(beat.get("templates") or [])
+        used = dict(beat.get("used") or {})
+        used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
         activity = {}
         for item in beat.get("sandboxes") or []:
             at = item.get("last_activity_at")
             if at:
                 activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
-        await asyncio.to_thread(store.heartbeat, node_id, used=used, templates=templates, activity=activity)
+        await asyncio.to_thread(
+            store.heartbeat, node_id, used=used, templates=templates, activity=activity,
+            capacity=_capacity(beat.get("capacity") or {}),
+        )  # fmt: skip
         return {"ok": True}
 
     return r

@@ -510,6 +510,28 @@ class Store:
             generation=current.generation,
         )
 
+    def _update_sandbox(
+        self,
+        sandbox_id: str,
+        conditions: list[ColumnElement[bool]],
+        values: dict[str, Any],
+        what: str,
+    ) -> SandboxRecord:
+        """UPDATE one sandbox where `conditions` still hold (the compare of compare-and-swap) and return
+        it; Conflict (or NotFound) naming what the row is now if someone else changed it first."""
+        statement = (
+            update(Sandbox)
+            .where(Sandbox.id == sandbox_id, *conditions)
+            .values(values)
+            .returning(Sandbox)
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx(what) as session:
+            row = session.scalars(statement).one_or_none()
+            if row is None:
+                raise self._conflict(session, sandbox_id, what)
+            return _sandbox(row)
+
     @staticmethod
     def _fields(fields: Mapping[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
         unknown = set(fields) - allowed
@@ -555,23 +577,10 @@ class Store:
         values.update(state=target.value, generation=Sandbox.generation + 1, updated_at=now)
         if target is State.DELETED:
             values["deleted_at"] = now
-        statement = (
-            update(Sandbox)
-            .where(
-                Sandbox.id == sandbox_id,
-                Sandbox.state == current.value,
-                Sandbox.generation == expected_generation,
-            )
-            .values(values)
-            .returning(Sandbox)
-            .execution_options(synchronize_session=False)
+        conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
+        return self._update_sandbox(
+            sandbox_id, conditions, values, f"{lifecycle.parse_event(event)} on sandbox {sandbox_id}"
         )
-        what = f"{lifecycle.parse_event(event)} on sandbox {sandbox_id}"
-        with self._tx(what) as session:
-            row = session.scalars(statement).one_or_none()
-            if row is None:
-                raise self._conflict(session, sandbox_id, what)
-            return _sandbox(row)
 
     def set_desired(
         self, sandbox_id: str, desired_state: State | str, expected_generation: int | None = None
@@ -632,22 +641,8 @@ class Store:
         it whenever the value is only true for that step (e.g. node_id chosen for a create)."""
         values = self._fields(fields, OBSERVED_FIELDS)
         values["updated_at"] = self.now()
-        conditions: list[ColumnElement[bool]] = [Sandbox.id == sandbox_id]
-        if expected_generation is not None:
-            conditions.append(Sandbox.generation == expected_generation)
-        statement = (
-            update(Sandbox)
-            .where(*conditions)
-            .values(values)
-            .returning(Sandbox)
-            .execution_options(synchronize_session=False)
-        )
-        what = f"updating sandbox {sandbox_id}"
-        with self._tx(what) as session:
-            row = session.scalars(statement).one_or_none()
-            if row is None:
-                raise self._conflict(session, sandbox_id, what)
-            return _sandbox(row)
+        conditions = [] if expected_generation is None else [Sandbox.generation == expected_generation]
+        return self._update_sandbox(sandbox_id, conditions, values, f"updating sandbox {sandbox_id}")
 
     def record_failure(
         self,
@@ -661,28 +656,17 @@ class Store:
         """A step attempt failed: attempts += 1 (atomically), error recorded, next try after retry_in_s.
         With permanent=True the reconciler stops retrying until the next state change or set_desired."""
         now = self.now()
-        conditions: list[ColumnElement[bool]] = [Sandbox.id == sandbox_id]
-        if expected_generation is not None:
-            conditions.append(Sandbox.generation == expected_generation)
-        statement = (
-            update(Sandbox)
-            .where(*conditions)
-            .values(
-                attempts=Sandbox.attempts + 1,
-                error=error,
-                error_permanent=permanent,
-                next_attempt_at=now + _seconds(retry_in_s, "retry_in_s"),
-                updated_at=now,
-            )
-            .returning(Sandbox)
-            .execution_options(synchronize_session=False)
+        conditions = [] if expected_generation is None else [Sandbox.generation == expected_generation]
+        values = {
+            "attempts": Sandbox.attempts + 1,
+            "error": error,
+            "error_permanent": permanent,
+            "next_attempt_at": now + _seconds(retry_in_s, "retry_in_s"),
+            "updated_at": now,
+        }
+        return self._update_sandbox(
+            sandbox_id, conditions, values, f"recording a failure of sandbox {sandbox_id}"
         )
-        what = f"recording a failure of sandbox {sandbox_id}"
-        with self._tx(what) as session:
-            row = session.scalars(statement).one_or_none()
-            if row is None:
-                raise self._conflict(session, sandbox_id, what)
-            return _sandbox(row)
 
     def record_activity(self, sandbox_id: str, at: datetime | None = None) -> None:
         """Move last_activity_at forward to `at` (default now); never backwards, so late reports are
@@ -874,6 +858,7 @@ class Store:
         used: Mapping[str, Any],
         templates: Sequence[str] | None = None,
         activity: Mapping[str, datetime] | None = None,
+        capacity: Mapping[str, Any] | None = None,
     ) -> NodeRecord:
         """A node's periodic report: resource use, templates present, and per-sandbox last activity
         (applied only to sandboxes assigned to this node, never moving backwards). A lost node that
@@ -888,6 +873,7 @@ class Store:
                     last_heartbeat_at=now,
                     status=case((Node.status == "lost", "ready"), else_=Node.status),
                     **({"templates": list(templates)} if templates is not None else {}),
+                    **({"capacity": dict(capacity)} if capacity is not None else {}),
                 )
                 .returning(Node)
                 .execution_options(synchronize_session=False)

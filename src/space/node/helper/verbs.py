@@ -332,7 +332,7 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
         if ctx.runtimes.status(sandbox_id) == "paused":
             ctx.runsc.resume(container)
         timings["resume_ms"] = (time.monotonic() - mark) * 1000
-    image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
+    image_bytes = _tree_bytes(image)
     result: dict[str, Any] = {"image": str(image), "disk": str(disk), "image_bytes": image_bytes}
     if not params.keep_running:
         ctx.runtimes.stop(sandbox_id)
@@ -374,6 +374,10 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
     config["root"]["path"] = str(rootfs)
     oci.write_bundle_config(bundle, config)
     return {"socket": ctx.runtimes.launch(sandbox_id, image)}
+
+
+def _tree_bytes(root: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def _limits(ctx: HelperContext, sandbox_id: str) -> SandboxLimits:
@@ -502,7 +506,7 @@ def snapshot_list(ctx: HelperContext, params: SandboxParams, _progress: Progress
         if not btrfs.is_subvolume(disk):
             continue
         image = ctx.layout.checkpoint_image(params.sandbox_id, disk.name)
-        image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file()) if image.is_dir() else 0
+        image_bytes = _tree_bytes(image) if image.is_dir() else 0
         found.append(
             {
                 "snapshot_id": disk.name,
