@@ -52,6 +52,17 @@ def main() -> None:
     step("stop (processes end, files stay)", sb.stop)
     step("start", sb.start)
     print(f"    -> notes.txt survived: {sb.files.read('/work/notes.txt')!r}")
+    counter = "i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.1; done"
+    sb.exec(f"nohup sh -c '{counter}' >/dev/null 2>&1 &")
+    time.sleep(0.5)
+    step("suspend (checkpoint uploaded to object storage)", sb.suspend)
+    newest = sb.snapshots.list()[-1]
+    print(f"    -> {sb.state}; snapshot {newest.id} is in {newest.locations}")
+    step("restore (on any node, processes included)", sb.restore)
+    before = int(sb.files.read("/work/count"))
+    time.sleep(0.5)
+    after = int(sb.files.read("/work/count"))
+    print(f"    -> {sb.state}; the background counter continues: {before} -> {after}")
     print(f"  sandboxes now: {[s.id for s in sp.sandboxes.list()]}")
     step("delete the child", child.delete)
     step("delete the sandbox", sb.delete)

@@ -21,7 +21,7 @@ ALLOWED_SPACE_DEPS = {
     "protocol": {"protocol"},
     "guest": {"protocol", "guest"},
     "core": {"core"},
-    "node": {"core", "protocol", "node"},
+    "node": {"core", "protocol", "node", "objectstore", "crypto"},
     "objectstore": {"core", "objectstore", "crypto"},
     "crypto": {"core", "crypto"},
     "controlplane": {"core", "protocol", "controlplane", "objectstore", "crypto", "node"},

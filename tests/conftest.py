@@ -13,9 +13,17 @@ from dataclasses import dataclass
 import pytest
 
 from space.node.agent.agent import NodeAgent
+from space.node.helper.network import node_tag
 from space.node.local import LocalNode
-from tests.support.host import cgroups_under, loop_devices_for, mounts_under, processes_mentioning
+from tests.support.host import (
+    cgroups_under,
+    loop_devices_for,
+    mounts_under,
+    network_traces,
+    processes_mentioning,
+)
 from tests.support.loop import BackgroundLoop
+from tests.support.s3server import s3_server  # noqa: F401 - session fixture: S3+KMS server on loopback
 
 
 @dataclass
@@ -65,13 +73,15 @@ def assert_no_leaks(data_dir: pathlib.Path, sandbox_ids: set[str]) -> None:
     assert processes_mentioning(prefix) == [], "processes left behind"
     leftover = [g for g in cgroups_under("space") if pathlib.Path(g).name.rsplit("-", 1)[0] in sandbox_ids]
     assert leftover == [], "cgroups left behind"
+    assert network_traces(node_tag(data_dir.resolve())) == [], "network namespaces, links or nft table left"
 
 
 @pytest.fixture(scope="session")
 def node(loop: BackgroundLoop) -> Iterator[RealNode]:
     require_root()
     data_dir = make_data_dir("node")
-    local = LocalNode(data_dir)
+    # SPACE_TEST_NETWORK=sandbox|none overrides NodeSettings.network for the session's node.
+    local = LocalNode(data_dir, network=os.environ.get("SPACE_TEST_NETWORK") or None)
     agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
     real = RealNode(local, agent, loop)
     try:

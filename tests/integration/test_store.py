@@ -442,17 +442,21 @@ def test_claim_work_threads_are_disjoint(db_url: str, clock: FakeClock, project:
 
 def test_nodes_register_heartbeat_and_lost(store: Store, project: str, clock: FakeClock) -> None:
     n1 = store.register_node(
-        "http://n1:7000", "t1", capacity={"cpus": 8, "memory_mb": 16384, "sandboxes": 50}
+        "http://n1:7000", "t1", capacity={"cpus": 8, "memory_mb": 16384, "sandboxes": 50}, identity="id1"
     )
     n2 = store.register_node("http://n2:7000", "t2", templates=["python"], labels={"zone": "a"})
     again = store.register_node(
-        "http://n1:7000", "t1-new", capacity={"cpus": 4, "memory_mb": 1, "sandboxes": 1}
+        "http://n1:7000", "t1-new", capacity={"cpus": 4, "memory_mb": 1, "sandboxes": 1}, identity="id1-new"
     )
     assert again.id == n1.id and again.capacity["cpus"] == 4  # idempotent by url
     racing = _parallel(4, lambda i: store.register_node("http://n3:7000", f"t3-{i}"))
     assert len({n.id for n in racing}) == 1, racing  # concurrent first registrations: one row
-    assert store.authenticate_node(n1.id, "t1-new") == again
-    assert store.authenticate_node(n1.id, "t1") is None
+    # Only the identity of the latest registration authenticates, and only as its own node (ADR 0019).
+    assert store.authenticate_node(n1.id, "id1-new") == again
+    assert store.authenticate_node(n1.id, "id1") is None
+    assert store.authenticate_node(n1.id, "t1-new") is None  # the RPC token is not an identity
+    assert store.authenticate_node(n2.id, "id1-new") is None
+    assert store.authenticate_node(n2.id, "t2") is None  # registered without an identity: none works
     assert sorted(n.id for n in store.list_nodes()) == sorted([n1.id, n2.id, racing[0].id])
 
     sb = store.create_sandbox(project, "python")
@@ -499,6 +503,54 @@ def test_snapshots(store: Store, project: str) -> None:
     assert store.get_snapshot(full.id) is None
     with pytest.raises(NotFound):
         store.create_snapshot("sb-aaaaaaaaaaaaaaaaaaaaaaaaaa", "disk")
+
+
+def test_snapshot_locations_keys_and_node_moves(store: Store, project: str) -> None:
+    """Issue 4 columns: object-storage copy, wrapped key, origin; a sandbox leaving a node keeps only the
+    snapshots that have a verified uploaded copy (their node copy is gone with the sandbox)."""
+    node = store.register_node("http://n", "tok")
+    sb = store.create_sandbox(project, "python", snapshot_policy={"disk_every_s": 60})
+    assert store.load_sandbox(sb.id).snapshot_policy == {"disk_every_s": 60}  # type: ignore[union-attr]
+    local = store.create_snapshot(sb.id, "disk", node.id, origin="policy", exclusive_bytes=10)
+    uploaded = store.create_snapshot(
+        sb.id, "full", node.id, prefix="sandboxes/p/s/x", data_key_id="local:k", wrapped_key="d3JhcA==",
+        origin="suspend",
+    )  # fmt: skip
+    assert not uploaded.restorable and uploaded.locations == [f"node:{node.id}"]
+    store.mark_snapshot_ready(uploaded.id, 5)
+    marked = store.update_snapshot(uploaded.id, restorable=True, uploaded_at=store.now())
+    assert marked.restorable and marked.locations == [f"node:{node.id}", "objectstore"]
+    assert (marked.data_key_id, marked.wrapped_key, marked.origin) == ("local:k", "d3JhcA==", "suspend")
+    with pytest.raises(TypeError):
+        store.update_snapshot(uploaded.id, kind="disk")
+    assert store.forget_node_snapshots(sb.id, node.id) == 2
+    moved = store.get_snapshot(uploaded.id)
+    assert moved is not None and moved.node_id is None and moved.locations == ["objectstore"]
+    assert store.get_snapshot(local.id).state == "deleting"  # type: ignore[union-attr]
+    assert store.delete_snapshots_of(sb.id) == 1
+    assert {s.id for s in store.list_deleting_snapshots()} == {local.id, uploaded.id}
+
+
+def test_report_crash_only_applies_to_live_sandboxes_on_that_node(
+    store: Store, project: str, clock: FakeClock
+) -> None:
+    node = store.register_node("http://n", "tok")
+    other = store.register_node("http://m", "tok")
+    sb = store.create_sandbox(project, "python")
+    assert store.report_crash(sb.id, node.id, notice="x") is None  # pending: no runtime to crash
+    sb = store.transition(sb.id, "pending", 0, "create", node_id=node.id)
+    sb = store.transition(sb.id, "creating", sb.generation, "created")
+    assert store.report_crash(sb.id, other.id, notice="x") is None  # not on that node
+    observed = store.now()
+    clock.advance(1)
+    store.update_observed(sb.id, notice="touched after the observation")
+    assert store.report_crash(sb.id, node.id, notice="late", observed_at=observed) is None
+    crashed = store.report_crash(sb.id, node.id, notice="runtime died")
+    assert crashed is not None and crashed.state == "crashed" and crashed.crash_count == 1
+    assert crashed.notice == "runtime died" and crashed.generation == sb.generation + 1
+    assert store.report_crash(sb.id, node.id, notice="again") is None  # crashed is not live
+    assert [s.id for s in store.list_sandboxes_in_states([State.CRASHED])] == [sb.id]
+    assert store.list_sandboxes_with_policy() == []
 
 
 # ---- idempotency -------------------------------------------------------------------------------------

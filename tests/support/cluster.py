@@ -57,7 +57,6 @@ def free_port() -> int:
 def wait_for(check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:
     """Call `check` until it returns something truthy; AssertionError with the last value after `timeout`."""
     deadline = time.monotonic() + timeout
-    last: Any = None
     while True:
         last = check()
         if last:
@@ -87,6 +86,8 @@ class Service:
         self.argv = argv
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
+        #: Extra environment for the next start (e.g. SPACE_FAILPOINTS for crash injection).
+        self.extra_env: dict[str, str] = {}
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is already running"
@@ -94,7 +95,7 @@ class Service:
             log.write(f"--- start {' '.join(self.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_child_env(),
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=_child_env(**self.extra_env),
                 cwd=REPO, start_new_session=True,
             )  # fmt: skip
 
@@ -146,7 +147,14 @@ class Service:
 
 class ControlPlane(Service):
     def __init__(
-        self, data_dir: pathlib.Path, token_file: pathlib.Path, *, database_url: str | None, name: str
+        self,
+        data_dir: pathlib.Path,
+        token_file: pathlib.Path,
+        *,
+        database_url: str | None,
+        name: str,
+        store_url: str | None = None,
+        keys_dir: pathlib.Path | None = None,
     ) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(data_dir),
@@ -154,6 +162,10 @@ class ControlPlane(Service):
                 "--log-level", "warning"]  # fmt: skip
         if database_url is not None:
             argv += ["--database-url", database_url]
+        if store_url is not None:
+            argv += ["--store-url", store_url]
+        if keys_dir is not None:
+            argv += ["--keys-dir", str(keys_dir)]
         super().__init__(name, argv, data_dir / f"{name}.log")
 
     @property
@@ -177,7 +189,15 @@ class ControlPlane(Service):
 
 
 class FakeNode(Service):
-    def __init__(self, data_dir: pathlib.Path, token_file: pathlib.Path, control_plane: str) -> None:
+    def __init__(
+        self,
+        data_dir: pathlib.Path,
+        token_file: pathlib.Path,
+        control_plane: str,
+        *,
+        store_url: str | None = None,
+        name: str = "node",
+    ) -> None:
         self.port = free_port()
         self.data_dir = data_dir
         self.token = token_file.read_text().strip()
@@ -185,7 +205,9 @@ class FakeNode(Service):
                 "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{self.port}",
                 "--token-file", str(token_file), "--control-plane", control_plane,
                 "--log-level", "warning"]  # fmt: skip
-        super().__init__("node", argv, data_dir / "node.log")
+        if store_url is not None:
+            argv += ["--store-url", store_url]
+        super().__init__(name, argv, data_dir / "node.log")
 
     @property
     def url(self) -> str:
@@ -259,6 +281,13 @@ class Cluster:
     control_planes: list[ControlPlane]
     node: FakeNode
     clients: list[httpx.Client] = field(default_factory=list)
+    #: More fake nodes (start_fake_cluster(nodes=N)); all share `store_url`, the cluster's object store.
+    more_nodes: list[FakeNode] = field(default_factory=list)
+    store_url: str | None = None
+
+    @property
+    def nodes(self) -> list[FakeNode]:
+        return [self.node, *self.more_nodes]
 
     @property
     def cp(self) -> ControlPlane:
@@ -330,7 +359,8 @@ class Cluster:
         raise AssertionError(f"not converged within {timeout:.0f}s: {last}\n{self.logs()}")
 
     def logs(self) -> str:
-        parts = [f"--- {s.name} log ---\n{s.log_tail(1500)}" for s in [*self.control_planes, self.node]]
+        services = [*self.control_planes, *self.nodes]
+        parts = [f"--- {s.name} log ---\n{s.log_tail(1500)}" for s in services]
         return "\n".join(parts)
 
     def close(self) -> None:
@@ -338,7 +368,8 @@ class Cluster:
             client.close()
         for cp in self.control_planes:
             cp.stop(timeout=5)  # uvicorn waits for open requests (long polls of `wait`) on SIGTERM
-        self.node.stop()
+        for node in self.nodes:
+            node.stop()
         self.store.close()
 
 
@@ -354,11 +385,18 @@ def bootstrap(database_url: str) -> tuple[Store, str, str, str]:
 
 @contextlib.contextmanager
 def start_fake_cluster(
-    root: pathlib.Path, *, database_url: str | None = None, control_planes: int = 1, node_reports_to: int = 0
+    root: pathlib.Path,
+    *,
+    database_url: str | None = None,
+    control_planes: int = 1,
+    node_reports_to: int = 0,
+    nodes: int = 1,
+    object_store: bool = False,
 ) -> Iterator[Cluster]:
-    """Control plane(s) over `database_url` (default: SQLite in `root`) + a fake node that registers with
-    and heartbeats to control plane number `node_reports_to`; everything is killed at the end and nothing
-    may be left running in `root`."""
+    """Control plane(s) over `database_url` (default: SQLite in `root`) + fake node(s) that register with
+    and heartbeat to control plane number `node_reports_to`; everything is killed at the end and nothing
+    may be left running in `root`. With `object_store`, the control plane(s) and every node share a local
+    directory store (`cluster.store_url`, under `root/objects`): suspend, restore, uploads."""
     root.mkdir(parents=True, exist_ok=True)
     url = database_url or sqlite_url(root / "cp")
     token_file = root / "node.token"
@@ -369,18 +407,53 @@ def start_fake_cluster(
     for i in range(control_planes):
         cp_dir = root / f"cp{i}" if i else root / "cp"
         cp_dir.mkdir(parents=True, exist_ok=True)
-        cps.append(ControlPlane(cp_dir, token_file, database_url=database_url, name=f"controlplane{i}"))
-    node_dir = root / "node"
-    node_dir.mkdir()
-    node = FakeNode(node_dir, token_file, cps[node_reports_to].url)
+    store_url = None
+    if object_store:
+        (root / "objects").mkdir(exist_ok=True)
+        store_url = (root / "objects").as_uri()
+    for i in range(control_planes):
+        cp_dir = root / f"cp{i}" if i else root / "cp"
+        cp_dir.mkdir(parents=True, exist_ok=True)
+        keys_dir = root / "keys" if object_store else None  # shared by the replicas
+        cps.append(
+            ControlPlane(
+                cp_dir,
+                token_file,
+                database_url=database_url,
+                name=f"controlplane{i}",
+                store_url=store_url,
+                keys_dir=keys_dir,
+            )
+        )
+    fake_nodes = []
+    for i in range(nodes):
+        node_dir = root / ("node" if i == 0 else f"node{i}")
+        node_dir.mkdir()
+        fake_nodes.append(
+            FakeNode(
+                node_dir, token_file, cps[node_reports_to].url, store_url=store_url,
+                name="node" if i == 0 else f"node{i}",
+            )
+        )  # fmt: skip
+    node = fake_nodes[0]
     cluster = Cluster(root, url, token_file, store, org_id, project_id, admin_key, cps, node)
+    cluster.more_nodes = fake_nodes[1:]
+    cluster.store_url = store_url
     try:
         for cp in cps:
             cp.start()
-        node.start()
+        for each in fake_nodes:
+            each.start()
         for cp in cps:
             wait_for(cp.healthy, timeout=START_TIMEOUT_S, interval=0.1, what=f"{cp.name} healthy")
         wait_for(cluster.node_ready, timeout=START_TIMEOUT_S, interval=0.1, what="node registered")
+        for each in fake_nodes[1:]:
+
+            def registered(n: FakeNode = each) -> bool:
+                n.check_alive()  # a node that died at start says why (its log), instead of a timeout
+                return any(r.url == n.url and r.status == "ready" for r in store.list_nodes(None))
+
+            wait_for(registered, timeout=START_TIMEOUT_S, interval=0.1, what=f"{each.name} registered")
         yield cluster
     finally:
         cluster.close()

@@ -36,9 +36,25 @@ def processes_mentioning(text: str) -> list[str]:
 
 def cgroups_under(name: str) -> list[str]:
     base = pathlib.Path("/sys/fs/cgroup")
-    found = []
+    found: list[str] = []
     for controller in base.iterdir() if base.exists() else []:
         group = controller / name
         if group.is_dir():
             found.extend(str(p) for p in group.iterdir() if p.is_dir())
+    return found
+
+
+def network_traces(tag: str) -> list[str]:
+    """A node's network namespaces, links and nftables table (space.node.helper.network names them all
+    after the node's tag), as found in the kernel."""
+    prefix = f"sp{tag}"
+    netns_dir = pathlib.Path("/run/netns")
+    found = (
+        [f"netns {p.name}" for p in netns_dir.iterdir() if p.name.startswith(prefix)]
+        if netns_dir.is_dir()
+        else []
+    )
+    found += [f"link {p.name}" for p in pathlib.Path("/sys/class/net").iterdir() if p.name.startswith(prefix)]
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
+    found += [f"nft {line.strip()}" for line in tables.splitlines() if line.strip().endswith(f"space_{tag}")]
     return found

@@ -9,7 +9,8 @@ checks that no server process is left and removes the directory.
 
 The Debian package's own cluster (15/main) is never used. A test module uses the fixture by binding it at
 module level: `postgres_url = tests.support.postgres.postgres_url`. Several modules share one server per
-test process (reference-counted), so binding it in more than one module does not start more servers.
+test process (reference-counted, tests/support/shared_server.py), so binding it in more than one module
+does not start more servers.
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+import sqlalchemy as sa
 
 from tests.support.host import processes_mentioning
+from tests.support.shared_server import SharedServer
 
 PG_BIN = pathlib.Path(os.environ.get("SPACE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_PORT = 5432  # only names the socket file (.s.PGSQL.5432) inside our private directory
@@ -129,6 +131,18 @@ def stop_server(server: PostgresServer) -> None:
         raise RuntimeError(f"processes left behind by the PostgreSQL test server: {left}")
 
 
+def fresh_database(base_url: str, name: str) -> str:
+    """A URL to an empty database `name` on the server of `base_url` (dropped and created again)."""
+    admin = sa.create_engine(sa.make_url(base_url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        admin.dispose()
+    return sa.make_url(base_url).set(database=name).render_as_string(hide_password=False)
+
+
 def _alive(pid: int) -> bool:
     """True while `pid` runs. A zombie counts as gone: it has exited, and only waits for its parent (the
     init of a container may reap late)."""
@@ -140,33 +154,10 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
-_lock = threading.Lock()
-_shared: PostgresServer | None = None
-_users = 0
-
-
-def acquire() -> PostgresServer:
-    global _shared, _users
-    with _lock:
-        if _shared is None:
-            _shared = start_server()
-        _users += 1
-        return _shared
-
-
-def release() -> None:
-    global _shared, _users
-    with _lock:
-        _users -= 1
-        if _users == 0 and _shared is not None:
-            server, _shared = _shared, None
-            stop_server(server)
+_shared = SharedServer(start_server, stop_server)
 
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
-    server = acquire()
-    try:
+    with _shared.use() as server:
         yield server.url()
-    finally:
-        release()

@@ -215,7 +215,8 @@ def test_snapshot_create_and_list(server: FakeServer) -> None:
     assert json.loads(invoke("snapshot", "create", "sb-1", "--json").stdout)["kind"] == "full"
     assert server.body() == {"full": False}
     listed = invoke("snapshot", "list", "sb-1")
-    assert listed.stdout.splitlines()[1].split() == ["snap-1", "full", "t", "5"]
+    # ID, KIND, CREATED, EXCLUSIVE (unknown here), SIZE, LOCATION (none given)
+    assert listed.stdout.splitlines()[1].split() == ["snap-1", "full", "t", "-", "5", "B", "-"]
     assert json.loads(invoke("snapshot", "list", "sb-1", "--json").stdout)[0]["id"] == "snap-1"
 
 
@@ -332,14 +333,14 @@ def test_project_and_key_create(server: FakeServer) -> None:
 
 
 def test_credential_set(server: FakeServer) -> None:
-    server.on("POST", "/v1/credentials", httpx.Response(201, json={"id": "cred-1", "name": "gh"}))
+    answer = {"id": "cred-1", "name": "gh", "placeholder": "space-cred-gh-0123456789abcdef"}
+    server.on("PUT", "/v1/credentials/gh", httpx.Response(200, json=answer))
     result = invoke(
         "credential", "set", "gh", "--value", "tok", "--host", "api.github.com",
         "--header", "Authorization: Bearer {value}", "--project", "team",
     )  # fmt: skip
-    assert result.exit_code == 0 and result.stdout == "cred-1\n"
+    assert result.exit_code == 0 and result.stdout == "gh space-cred-gh-0123456789abcdef\n"
     assert server.body() == {
-        "name": "gh",
         "value": "tok",
         "hosts": ["api.github.com"],
         "header": "Authorization: Bearer {value}",
@@ -347,6 +348,39 @@ def test_credential_set(server: FakeServer) -> None:
     }
     result = invoke("credential", "set", "gh", "--value", "-", "--host", "h", input="from-stdin\n")
     assert result.exit_code == 0 and server.body()["value"] == "from-stdin"
+    result = invoke(
+        "credential", "set", "gh", "--rate-per-minute", "30", "--expires-at", "2030-01-01T00:00:00Z"
+    )
+    assert result.exit_code == 0 and server.body() == {
+        "rate_per_minute": 30,
+        "expires_at": "2030-01-01T00:00:00Z",
+    }
+
+
+def test_credential_list_delete_audit(server: FakeServer) -> None:
+    item = {"name": "gh", "scope": "project", "hosts": ["api.github.com"], "method": "bearer", "version": 2}
+    listed = {"credentials": [item | {"expires_at": None, "placeholder": "space-cred-gh-x"}]}
+    server.on("GET", "/v1/credentials", httpx.Response(200, json=listed))
+    result = invoke("credential", "list")
+    assert result.exit_code == 0 and "space-cred-gh-x" in result.stdout and "api.github.com" in result.stdout
+    server.on("DELETE", "/v1/credentials/gh", httpx.Response(200, json={"deleted": True}))
+    assert invoke("credential", "delete", "gh").exit_code == 0
+    server.on(
+        "GET", "/v1/credentials/gh/audit", httpx.Response(200, json={"entries": [{"action": "rotate"}]})
+    )
+    result = invoke("credential", "audit", "gh", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout) == [{"action": "rotate"}]
+
+
+def test_sandbox_egress_shows_and_changes_the_policy(server: FakeServer) -> None:
+    policy = {"allow": ["pypi.org"], "deny": [], "credentials": [], "version": 2, "applied": True}
+    server.on("PUT", "/v1/sandboxes/sb-1/egress", httpx.Response(200, json=policy))
+    result = invoke("sandbox", "egress", "sb-1", "--allow", "pypi.org", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["version"] == 2
+    assert server.body() == {"allow": ["pypi.org"]}
+    server.on("GET", "/v1/sandboxes/sb-1/egress", httpx.Response(200, json=policy))
+    result = invoke("sandbox", "egress", "sb-1")
+    assert result.exit_code == 0 and "pypi.org" in result.stdout
 
 
 # ---- bench, up/down ----------------------------------------------------------------------------------

@@ -164,18 +164,22 @@ def test_abandoned_download_and_upload_leave_no_open_calls(
 def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pathlib.Path) -> None:
     seen: list[tuple[str, dict[str, Any], str]] = []
     failures = {"register": 1, "heartbeat": 1}
+    issued: list[str] = []  # the per-node identity of each registration, newest last
 
     def control_plane(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        seen.append((request.url.path, body, request.headers["authorization"]))
+        seen.append((request.url.path, body, request.headers.get("authorization", "")))
         if request.url.path == "/v1/nodes/register":
             if failures["register"]:
                 failures["register"] -= 1
                 return httpx.Response(503)
-            return httpx.Response(201, json={"node_id": "node-x"})
+            issued.append(f"identity-{len(issued)}")
+            return httpx.Response(201, json={"node_id": "node-x", "identity": issued[-1]})
         if failures["heartbeat"]:
             failures["heartbeat"] -= 1
             return httpx.Response(404)  # "unknown node": the agent registers again
+        if request.headers.get("authorization") != f"Bearer {issued[-1]}":
+            return httpx.Response(401)  # only the latest registration's identity is good
         return httpx.Response(200, json={})
 
     async def scenario() -> None:
@@ -210,7 +214,12 @@ def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pa
             "http://node:7070", "rpc-token", ["python"],
         )  # fmt: skip
         assert register["capacity"]["cpus"] >= 1 and register["driver"] == "fake"
-        assert {auth for _, _, auth in seen} == {"Bearer boot-token"}
+        # The bootstrap token only registers; heartbeats carry the identity of the latest registration.
+        assert {auth for path, _, auth in seen if path.endswith("/register")} == {"Bearer boot-token"}
+        beat_auth = [auth for path, _, auth in seen if path.endswith("/heartbeat")]
+        assert beat_auth[0] == "Bearer identity-0" and set(beat_auth[1:]) == {"Bearer identity-1"}
+        assert len(issued) == 2 and service.identity.node_id == "node-x"
+        assert service.identity.secret == issued[-1] and service.node_id == "node-x"
         last = beats[-1]
         assert last["node_id"] == "node-x" and last["sandbox_count"] == 1
         assert last["capacity"]["cpus"] >= 1 and last["used"]["memory_mb"] == 512

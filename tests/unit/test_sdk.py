@@ -599,15 +599,29 @@ def test_projects_keys_credentials(sp: Space, server: FakeServer) -> None:
     assert server.body() == {"project": "team", "role": "admin"}
     server.on("DELETE", "/v1/keys/key-1", httpx.Response(204))
     sp.keys.delete("key-1")
-    server.on("POST", "/v1/credentials", httpx.Response(201, json={"id": "cred-1", "name": "gh"}))
+    server.on("PUT", "/v1/credentials/gh", httpx.Response(200, json={"id": "cred-1", "name": "gh"}))
     cred = sp.credentials.set("gh", value="v", hosts="api.github.com", header="Authorization: Bearer {value}")
     assert cred.id == "cred-1"
+    # The name is in the path; only given fields are sent (an update keeps the rest).
     assert server.body() == {
-        "name": "gh",
         "value": "v",
         "hosts": ["api.github.com"],
         "header": "Authorization: Bearer {value}",
     }
+    sp.credentials.set("gh", rate_per_minute=5, scope="org")
+    assert server.body() == {"rate_per_minute": 5, "scope": "org"}
+    server.on(
+        "GET", "/v1/credentials", httpx.Response(200, json={"credentials": [{"id": "cred-1", "name": "gh"}]})
+    )
+    assert [c.name for c in sp.credentials.list()] == ["gh"]
+    server.on("DELETE", "/v1/credentials/gh", httpx.Response(200, json={"deleted": True}))
+    sp.credentials.delete("gh", scope="sandbox", sandbox_id="sb-1")
+    assert server.requests[-1].url.params["scope"] == "sandbox"
+    assert server.requests[-1].url.params["sandbox_id"] == "sb-1"
+    server.on(
+        "GET", "/v1/credentials/gh/audit", httpx.Response(200, json={"entries": [{"action": "create"}]})
+    )
+    assert sp.credentials.audit("gh") == [{"action": "create"}]
 
 
 # ---- errors ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from space.cli._common import EXIT_USAGE, binary_stream, client, handles_errors, print_json, state
+from space.cli._common import EXIT_USAGE, binary_stream, client, handles_errors, print_json, state, table
 
 project_app = typer.Typer(help="Projects (org admin keys only).", no_args_is_help=True)
 key_app = typer.Typer(help="API keys.", no_args_is_help=True)
@@ -70,24 +70,102 @@ def key_delete(key_id: Annotated[str, typer.Argument(metavar="KEY_ID")]) -> None
 @handles_errors
 def credential_set(  # noqa: PLR0917
     name: Annotated[str, typer.Argument(metavar="NAME")],
-    value: Annotated[str, typer.Option("--value", help="The secret ('-' reads it from stdin).")],
-    host: Annotated[list[str], typer.Option("--host", help="Host the credential is bound to (repeat).")],
+    value: Annotated[
+        str | None, typer.Option("--value", help="The secret ('-' reads it from stdin); omit to keep it.")
+    ] = None,
+    host: Annotated[
+        list[str] | None, typer.Option("--host", help="Host the credential is bound to (repeat; *.x.y ok).")
+    ] = None,
     header: Annotated[
         str | None,
         typer.Option("--header", help="Header to inject, e.g. 'Authorization: Bearer {value}'."),
     ] = None,
+    method: Annotated[
+        str | None, typer.Option("--method", help="bearer (default), basic, query or header.")
+    ] = None,
+    query_param: Annotated[str | None, typer.Option("--query-param", help="For --method query.")] = None,
+    scope: Annotated[str | None, typer.Option("--scope", help="project (default), org or sandbox.")] = None,
+    sandbox: Annotated[
+        str | None, typer.Option("--sandbox", metavar="ID", help="For --scope sandbox.")
+    ] = None,
+    env_var: Annotated[
+        str | None, typer.Option("--env-var", help="Where sandboxes find the placeholder (default: NAME).")
+    ] = None,
+    expires_at: Annotated[
+        str | None, typer.Option("--expires-at", help="ISO 8601 time with zone, e.g. 2027-01-01T00:00:00Z.")
+    ] = None,
+    rate_per_minute: Annotated[
+        int | None, typer.Option("--rate-per-minute", help="Uses allowed per minute at the gateway.")
+    ] = None,
     project: Annotated[str | None, typer.Option("--project", metavar="P", help="Project name or id.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Store (or replace) a credential; the sandbox sees a placeholder, the gateway injects the value."""
+    """Store, update or rotate a credential; sandboxes see a placeholder, the gateway injects the value."""
     secret = value
     if value == "-":
         secret = binary_stream("stdin").read().decode("utf-8").rstrip("\r\n")
-    credential = client().credentials.set(name, value=secret, hosts=host, header=header, project=project)
+    credential = client().credentials.set(
+        name, value=secret, hosts=host or None, header=header, project=project, method=method,
+        query_param=query_param, scope=scope, sandbox_id=sandbox, env_var=env_var, expires_at=expires_at,
+        rate_per_minute=rate_per_minute,
+    )  # fmt: skip
     if as_json:
         print_json(credential.data)
     else:
-        typer.echo(credential.data.get("id") or name)
+        typer.echo(f"{credential.data.get('name', name)} {credential.data.get('placeholder', '')}".strip())
+
+
+@credential_app.command("list")
+@handles_errors
+def credential_list(
+    project: Annotated[str | None, typer.Option("--project", metavar="P", help="Project name or id.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """List credentials (metadata only: values are never shown)."""
+    credentials = client().credentials.list(project=project)
+    if as_json:
+        print_json([c.data for c in credentials])
+        return
+    rows = [
+        [c.data.get("name"), c.data.get("scope"), ",".join(c.data.get("hosts") or []), c.data.get("method"),
+         c.data.get("version"), c.data.get("expires_at") or "-", c.data.get("placeholder")]
+        for c in credentials
+    ]  # fmt: skip
+    table(rows, ["NAME", "SCOPE", "HOSTS", "METHOD", "VERSION", "EXPIRES", "PLACEHOLDER"])
+
+
+@credential_app.command("delete")
+@handles_errors
+def credential_delete(
+    name: Annotated[str, typer.Argument(metavar="NAME")],
+    scope: Annotated[str, typer.Option("--scope", help="project (default), org or sandbox.")] = "project",
+    sandbox: Annotated[
+        str | None, typer.Option("--sandbox", metavar="ID", help="For --scope sandbox.")
+    ] = None,
+    project: Annotated[str | None, typer.Option("--project", metavar="P", help="Project name or id.")] = None,
+) -> None:
+    """Delete a credential (its value is destroyed; the audit log keeps its history)."""
+    client().credentials.delete(name, scope=scope, sandbox_id=sandbox, project=project)
+
+
+@credential_app.command("audit")
+@handles_errors
+def credential_audit(
+    name: Annotated[str, typer.Argument(metavar="NAME")],
+    scope: Annotated[str, typer.Option("--scope", help="project (default), org or sandbox.")] = "project",
+    sandbox: Annotated[
+        str | None, typer.Option("--sandbox", metavar="ID", help="For --scope sandbox.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """The audit log of a credential: every change and use."""
+    entries = client().credentials.audit(name, scope=scope, sandbox_id=sandbox, limit=1000)
+    if as_json:
+        print_json(entries)
+        return
+    rows = [[e.get("at"), e.get("action"), e.get("actor"), e.get("sandbox_id") or "-", e.get("host") or "-"]
+            for e in entries]  # fmt: skip
+    table(rows, ["AT", "ACTION", "ACTOR", "SANDBOX", "HOST"])
 
 
 def find_bench_module() -> Path | None:

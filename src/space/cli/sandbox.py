@@ -43,6 +43,10 @@ def create(  # noqa: PLR0917
         list[str] | None,
         typer.Option("--credential", metavar="NAME", help="Bind a stored credential (repeat)."),
     ] = None,
+    deny: Annotated[
+        list[str] | None,
+        typer.Option("--deny", metavar="DOMAIN_OR_CIDR", help="Deny egress to a domain or CIDR (repeat)."),
+    ] = None,
     cpus: Annotated[float | None, typer.Option("--cpus", help="CPU limit.")] = None,
     memory_mb: Annotated[int | None, typer.Option("--memory-mb", help="Memory limit in MiB.")] = None,
     disk_mb: Annotated[int | None, typer.Option("--disk-mb", help="Disk limit in MiB.")] = None,
@@ -50,6 +54,16 @@ def create(  # noqa: PLR0917
         int | None, typer.Option("--idle-timeout", help="Pause after this many idle seconds.")
     ] = None,
     ttl_s: Annotated[int | None, typer.Option("--ttl", help="Delete after this many seconds.")] = None,
+    disk_snapshot_every: Annotated[
+        int | None, typer.Option("--disk-snapshot-every", metavar="S", help="Scheduled disk snapshots.")
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option("--checkpoint-every", metavar="S", help="Scheduled full checkpoints.")
+    ] = None,
+    upload_checkpoints: Annotated[
+        bool,
+        typer.Option("--upload-checkpoints", help="Upload scheduled checkpoints (recovery on any node)."),
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Create a sandbox and wait until it runs; prints its id."""
@@ -71,11 +85,21 @@ def create(  # noqa: PLR0917
             ttl_s=ttl_s,
             allow=allow,
             credentials=credential,
+            deny=deny,
+            snapshot_policy=_policy(disk_snapshot_every, checkpoint_every, upload_checkpoints),
         )
     if as_json:
         print_json(sb.data)
     else:
         typer.echo(sb.id)
+
+
+def _policy(disk_every_s: int | None, full_every_s: int | None, upload: bool) -> dict[str, Any] | None:
+    if disk_every_s is None and full_every_s is None:
+        if upload:
+            raise typer.BadParameter("--upload-checkpoints needs --checkpoint-every")
+        return None
+    return {"disk_every_s": disk_every_s, "full_every_s": full_every_s, "upload_full": upload}
 
 
 @sandbox_app.command("list")
@@ -154,8 +178,57 @@ def rollback(
     _state_line(sb, as_json)
 
 
+@sandbox_app.command("egress")
+@handles_errors
+def egress(
+    sandbox_id: SandboxId,
+    allow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow", metavar="DOMAIN_OR_CIDR", help="Allowed destination (repeat; replaces the list)."
+        ),
+    ] = None,
+    deny: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--deny", metavar="DOMAIN_OR_CIDR", help="Denied destination (repeat; replaces the list)."
+        ),
+    ] = None,
+    credential: Annotated[
+        list[str] | None,
+        typer.Option("--credential", metavar="NAME", help="Bound credential (repeat; replaces the list)."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Show a sandbox's egress policy, or change it at run time (lists not given are kept)."""
+    sb = client().sandboxes.ref(sandbox_id)
+    if allow is None and deny is None and credential is None:
+        policy = sb.egress()
+    else:
+        policy = sb.set_egress(allow=allow, deny=deny, credentials=credential)
+    if as_json:
+        print_json(policy)
+    else:
+        fields(policy)
+
+
 def _snapshot_rows(snapshots: list[Snapshot]) -> list[list[Any]]:
-    return [[s.id, s.kind, s.data.get("created_at"), s.data.get("size_bytes")] for s in snapshots]
+    return [
+        [s.id, s.kind, s.data.get("created_at"), _size(s.exclusive_bytes), _size(s.data.get("size_bytes")),
+         ",".join(s.locations) or "-"]
+        for s in snapshots
+    ]  # fmt: skip
+
+
+def _size(value: Any) -> str:
+    if value is None:
+        return "-"
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if amount < 1024 or unit == "GiB":
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return str(value)
 
 
 @snapshot_app.command("create")
@@ -185,4 +258,4 @@ def snapshot_list(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
     if as_json:
         print_json([s.data for s in snapshots])
         return
-    table(_snapshot_rows(snapshots), ["ID", "KIND", "CREATED", "SIZE"])
+    table(_snapshot_rows(snapshots), ["ID", "KIND", "CREATED", "EXCLUSIVE", "SIZE", "LOCATION"])

@@ -31,7 +31,8 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.core import errors
-from space.node.local import LocalNode
+from space.core.settings import NodeSettings
+from space.node.local import LocalNode, ensure_local_store
 
 AGENT_USER = "space"
 READY_TIMEOUT_S = 600.0
@@ -64,6 +65,11 @@ class LocalCluster:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     api_key: str = ""
     node: LocalNode | None = None
+    #: NodeSettings.network: "sandbox" gives every sandbox its own network namespace whose only way out is
+    #: the node agent's egress gateway; `egress_config` is the agent's --egress-config (operator settings).
+    network: str = field(default_factory=lambda: NodeSettings().network)
+    egress_config: pathlib.Path | None = None
+    cgroup_parent: str = "space"  # several installations on one machine need their own (space.node.local)
 
     @property
     def url(self) -> str:
@@ -114,7 +120,12 @@ class LocalCluster:
             self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid
         )
         progress("starting the node helper (root) and preparing storage and the python template")
-        self.node = LocalNode(self.data_dir, agent_user=uid)
+        self.node = LocalNode(
+            self.data_dir, agent_user=uid, network=self.network, cgroup_parent=self.cgroup_parent
+        )
+        egress_args: list[str] = []
+        if self.network == "sandbox" and self.egress_config is not None:
+            egress_args = ["--egress-config", str(self.egress_config)]
         self.node.start_helper()
         assert self.node.helper_process is not None
         self.processes["helper"] = self.node.helper_process
@@ -122,11 +133,16 @@ class LocalCluster:
         progress("migrating the database")
         migrate(sqlite_url(self.data_dir))
         self.api_key = self.bootstrap_admin_key()
+        # One object store for the control plane and the node (suspend/restore, uploads, templates): a
+        # directory the unprivileged agent owns.
+        store_url = (self.data_dir / "objects").as_uri()
+        ensure_local_store(store_url, uid)
         progress(f"starting the control plane on {self.url}")
         self._spawn(
             "controlplane",
             [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(self.data_dir),
-             "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token")],
+             "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token"),
+             "--store-url", store_url],
         )  # fmt: skip
         self.node_port = self.node_port or free_port()
         progress(f"starting the node agent as user '{self.agent_user}' on 127.0.0.1:{self.node_port}")
@@ -134,7 +150,7 @@ class LocalCluster:
             "agent",
             [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
              "--listen", f"127.0.0.1:{self.node_port}", "--token-file", str(self.data_dir / "node.token"),
-             "--control-plane", self.url],  # prepares (idempotent): also the warm starts
+             "--control-plane", self.url, "--store-url", store_url, *egress_args],  # prepares (warm starts)
             user=(uid, gid),
         )  # fmt: skip
         del node_token

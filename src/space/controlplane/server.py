@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import pathlib
 
 import uvicorn
 
 from space.controlplane.api.app import create_app
+from space.controlplane.keys import OrgDataKeys
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
@@ -30,6 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--node-token-file", type=pathlib.Path, required=True)
+    parser.add_argument(
+        "--store-url",
+        default=os.environ.get("SPACE_STORE_URL"),
+        help="object store shared with the nodes (file:///dir or s3://bucket?endpoint=...): suspend, restore"
+        " and checkpoint uploads; the nodes must be started with the same URL",
+    )
+    parser.add_argument(
+        "--keys-dir",
+        type=pathlib.Path,
+        default=os.environ.get("SPACE_KEYS_DIR"),
+        help="directory of the embedded key service that wraps data keys (default DATA_DIR/keys); control"
+        " plane replicas must share it (or use an external KMS)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -37,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     url = args.database_url or sqlite_url(args.data_dir)
     store = build_store(url)
-    app = create_app(store, node_token=args.node_token_file.read_text().strip())
+    app = create_app(
+        store,
+        node_token=args.node_token_file.read_text().strip(),
+        data_dir=args.data_dir,
+        store_url=args.store_url,
+        data_keys=OrgDataKeys.local(store, args.keys_dir) if args.keys_dir else None,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

@@ -114,6 +114,24 @@ class Internal(SpaceError):
     code = "internal"
 
 
+class ArtifactCorrupt(SpaceError):
+    """A stored artifact failed verification (checksum, size or authentication tag); it is never used."""
+
+    code = "artifact_corrupt"
+
+
+class KeyRevoked(SpaceError):
+    """The tenant's key was revoked: everything wrapped by it is unreadable on purpose."""
+
+    code = "key_revoked"
+
+
+class KeyUnavailable(SpaceError):
+    """The key service cannot be reached or refused for a transient reason; retrying may succeed."""
+
+    code = "key_unavailable"
+
+
 def _all_subclasses(cls: type[SpaceError]) -> list[type[SpaceError]]:
     found: list[type[SpaceError]] = []
     for sub in cls.__subclasses__():

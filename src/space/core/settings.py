@@ -54,8 +54,14 @@ class NodeSettings(BaseModel):
     data_dir: Path = Path("/var/lib/space")
     runsc_binary: str = "runsc"
     platform: Platform = "ptrace"  # measured faster and leaner here: docs/adr/0007-gvisor-platform.md
+    # "sandbox": each sandbox gets its own network namespace whose only way out is the node's egress gateway
+    # (docs/adr/0015-sandbox-network.md); "none": no network at all.
+    network: Literal["none", "sandbox"] = "sandbox"
     helper_socket: Path = Path("/run/space/helper.sock")
     default_limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    # The object store this node reads templates from and writes suspended sandboxes to ("file:///dir" or
+    # "s3://bucket/prefix?endpoint=..."); a suspend/restore request naming another store is refused.
+    store_url: str | None = Field(default=None, pattern=r"^(file|s3)://\S+$", max_length=2048)
 
     @field_validator("data_dir")
     @classmethod

@@ -82,6 +82,24 @@ class NodeLayout:
     def checkpoint_image(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
         return self.checkpoints_root / sandbox_id / snapshot_id
 
+    @property
+    def staging(self) -> pathlib.Path:
+        """Transfers between the helper and the agent (exports to upload, downloads to import). On the
+        btrfs filesystem, so checkpoint images are reflinked out and renamed in, never copied."""
+        return self.fs / "staging"
+
+    def export_dir(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        return self.staging / f"export-{sandbox_id}-{snapshot_id}"
+
+    def import_dir(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        return self.staging / f"import-{sandbox_id}-{snapshot_id}"
+
+    def base_export_dir(self) -> pathlib.Path:
+        return self.staging / "base-export"
+
+    def base_import_dir(self) -> pathlib.Path:
+        return self.staging / "base-import"
+
     def confine(self, candidate: str | os.PathLike[str]) -> pathlib.Path:
         """Resolve `candidate` and refuse it unless it lies inside the data directory."""
         root = self.data_dir.resolve()

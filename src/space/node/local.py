@@ -3,6 +3,10 @@
 Used by `make demo`, the benchmarks, the tests and `space up`. The helper needs root; the agent side
 (`connect_agent`) needs only the helper socket, so it can run as an unprivileged user in another process.
 
+Several nodes can run on one machine (tests: suspend on one, restore on another): each has its own data
+directory (btrfs image, runsc root, sockets, holders) and must be given its own `cgroup_parent`; they may
+share one object store (`store_url`).
+
 Invariants:
 - `stop(purge=True)` leaves nothing behind: every sandbox destroyed (runtimes, holders, cgroups,
   subvolumes), the btrfs image unmounted and its loop device detached, the helper process gone.
@@ -11,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import shutil
 import subprocess
@@ -18,19 +23,34 @@ import sys
 import time
 
 from space.core import errors
+from space.core.settings import NodeSettings
 from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
 from space.node.drivers.base import Progress
 from space.node.drivers.runsc import RunscDriver
 from space.node.layout import NodeLayout
+from space.objectstore.base import open_store
 
 HELPER_START_TIMEOUT_S = 30.0
 
 
-def connect_agent(data_dir: pathlib.Path, helper_socket: pathlib.Path | None = None) -> NodeAgent:
+def connect_agent(
+    data_dir: pathlib.Path, helper_socket: pathlib.Path | None = None, *, store_url: str | None = None
+) -> NodeAgent:
     layout = NodeLayout(data_dir)
     helper = HelperClient(str(helper_socket or layout.helper_socket))
-    return NodeAgent(RunscDriver(layout, helper))
+    return NodeAgent(RunscDriver(layout, helper), store=open_store(store_url) if store_url else None)
+
+
+def ensure_local_store(store_url: str | None, owner_uid: int) -> None:
+    """Create a `file://` store's directory for the agent (which may not create it under a root-owned
+    parent itself); other stores need nothing here."""
+    if not store_url or not store_url.startswith("file://"):
+        return
+    root = pathlib.Path(open_store(store_url).url.removeprefix("file://"))
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if os.stat(root).st_uid != owner_uid:
+        os.chown(root, owner_uid, -1)
 
 
 class LocalNode:
@@ -41,11 +61,22 @@ class LocalNode:
         agent_user: str | int = 0,
         platform: str = "ptrace",
         runsc: str = "runsc",
+        network: str | None = None,
+        store_url: str | None = None,
+        cgroup_parent: str = "space",
+        rootfs_cache: pathlib.Path | None = None,
     ) -> None:
         self.layout = NodeLayout(pathlib.Path(data_dir).resolve())
         self.agent_user = str(agent_user)
         self.platform = platform
         self.runsc = runsc
+        self.store_url = store_url
+        self.cgroup_parent = cgroup_parent
+        #: Where the helper caches the template base's stream (None: the machine-wide default); a node given
+        #: an empty cache and a store that holds the base gets the base from the store.
+        self.rootfs_cache = rootfs_cache
+        # "none" | "sandbox"; None: NodeSettings' default (docs/adr/0015-sandbox-network.md)
+        self.network = network or NodeSettings().network
         self.helper_process: subprocess.Popen[bytes] | None = None
         self.agent: NodeAgent | None = None
 
@@ -55,10 +86,14 @@ class LocalNode:
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
         log = open(self.layout.data_dir / "helper.log", "ab")  # noqa: SIM115 - handed to the child
+        env = dict(os.environ)
+        if self.rootfs_cache is not None:
+            env["SPACE_ROOTFS_CACHE"] = str(self.rootfs_cache)
         self.helper_process = subprocess.Popen(
             [sys.executable, "-m", "space.node.helper.server", "--data-dir", str(self.layout.data_dir),
-             "--agent-user", self.agent_user, "--platform", self.platform, "--runsc", self.runsc],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+             "--agent-user", self.agent_user, "--platform", self.platform, "--runsc", self.runsc,
+             "--network", self.network, "--cgroup-parent", self.cgroup_parent],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + HELPER_START_TIMEOUT_S
@@ -74,7 +109,9 @@ class LocalNode:
         self, progress: Progress | None = None, templates: tuple[str, ...] = ("python",)
     ) -> NodeAgent:
         self.start_helper()
-        self.agent = connect_agent(self.layout.data_dir)
+        uid = int(self.agent_user) if self.agent_user.isdigit() else _uid_of(self.agent_user)
+        ensure_local_store(self.store_url, uid)
+        self.agent = connect_agent(self.layout.data_dir, store_url=self.store_url)
         await self.agent.prepare(templates, progress)
         return self.agent
 
@@ -100,3 +137,9 @@ class LocalNode:
                 self.helper_process.kill()
                 self.helper_process.wait()
         self.helper_process = None
+
+
+def _uid_of(user: str) -> int:
+    import pwd
+
+    return pwd.getpwnam(user).pw_uid

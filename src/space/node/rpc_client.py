@@ -21,7 +21,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import httpx
@@ -195,11 +195,16 @@ class NodeClient:
         template: str = "python",
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | Mapping[str, Any] | None = None,
+        egress: Mapping[str, Any] | None = None,
     ) -> tuple[rm.SandboxObserved, bool]:
-        """Create the sandbox with this id, or get it as it is if it exists; (observed, created)."""
+        """Create the sandbox with this id, or get it as it is if it exists; (observed, created). `egress`
+        ({"allow", "deny", "credentials", "version"}): its policy; without it a node with a control plane
+        asks the control plane for it, and no policy means no egress."""
         body: dict[str, Any] = {"template": template, "env": dict(env or {})}
         if limits is not None:
             body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
+        if egress is not None:
+            body["egress"] = dict(egress)
         path = f"/sandboxes/{_seg(sandbox_id)}"
         with _translated(f"PUT {path}"):
             response = await self._http.put(path, json=body)
@@ -241,6 +246,15 @@ class NodeClient:
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}/snapshots/{_seg(snapshot_id)}")
 
+    async def set_egress(
+        self, sandbox_id: str, policy: Mapping[str, Any], credentials: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Apply a changed egress policy ({"allow", "deny", "version"}) and the names of the credentials now
+        bound to the sandbox (their values the node fetches from the control plane itself)."""
+        body = {"policy": dict(policy), "credentials": list(credentials)}
+        answer = await self._request("PUT", f"/sandboxes/{_seg(sandbox_id)}/egress", json_body=body)
+        return dict(answer)
+
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> rm.SandboxObserved:
         answer = await self._request(
             "POST", f"/sandboxes/{_seg(sandbox_id)}/rollback", json_body={"snapshot_id": snapshot_id}
@@ -268,6 +282,69 @@ class NodeClient:
             headers=_idempotency(idempotency_key),
         )
         return rm.SandboxList.model_validate(answer).sandboxes
+
+    # -- suspend / restore / recover (object storage) -------------------------------------------------------
+    async def suspend(
+        self,
+        sandbox_id: str,
+        *,
+        store_url: str,
+        prefix: str,
+        snapshot_id: str,
+        data_key: DataKeyLike | None = None,
+    ) -> rm.TransferResult:
+        """pause -> full checkpoint -> upload (manifest last) on the node; the sandbox stays there, paused,
+        until `delete_sandbox`. Repeating it (same snapshot id) after a timeout returns the same result."""
+        body = {"store_url": store_url, "prefix": prefix, "snapshot_id": snapshot_id,
+                "data_key": _data_key_body(data_key)}  # fmt: skip
+        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/suspend", json_body=body)
+        return rm.TransferResult.model_validate(answer)
+
+    async def upload_snapshot(
+        self,
+        sandbox_id: str,
+        snapshot_id: str,
+        *,
+        store_url: str,
+        prefix: str,
+        data_key: DataKeyLike | None = None,
+    ) -> rm.TransferResult:
+        body = {"store_url": store_url, "prefix": prefix, "data_key": _data_key_body(data_key)}
+        path = f"/sandboxes/{_seg(sandbox_id)}/snapshots/{_seg(snapshot_id)}/upload"
+        return rm.TransferResult.model_validate(await self._request("POST", path, json_body=body))
+
+    async def restore(
+        self,
+        sandbox_id: str,
+        *,
+        store_url: str,
+        prefix: str,
+        data_key: bytes | None = None,
+        template: str = "python",
+        limits: SandboxLimits | Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        egress: Mapping[str, Any] | None = None,
+    ) -> rm.SandboxObserved:
+        """Run a suspended sandbox on this node from its artifact (download, verify, import, restore);
+        idempotent: a sandbox that already runs there is returned as it is. `egress`: as on create."""
+        body: dict[str, Any] = {
+            "sandbox_id": sandbox_id, "store_url": store_url, "prefix": prefix,
+            "data_key_b64": base64.b64encode(data_key).decode() if data_key is not None else None,
+            "template": template, "env": dict(env or {}),
+        }  # fmt: skip
+        if limits is not None:
+            body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
+        if egress is not None:
+            body["egress"] = dict(egress)
+        answer = await self._request("POST", "/sandboxes/restore", json_body=body)
+        return rm.SandboxObserved.model_validate(answer)
+
+    async def recover(self, sandbox_id: str, *, snapshot_id: str | None = None) -> rm.SandboxObserved:
+        """crashed -> recovering -> running from the node's newest (or the named) full checkpoint."""
+        answer = await self._request(
+            "POST", f"/sandboxes/{_seg(sandbox_id)}/recover", json_body={"snapshot_id": snapshot_id}
+        )
+        return rm.SandboxObserved.model_validate(answer)
 
     # -- data plane: processes -------------------------------------------------------------------------------
     async def exec(
@@ -452,6 +529,27 @@ class NodeClient:
                 finally:
                     await response.aclose()
         return ProxiedResponse(response)
+
+
+class DataKeyLike(Protocol):
+    """space.crypto.envelope.DataKey (or anything shaped like it)."""
+
+    @property
+    def key_id(self) -> str: ...
+    @property
+    def wrapped(self) -> bytes: ...
+    @property
+    def plaintext(self) -> bytes: ...
+
+
+def _data_key_body(key: DataKeyLike | None) -> dict[str, str] | None:
+    if key is None:
+        return None
+    return {
+        "key_id": key.key_id,
+        "wrapped_b64": base64.b64encode(key.wrapped).decode(),
+        "plaintext_b64": base64.b64encode(key.plaintext).decode(),
+    }
 
 
 def _params(params: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import asyncio
 import builtins
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import IO, Any, cast, overload
 
 import httpx
@@ -28,6 +29,7 @@ from space.sdk.models import (
     Snapshot,
     create_body,
     credential_body,
+    egress_body,
     exec_body,
     process_body,
     sandboxes_of,
@@ -153,6 +155,8 @@ class AsyncSandboxes:
         ttl_s: int | None = None,
         allow: Sequence[str] | None = None,
         credentials: Sequence[str] | None = None,
+        deny: Sequence[str] | None = None,
+        snapshot_policy: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
     ) -> AsyncSandbox:
@@ -165,6 +169,8 @@ class AsyncSandboxes:
             allow=allow,
             credentials=credentials,
             wait=wait,
+            deny=deny,
+            snapshot_policy=snapshot_policy,
         )
         data = await self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
         return AsyncSandbox(self._http, data)
@@ -238,6 +244,12 @@ class AsyncSandbox:
     async def restore(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
         return await self._action("restore", wait, idempotency_key)
 
+    async def set_snapshot_policy(self, policy: Mapping[str, Any] | None) -> AsyncSandbox:
+        """Scheduled snapshots and retention: {"disk_every_s", "full_every_s", "upload_full", "tiers":
+        [{"every_s", "for_s"}, ...]}; None removes the policy."""
+        body = {"snapshot_policy": dict(policy) if policy is not None else None}
+        return self._update(await self._http.json("PATCH", self.path, json_body=body))
+
     async def delete(self, *, idempotency_key: str | None = None) -> AsyncSandbox:
         return self._update(await self._http.json("DELETE", self.path, idempotency_key=idempotency_key))
 
@@ -269,6 +281,24 @@ class AsyncSandbox:
             "POST", f"{self.path}/rollback", json_body=body, idempotency_key=idempotency_key
         )
         return self._update(answer)
+
+    # egress (issue 5) --------------------------------------------------------------------------------
+
+    async def egress(self) -> dict[str, Any]:
+        """The sandbox's egress policy: {"allow", "deny", "credentials", "version"}."""
+        return dict(await self._http.json("GET", f"{self.path}/egress"))
+
+    async def set_egress(
+        self,
+        *,
+        allow: Sequence[str] | None = None,
+        deny: Sequence[str] | None = None,
+        credentials: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Change the egress policy at run time (a list left out keeps its value); the answer says whether
+        the node applied it at once ("applied")."""
+        body = egress_body(allow, deny, credentials)
+        return dict(await self._http.json("PUT", f"{self.path}/egress", json_body=body))
 
     async def exec(
         self,
@@ -578,6 +608,9 @@ class AsyncKeys:
 
 
 class AsyncCredentials:
+    """Credentials the egress gateway injects into requests to their hosts; the value is write-only (no
+    call returns it) and sandboxes see only its placeholder."""
+
     def __init__(self, http: AsyncHTTP) -> None:
         self._http = http
 
@@ -585,11 +618,50 @@ class AsyncCredentials:
         self,
         name: str,
         *,
-        value: str,
-        hosts: str | Sequence[str],
+        value: str | None = None,
+        hosts: str | Sequence[str] | None = None,
         header: str | None = None,
         project: str | None = None,
+        method: str | None = None,
+        query_param: str | None = None,
+        scope: str | None = None,
+        sandbox_id: str | None = None,
+        env_var: str | None = None,
+        expires_at: datetime | str | None = None,
+        rate_per_minute: int | None = None,
     ) -> Credential:
-        host_list = [hosts] if isinstance(hosts, str) else list(hosts)
-        body = credential_body(name, value=value, hosts=host_list, header=header, project=project)
-        return Credential(await self._http.json("POST", "/v1/credentials", json_body=body))
+        """Create, update or rotate (a new `value`) a credential. `header` is e.g. 'Authorization: Bearer
+        {value}'; or `method` "bearer" (default), "basic" (value 'user:password') or "query" (with
+        `query_param`). `scope` is "project" (default), "org" (org admin keys) or "sandbox" (with
+        `sandbox_id`); the most specific one of a name wins for a sandbox."""
+        host_list = [hosts] if isinstance(hosts, str) else (list(hosts) if hosts is not None else None)
+        body = credential_body(
+            name, value=value, hosts=host_list, header=header, project=project, method=method,
+            query_param=query_param, scope=scope, sandbox_id=sandbox_id, env_var=env_var,
+            expires_at=expires_at, rate_per_minute=rate_per_minute,
+        )  # fmt: skip
+        return Credential(await self._http.json("PUT", f"/v1/credentials/{seg(name)}", json_body=body))
+
+    async def list(self, *, project: str | None = None) -> builtins.list[Credential]:
+        answer = await self._http.json("GET", "/v1/credentials", params={"project": project})
+        return [Credential(item) for item in answer.get("credentials", [])]
+
+    async def delete(
+        self, name: str, *, scope: str = "project", sandbox_id: str | None = None, project: str | None = None
+    ) -> None:
+        params = {"scope": scope, "sandbox_id": sandbox_id, "project": project}
+        await self._http.json("DELETE", f"/v1/credentials/{seg(name)}", params=params)
+
+    async def audit(
+        self,
+        name: str,
+        *,
+        scope: str = "project",
+        sandbox_id: str | None = None,
+        after: int = 0,
+        limit: int = 100,
+    ) -> builtins.list[dict[str, Any]]:
+        """The audit log of a credential (changes and uses), oldest first; page with `after` (an entry id)."""
+        params = {"scope": scope, "sandbox_id": sandbox_id, "after": after, "limit": limit}
+        answer = await self._http.json("GET", f"/v1/credentials/{seg(name)}/audit", params=params)
+        return [dict(entry) for entry in answer.get("entries", [])]

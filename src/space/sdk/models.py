@@ -12,6 +12,7 @@ import base64
 import signal as _signal
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -83,6 +84,17 @@ class Snapshot(Record):
     @property
     def kind(self) -> str:
         return str(self.data.get("kind", ""))
+
+    @property
+    def exclusive_bytes(self) -> int | None:
+        """Space on the node's disk only this snapshot holds (None when unknown)."""
+        value = self.data.get("exclusive_bytes")
+        return None if value is None else int(value)
+
+    @property
+    def locations(self) -> list[str]:
+        """Where copies are: "node:<id>" and/or "objectstore"."""
+        return [str(item) for item in self.data.get("locations") or []]
 
     @property
     def sandbox_id(self) -> str:
@@ -267,6 +279,8 @@ def create_body(
     allow: Sequence[str] | None,
     credentials: Sequence[str] | None,
     wait: bool,
+    deny: Sequence[str] | None = None,
+    snapshot_policy: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"template": template, "env": dict(env or {})}
     if limits is not None:
@@ -279,20 +293,54 @@ def create_body(
         body["allow"] = list(allow)
     if credentials:
         body["credentials"] = list(credentials)
+    if deny:
+        body["egress"] = {"deny": list(deny)}
+    if snapshot_policy is not None:
+        body["snapshot_policy"] = dict(snapshot_policy)
     body["wait"] = wait
     return body
 
 
 def credential_body(
-    name: str, *, value: str, hosts: Sequence[str], header: str | None, project: str | None
+    name: str,
+    *,
+    value: str | None,
+    hosts: Sequence[str] | None,
+    header: str | None = None,
+    project: str | None = None,
+    method: str | None = None,
+    query_param: str | None = None,
+    scope: str | None = None,
+    sandbox_id: str | None = None,
+    env_var: str | None = None,
+    expires_at: datetime | str | None = None,
+    rate_per_minute: int | None = None,
 ) -> dict[str, Any]:
-    if not hosts:
-        raise InvalidArgument("a credential needs at least one host")
-    body: dict[str, Any] = {"name": name, "value": value, "hosts": list(hosts)}
-    if header is not None:
-        body["header"] = header
-    if project is not None:
-        body["project"] = project
+    """The body of PUT /v1/credentials/{name} (the name is in the path): only the fields given, so an
+    update changes only those (a new credential needs value and hosts; the server says which is missing)."""
+    if not name:
+        raise InvalidArgument("a credential needs a name", field="name")
+    if hosts is not None and not hosts:
+        raise InvalidArgument("a credential needs at least one host", field="hosts")
+    body: dict[str, Any] = {}
+    optional: dict[str, Any] = {
+        "value": value, "hosts": list(hosts) if hosts is not None else None, "header": header,
+        "project": project, "method": method, "query_param": query_param, "scope": scope,
+        "sandbox_id": sandbox_id, "env_var": env_var, "rate_per_minute": rate_per_minute,
+        "expires_at": expires_at.isoformat() if isinstance(expires_at, datetime) else expires_at,
+    }  # fmt: skip
+    body.update({k: v for k, v in optional.items() if v is not None})
+    return body
+
+
+def egress_body(
+    allow: Sequence[str] | None, deny: Sequence[str] | None, credentials: Sequence[str] | None
+) -> dict[str, Any]:
+    """PUT /v1/sandboxes/{id}/egress: a list left out (None) keeps its current value."""
+    body: dict[str, Any] = {}
+    for key, values in (("allow", allow), ("deny", deny), ("credentials", credentials)):
+        if values is not None:
+            body[key] = [values] if isinstance(values, str) else list(values)
     return body
 
 

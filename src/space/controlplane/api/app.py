@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import json
 import logging
+import pathlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,13 +33,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from pydantic import BaseModel, ConfigDict, Field
 
 from space.controlplane.api import errors as api_errors
+from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
-from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.reconciler.loop import Reconciler, is_orphan_copy
+from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
-from space.controlplane.store.store import Store
+from space.controlplane.store.store import Store, new_node_identity
 from space.core import errors
-from space.core.ids import parse_sandbox_id, parse_snapshot_id
+from space.core.ids import new_sandbox_id, parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import Event, State, transition
+from space.core.retention import SnapshotPolicy
 from space.core.settings import SandboxLimits
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class EgressSpec(_Body):
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+    credentials: list[str] = Field(default_factory=list)
+
+
 class CreateSandbox(_Body):
     template: str = "python"
     env: dict[str, str] = Field(default_factory=dict)
@@ -62,6 +72,13 @@ class CreateSandbox(_Body):
     wait: bool = True
     allow: list[str] = Field(default_factory=list)
     credentials: list[str] = Field(default_factory=list)
+    egress: EgressSpec | None = None  # issue 5: {"allow", "deny", "credentials"}; merged with the two above
+    snapshot_policy: SnapshotPolicy | None = None  # issue 4: scheduled snapshots + retention
+
+
+class PatchSandbox(_Body):
+    # Explicit null removes the policy; an absent field leaves it as it is.
+    snapshot_policy: SnapshotPolicy | None = None
 
 
 class ForkBody(_Body):
@@ -113,6 +130,7 @@ class Services:
     store: Store
     nodes: NodePool
     reconciler: Reconciler
+    snapshots: SnapshotKeeper
     node_token: str
     registry: CollectorRegistry
     requests: Counter
@@ -146,10 +164,18 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "last_activity_at": sb.last_activity_at.isoformat(),
         "error": sb.error,
         "forked_from": sb.forked_from,
+        # Issue 4: what happened to the sandbox that the user should be able to see.
+        "notice": sb.notice,
+        "crash_count": sb.crash_count,
+        "recovered_at": sb.recovered_at.isoformat() if sb.recovered_at else None,
+        "recovered_from": sb.recovered_from,
+        "suspended_snapshot_id": sb.suspended_snapshot_id if sb.state == State.SUSPENDED else None,
+        "snapshot_policy": sb.snapshot_policy,
     }
 
 
-def snapshot_view(snap: SnapshotRecord) -> dict[str, Any]:
+def snapshot_view(snap: SnapshotRecord, exclusive_bytes: int | None = None) -> dict[str, Any]:
+    locations = snap.locations
     return {
         "id": snap.id,
         "sandbox_id": snap.sandbox_id,
@@ -157,18 +183,47 @@ def snapshot_view(snap: SnapshotRecord) -> dict[str, Any]:
         "state": snap.state,
         "created_at": snap.created_at.isoformat(),
         "size_bytes": snap.size_bytes,
-        "location": "node",
+        "exclusive_bytes": exclusive_bytes if exclusive_bytes is not None else snap.exclusive_bytes,
+        # "location" (one word, kept for older clients) and "locations" (every place a copy is).
+        "location": "node" if snap.node_id else ("objectstore" if locations else "none"),
+        "locations": locations,
         "node_id": snap.node_id,
+        "restorable": snap.restorable,
+        "uploaded_at": snap.uploaded_at.isoformat() if snap.uploaded_at else None,
+        "origin": snap.origin,
+        "error": snap.error,
     }
 
 
-def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) -> FastAPI:
+def create_app(
+    store: Store,
+    *,
+    node_token: str,
+    run_reconciler: bool = True,
+    data_dir: pathlib.Path | None = None,
+    store_url: str | None = None,
+    data_keys: DataKeys | None = None,
+) -> FastAPI:
+    """`store_url`: the object store shared with the nodes (suspend/restore and uploads; None: suspend is
+    refused). `data_keys`: wraps per-artifact keys (None: the default, one local key per org under
+    `data_dir`/keys; without data_dir, artifacts are not encrypted)."""
     registry = CollectorRegistry()
     nodes = NodePool(store, node_token)  # one client per node for the reconciler and the data plane
+    objects = None
+    if store_url is not None:
+        from space.objectstore.base import open_store
+
+        objects = open_store(store_url)
+    if data_keys is None and data_dir is not None:
+        from space.controlplane.keys import OrgDataKeys
+
+        data_keys = OrgDataKeys.local(store, data_dir / "keys")
+    reconciler = Reconciler(store, nodes, objects=objects, store_url=store_url, data_keys=data_keys)
     services = Services(
         store=store,
         nodes=nodes,
-        reconciler=Reconciler(store, nodes),
+        reconciler=reconciler,
+        snapshots=SnapshotKeeper(reconciler),
         node_token=node_token,
         registry=registry,
         requests=Counter("space_api_requests", "API requests", ["route", "status"], registry=registry),
@@ -211,6 +266,9 @@ def create_app(store: Store, *, node_token: str, run_reconciler: bool = True) ->
 
     app.include_router(_public_router(services), prefix="/v1")
     app.include_router(_node_router(services), prefix="/v1/nodes")
+    from space.controlplane.api import credentials as credentials_api  # issue 5 (imports this module)
+
+    app.include_router(credentials_api.install(services, data_dir))
     return app
 
 
@@ -234,6 +292,10 @@ async def _housekeeping(services: Services) -> None:
             1.0, lambda: asyncio.to_thread(services.store.mark_lost, NODE_LOST_AFTER_S), "marking lost nodes"
         ),
         every(5.0, services.reconciler.collect_orphans, "collecting orphans"),
+        every(1.0, services.snapshots.run_policies, "taking scheduled snapshots"),
+        every(2.0, services.snapshots.collect, "removing deleted snapshots"),
+        every(300.0, services.snapshots.sweep_objects, "removing artifacts nothing refers to"),
+        every(1.0, lambda: report_lost_node_crashes(services.reconciler), "recovering lost nodes' sandboxes"),
     )
 
 
@@ -332,6 +394,18 @@ async def _wait_settled(
         if sb.state == sb.desired_state:
             return sb
         if sb.state == State.FAILED or sb.error_permanent:
+            if (sb.error or "").startswith(f"{errors.KeyRevoked.code}:"):
+                # The tenant revoked its key on purpose (issue 5): 403 key_revoked, not a runtime failure.
+                raise errors.KeyRevoked(
+                    f"sandbox {sandbox_id} could not reach '{sb.desired_state}': {sb.error}",
+                    state=sb.state.value,
+                )
+            if (sb.error or "").startswith(f"{errors.ArtifactCorrupt.code}:"):
+                # A stored snapshot failed verification (issue 4): 502 artifact_corrupt, nothing booted.
+                raise errors.ArtifactCorrupt(
+                    f"sandbox {sandbox_id} could not reach '{sb.desired_state}': {sb.error}",
+                    state=sb.state.value,
+                )
             raise errors.RuntimeFailure(
                 f"sandbox {sandbox_id} could not reach '{sb.desired_state}': {sb.error}", state=sb.state.value
             )
@@ -411,26 +485,37 @@ def _public_router(services: Services) -> APIRouter:
     @r.post("/sandboxes", status_code=201)
     async def create_sandbox(body: CreateSandbox, who: Auth, idem: IdempotencyKey = None) -> JSONResponse:
         who.require("member")
-        if body.allow or body.credentials:
-            raise errors.InvalidArgument(
-                "egress policies and credentials are not available yet", field="allow"
-            )
+        egress = body.egress or EgressSpec()
+        allow, bound = [*body.allow, *egress.allow], [*body.credentials, *egress.credentials]
 
         # With an Idempotency-Key the id is derived from it: a retry that takes over the key of a request
         # that died mid-way finds the sandbox that request recorded instead of making a second one.
         sandbox_id = _derived_sandbox_id(who.key.id, idem) if idem else None
+        if sandbox_id is None and (allow or egress.deny or bound):
+            sandbox_id = new_sandbox_id()  # its egress policy is recorded before the sandbox (issue 5)
 
         async def work() -> tuple[int, Any]:
+            env = body.env
+            if sandbox_id is not None and (allow or egress.deny or bound):
+                from space.controlplane.api import credentials as credentials_api
+
+                env = await credentials_api.prepare_create(
+                    services, who, sandbox_id=sandbox_id, allow=allow, deny=egress.deny, credentials=bound,
+                    env=body.env,
+                )  # fmt: skip
             try:
                 sb = await asyncio.to_thread(
                     store.create_sandbox,
                     who.project_id,
                     body.template,
-                    body.env,
+                    env,
                     body.limits,
                     idle_timeout_s=body.idle_timeout_s,
                     ttl_s=body.ttl_s,
                     sandbox_id=sandbox_id,
+                    snapshot_policy=(
+                        body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
+                    ),
                 )
             except errors.AlreadyExists:
                 assert sandbox_id is not None
@@ -451,6 +536,15 @@ def _public_router(services: Services) -> APIRouter:
     @r.get("/sandboxes/{sandbox_id}")
     async def get_sandbox(sandbox_id: str, who: Auth) -> dict[str, Any]:
         return sandbox_view(await _sandbox(services, who, sandbox_id))
+
+    @r.patch("/sandboxes/{sandbox_id}")
+    async def patch_sandbox(sandbox_id: str, body: PatchSandbox, who: Auth) -> dict[str, Any]:
+        who.require("member")
+        sb = await _sandbox(services, who, sandbox_id)
+        if "snapshot_policy" in body.model_fields_set:
+            policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
+            sb = await asyncio.to_thread(store.update_observed, sb.id, snapshot_policy=policy)
+        return sandbox_view(sb)
 
     @r.delete("/sandboxes/{sandbox_id}", status_code=202)
     async def delete_sandbox(
@@ -481,7 +575,17 @@ def _public_router(services: Services) -> APIRouter:
     async def list_snapshots(sandbox_id: str, who: Auth) -> dict[str, Any]:
         sb = await _sandbox(services, who, sandbox_id)
         rows = await asyncio.to_thread(store.list_snapshots, sb.id)
-        return {"snapshots": [snapshot_view(s) for s in rows]}
+        # Exclusive bytes grow as the sandbox diverges from a snapshot: ask the node for today's figure
+        # (the recorded one is the fallback when the node is slow or away).
+        live: dict[str, int] = {}
+        if sb.node_id is not None and any(s.node_id == sb.node_id for s in rows):
+            with contextlib.suppress(errors.SpaceError, TimeoutError):
+                infos = await asyncio.wait_for(services.nodes.client(sb.node_id).list_snapshots(sb.id), 3.0)
+                for info in infos:
+                    value = getattr(info, "exclusive_bytes", None)
+                    if isinstance(value, int):
+                        live[info.snapshot_id] = value
+        return {"snapshots": [snapshot_view(s, live.get(s.id)) for s in rows]}
 
     @r.post("/sandboxes/{sandbox_id}/rollback")
     async def rollback(sandbox_id: str, body: RollbackBody, who: Auth) -> dict[str, Any]:
@@ -577,6 +681,8 @@ def _public_router(services: Services) -> APIRouter:
         "resume": (Event.RESUME, State.RUNNING),
         "stop": (Event.STOP, State.STOPPED),
         "start": (Event.START, State.RUNNING),
+        "suspend": (Event.SUSPEND, State.SUSPENDED),
+        "restore": (Event.RESTORE, State.RUNNING),
     }
 
     @r.post("/sandboxes/{sandbox_id}/{action}")
@@ -584,9 +690,9 @@ def _public_router(services: Services) -> APIRouter:
         sandbox_id: str, action: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
     ) -> JSONResponse:
         who.require("member")
-        if action in {"suspend", "restore"}:
+        if action == "suspend" and services.reconciler.objects is None:
             raise errors.InvalidArgument(
-                f"'{action}' needs object storage, which this control plane does not have yet", action=action
+                "suspend needs object storage: start the control plane with --store-url", action=action
             )
         if action not in lifecycle_targets:
             raise errors.NotFound(f"no action {action!r}")
@@ -597,8 +703,9 @@ def _public_router(services: Services) -> APIRouter:
             sb = await _sandbox(services, who, sandbox_id)
             current = await asyncio.to_thread(store.load_sandbox, sb.id)
             assert current is not None
-            if current.desired_state != target:
-                # The table decides on the state the user sees; an already-wished request is a no-op.
+            if current.desired_state != target or (current.error_permanent and current.state != target):
+                # The table decides on the state the user sees; an already-wished request is a no-op,
+                # unless the last attempt gave up (e.g. a corrupt snapshot): asking again retries.
                 transition(current.state, event)
                 services.forget(sb.id)
                 current = await asyncio.to_thread(store.set_desired, sb.id, target, current.generation)
@@ -616,7 +723,7 @@ async def _take_snapshot(services: Services, sb: SandboxRecord, *, full: bool) -
     info = await services.nodes.client(_node_id(sb)).create_snapshot(sb.id, full=full)
     snap = await asyncio.to_thread(
         services.store.create_snapshot, sb.id, "full" if full else "disk", node_id=sb.node_id,
-        snapshot_id=info.snapshot_id,
+        snapshot_id=info.snapshot_id, origin="user", exclusive_bytes=getattr(info, "exclusive_bytes", None),
     )  # fmt: skip
     return await asyncio.to_thread(services.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
 
@@ -645,6 +752,11 @@ async def _running(services: Services, who: Principal, sandbox_id: str) -> Sandb
             await asyncio.to_thread(services.store.set_desired, sb.id, State.RUNNING)
         return await _wait_settled(services, sb.id)
     if sb.state in {State.PENDING, State.CREATING, State.STARTING} and sb.desired_state == State.RUNNING:
+        return await _wait_settled(services, sb.id)
+    if sb.state in {State.SUSPENDED, State.RESTORING, State.RECOVERING} and not sb.error_permanent:
+        # Like a paused sandbox, a suspended one comes back on first use (on any node).
+        if sb.desired_state != State.RUNNING:
+            await asyncio.to_thread(services.store.set_desired, sb.id, State.RUNNING)
         return await _wait_settled(services, sb.id)
     raise errors.InvalidState(f"sandbox {sandbox_id} is '{sb.state}', not running", state=sb.state.value)
 
@@ -794,17 +906,59 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
+async def _crash_reports(services: Services, node_id: str, crashed: list[str], beat_time: Any) -> None:
+    """Runtimes the node saw die become `crashed` (the reconciler then recovers them). Only a report made
+    after the record's last change counts: a heartbeat assembled before a recovery finished must not
+    undo it."""
+    if not crashed:
+        return
+    observed_at = datetime.fromtimestamp(float(beat_time), UTC) if beat_time else None
+    for sandbox_id in crashed:
+        changed = await asyncio.to_thread(
+            services.store.report_crash, sandbox_id, node_id,
+            notice=f"the sandbox's runtime died on node {node_id}", observed_at=observed_at,
+        )  # fmt: skip
+        if changed is not None:
+            services.forget(sandbox_id)
+            services.reconciler.poke()
+
+
+async def _stale_copies(services: Services, node_id: str, reported: list[str]) -> None:
+    """A node that reports a copy of a sandbox that now lives elsewhere (recovered or restored while the
+    node was lost) or nowhere (suspended, deleted) gets its orphans collected now, not at the next round:
+    the window in which such a copy still runs is one heartbeat."""
+    if not reported:
+        return
+    mine = {sb.id for sb in await asyncio.to_thread(services.store.list_sandboxes_on_node, node_id)}
+    for sandbox_id in (i for i in reported if i not in mine):
+        record = await asyncio.to_thread(services.store.load_sandbox, sandbox_id)
+        if record is not None and is_orphan_copy(record, node_id, services.store.now()):
+            services.reconciler.collect_orphans_soon()
+            return
+
+
 def _capacity(raw: dict[str, Any]) -> dict[str, Any]:
     memory_mb = int(raw.get("memory_mb", 0))
     return {"cpus": float(raw.get("cpus", 0)), "memory_mb": memory_mb, "sandboxes": max(1, memory_mb // 64)}
 
 
 # -- node registration ---------------------------------------------------------------------------------------
+async def authenticate_node(store: Store, node_id: str, authorization: str | None) -> None:
+    """Node-facing routes other than registration: `Authorization: Bearer <identity>` must be the secret
+    issued at THIS node's latest registration (ADR 0019), else 401 (the node then registers again)."""
+    presented = (authorization or "").removeprefix("Bearer ").strip()
+    if not presented:
+        raise errors.Unauthenticated("missing node identity")
+    if await asyncio.to_thread(store.authenticate_node, node_id, presented) is None:
+        raise errors.Unauthenticated(f"bad identity for node {node_id}: register again")
+
+
 def _node_router(services: Services) -> APIRouter:
     r = APIRouter(include_in_schema=False)
     store = services.store
 
     def check_node_token(authorization: str | None) -> None:
+        """The cluster's bootstrap token: good for registering, nothing else (ADR 0019)."""
         presented = (authorization or "").removeprefix("Bearer ").strip()
         if not presented or not hmac.compare_digest(presented, services.node_token):
             raise errors.Unauthenticated("bad node token")
@@ -815,30 +969,39 @@ def _node_router(services: Services) -> APIRouter:
     ) -> dict[str, Any]:
         check_node_token(authorization)
         body = await _json_object(request)
+        # A fresh identity per registration: answered once, stored hashed; the previous one stops working.
+        identity = new_node_identity()
         node = await asyncio.to_thread(
             store.register_node, str(body.get("url", "")), str(body.get("token", "")),
             capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
+            identity=identity,
         )  # fmt: skip
-        return {"node_id": node.id}
+        return {"node_id": node.id, "identity": identity}
 
     @r.post("/{node_id}/heartbeat")
     async def heartbeat(
         node_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
     ) -> dict[str, Any]:
-        check_node_token(authorization)
+        await authenticate_node(store, node_id, authorization)
         beat = await _json_object(request)
         templates = list(beat.get("templates") or [])
         used = dict(beat.get("used") or {})
         used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
         activity = {}
+        crashed: list[str] = []
         for item in beat.get("sandboxes") or []:
             at = item.get("last_activity_at")
             if at:
                 activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
+            if item.get("state") == State.CRASHED.value:
+                crashed.append(str(item["id"]))
         await asyncio.to_thread(
             store.heartbeat, node_id, used=used, templates=templates, activity=activity,
             capacity=_capacity(beat.get("capacity") or {}),
         )  # fmt: skip
+        await _crash_reports(services, node_id, crashed, beat.get("time"))
+        reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
+        await _stale_copies(services, node_id, reported)
         return {"ok": True}
 
     return r

@@ -37,6 +37,9 @@ STATUS_BY_CODE: dict[str, int] = {
     errors.GuestError.code: 502,
     errors.RuntimeFailure.code: 502,
     errors.Internal.code: 500,
+    errors.ArtifactCorrupt.code: 502,
+    errors.KeyRevoked.code: 403,
+    errors.KeyUnavailable.code: 503,
 }
 
 

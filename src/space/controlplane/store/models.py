@@ -32,9 +32,11 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import BigInteger
+from sqlalchemy.types import BigInteger, LargeBinary
 
 from space.controlplane.store.types import UTCDateTime
 
@@ -110,6 +112,8 @@ class Node(Base):
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     url: Mapped[str] = mapped_column(String(512), unique=True)
     token_hash: Mapped[str] = mapped_column(String(64))
+    # SHA-256 of the per-node secret issued at registration (ADR 0019); NULL: must register again.
+    identity_hash: Mapped[str | None] = mapped_column(String(64))
     capacity: Mapped[dict[str, Any]] = mapped_column(JSON)
     used: Mapped[dict[str, Any]] = mapped_column(JSON)
     templates: Mapped[list[str]] = mapped_column(JSON)
@@ -156,6 +160,19 @@ class Sandbox(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # Issue 4 (migration 0002). The policy the snapshot scheduler applies (None: no scheduled snapshots).
+    snapshot_policy: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Chosen and recorded BEFORE the node is asked to suspend, so a restarted control plane resumes the
+    # same upload instead of starting a second one; kept while suspended (it is what restore reads).
+    suspended_snapshot_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    suspended_prefix: Mapped[str | None] = mapped_column(String(512))
+    # Crash recovery, shown to users: when and from which snapshot the sandbox was last recovered.
+    recovered_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    recovered_from: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    crash_count: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    notice: Mapped[str | None] = mapped_column(Text)
+    # The tenant key (KeyService key id) that wraps this sandbox's data keys.
+    data_key_id: Mapped[str | None] = mapped_column(String(256))
 
 
 class Snapshot(Base):
@@ -174,6 +191,20 @@ class Snapshot(Base):
     node_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), ForeignKey("nodes.id"))
     size_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Issue 4 (migration 0002). Object-storage copy: its prefix and when its manifest was read back.
+    prefix: Mapped[str | None] = mapped_column(String(512))
+    uploaded_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    exclusive_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # True only once a copy is known complete (manifest read back / node reported it); restore and
+    # recovery use nothing else.
+    restorable: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    # The data key wrapping the uploaded copy: the tenant key id and the wrapped key (base64), so a
+    # rotated key still opens old snapshots.
+    data_key_id: Mapped[str | None] = mapped_column(String(256))
+    wrapped_key: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    # Who took it: "user", "policy" (the snapshot scheduler; retention prunes only these), "suspend".
+    origin: Mapped[str | None] = mapped_column(String(16))
 
 
 class IdempotencyRecord(Base):
@@ -187,3 +218,108 @@ class IdempotencyRecord(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)  # NULL while the request is in progress
     response_body: Mapped[Any | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+# ==== Credentials, egress policies, audit log, tenant keys (issue 5; migration 0003) =====================
+# Owned by store/credentials.py (helper H-cred). Values of credentials are never in these tables: only an
+# opaque vault reference; the default vault keeps AES-GCM sealed values in `vault_secrets`.
+CREDENTIAL_SCOPES = ("org", "project", "sandbox")
+CREDENTIAL_METHODS = ("header", "bearer", "basic", "query")
+ORG_KEY_SERVICES = ("local", "kms")
+ORG_KEY_STATES = ("active", "revoked")
+
+
+class Credential(Base):
+    __tablename__ = "credentials"
+    __table_args__ = (
+        CheckConstraint(_one_of("scope", CREDENTIAL_SCOPES), name="scope"),
+        CheckConstraint(_one_of("method", CREDENTIAL_METHODS), name="method"),
+        # One name per owner: scope_id is the org, project or sandbox id the credential belongs to.
+        UniqueConstraint("scope_id", "name"),
+        Index("ix_credentials_org_id_name", "org_id", "name"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("orgs.id"))
+    project_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), ForeignKey("projects.id"))
+    sandbox_id: Mapped[str | None] = mapped_column(String(ID_LENGTH), ForeignKey("sandboxes.id"))
+    scope: Mapped[str] = mapped_column(String(16))
+    scope_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    name: Mapped[str] = mapped_column(String(64))
+    hosts: Mapped[list[str]] = mapped_column(JSON)
+    method: Mapped[str] = mapped_column(String(16))
+    header_name: Mapped[str | None] = mapped_column(String(128))
+    header_template: Mapped[str | None] = mapped_column(Text)
+    query_param: Mapped[str | None] = mapped_column(String(128))
+    env_var: Mapped[str] = mapped_column(String(128))
+    placeholder: Mapped[str] = mapped_column(String(128), unique=True)
+    vault: Mapped[str] = mapped_column(String(32))
+    vault_ref: Mapped[str] = mapped_column(String(512))
+    version: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    rate_per_minute: Mapped[int | None] = mapped_column(Integer)
+    created_by: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    rotated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class VaultSecret(Base):
+    __tablename__ = "vault_secrets"
+
+    reference: Mapped[str] = mapped_column(String(256), primary_key=True)
+    sealed: Mapped[bytes] = mapped_column(LargeBinary)  # version || nonce || AES-GCM ciphertext+tag
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class CredentialAudit(Base):
+    __tablename__ = "credential_audit"
+    __table_args__ = (
+        Index("ix_credential_audit_org_id_credential_name_id", "org_id", "credential_name", "id"),
+        Index("ix_credential_audit_sandbox_id", "sandbox_id"),
+    )
+
+    # Autoincrement: the order entries were written in, also between entries of the same instant.
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH))
+    project_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    sandbox_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    # No foreign key: the log outlives deleted credentials.
+    credential_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    credential_name: Mapped[str | None] = mapped_column(String(64))
+    scope: Mapped[str | None] = mapped_column(String(16))
+    action: Mapped[str] = mapped_column(String(32))
+    actor: Mapped[str] = mapped_column(String(128))  # "key:<api key id>" or "node:<node id>"
+    host: Mapped[str | None] = mapped_column(String(255))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class SandboxEgress(Base):
+    __tablename__ = "sandbox_egress"
+
+    # No foreign key: written just BEFORE its sandbox row, so the reconciler never sees a sandbox without
+    # its policy; a row whose sandbox was never created is harmless (no sandbox, no traffic).
+    sandbox_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH), index=True)
+    allow: Mapped[list[str]] = mapped_column(JSON)
+    deny: Mapped[list[str]] = mapped_column(JSON)
+    credentials: Mapped[list[str]] = mapped_column(JSON)  # bound credential names, resolved by scope
+    version: Mapped[int] = mapped_column(Integer)  # +1 per change: nodes apply only newer policies
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class OrgKey(Base):
+    __tablename__ = "org_keys"
+    __table_args__ = (
+        CheckConstraint(_one_of("service", ORG_KEY_SERVICES), name="service"),
+        CheckConstraint(_one_of("state", ORG_KEY_STATES), name="state"),
+    )
+
+    org_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("orgs.id"), primary_key=True)
+    service: Mapped[str] = mapped_column(String(16))
+    key_id: Mapped[str] = mapped_column(String(256))
+    state: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    rotated_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

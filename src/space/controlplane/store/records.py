@@ -93,6 +93,15 @@ class SandboxRecord:
     created_at: datetime
     updated_at: datetime
     deleted_at: datetime | None
+    # Issue 4: snapshot policy, suspend bookkeeping, crash recovery facts, tenant key.
+    snapshot_policy: dict[str, Any] | None = None
+    suspended_snapshot_id: str | None = None
+    suspended_prefix: str | None = None
+    recovered_at: datetime | None = None
+    recovered_from: str | None = None
+    crash_count: int = 0
+    notice: str | None = None
+    data_key_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,22 @@ class SnapshotRecord:
     node_id: str | None
     size_bytes: int | None
     created_at: datetime
+    prefix: str | None = None  # object-storage prefix of its uploaded copy (None: not uploaded)
+    uploaded_at: datetime | None = None
+    exclusive_bytes: int | None = None
+    restorable: bool = False  # the uploaded copy's manifest was read back: restore/recovery may use it
+    data_key_id: str | None = None
+    wrapped_key: str | None = None  # base64 of the wrapped data key of the uploaded copy
+    error: str | None = None
+    origin: str | None = None  # "user" | "policy" | "suspend"
+
+    @property
+    def locations(self) -> list[str]:
+        """Where the snapshot's data is: "node:<id>" while a node holds it, "objectstore" once uploaded."""
+        where = [f"node:{self.node_id}"] if self.node_id else []
+        if self.restorable and self.prefix:
+            where.append("objectstore")
+        return where
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,6 +93,15 @@ TRANSITION_FIELDS: Final = frozenset(
         "fork_snapshot_id",
         "expires_at",
         "desired_state",
+        *[
+            "suspended_snapshot_id",
+            "suspended_prefix",
+            "recovered_at",
+            "recovered_from",
+            "crash_count",
+            "notice",
+            "data_key_id",
+        ],
     }
 )
 OBSERVED_FIELDS: Final = frozenset(
@@ -104,6 +113,30 @@ OBSERVED_FIELDS: Final = frozenset(
         "next_attempt_at",
         "last_activity_at",
         "fork_snapshot_id",
+        *[
+            "suspended_snapshot_id",
+            "suspended_prefix",
+            "recovered_from",
+            "notice",
+            "data_key_id",
+            "snapshot_policy",
+        ],
+    }
+)
+# Snapshot columns Store.update_snapshot may set (kind, sandbox, created_at and state are fixed or owned by
+# the state methods).
+SNAPSHOT_FIELDS: Final = frozenset(
+    {
+        "node_id",
+        "size_bytes",
+        "prefix",
+        "uploaded_at",
+        "exclusive_bytes",
+        "restorable",
+        "data_key_id",
+        "wrapped_key",
+        "error",
+        "origin",
     }
 )
 
@@ -136,6 +169,11 @@ def hash_request(*parts: bytes | str) -> str:
 
 def new_api_key_secret() -> str:
     return API_KEY_PREFIX + secrets.token_urlsafe(30)
+
+
+def new_node_identity() -> str:
+    """A fresh per-node secret (240-bit random), issued at each registration of a node (ADR 0019)."""
+    return secrets.token_urlsafe(30)
 
 
 def _text(value: object, field: str, max_length: int) -> str:
@@ -216,6 +254,14 @@ def _sandbox(row: Sandbox) -> SandboxRecord:
         created_at=row.created_at,
         updated_at=row.updated_at,
         deleted_at=row.deleted_at,
+        snapshot_policy=dict(row.snapshot_policy) if row.snapshot_policy is not None else None,
+        suspended_snapshot_id=row.suspended_snapshot_id,
+        suspended_prefix=row.suspended_prefix,
+        recovered_at=row.recovered_at,
+        recovered_from=row.recovered_from,
+        crash_count=row.crash_count or 0,
+        notice=row.notice,
+        data_key_id=row.data_key_id,
     )
 
 
@@ -228,6 +274,14 @@ def _snapshot(row: Snapshot) -> SnapshotRecord:
         node_id=row.node_id,
         size_bytes=row.size_bytes,
         created_at=row.created_at,
+        prefix=row.prefix,
+        uploaded_at=row.uploaded_at,
+        exclusive_bytes=row.exclusive_bytes,
+        restorable=bool(row.restorable),
+        data_key_id=row.data_key_id,
+        wrapped_key=row.wrapped_key,
+        error=row.error,
+        origin=row.origin,
     )
 
 
@@ -421,6 +475,7 @@ class Store:
         fork_snapshot_id: str | None = None,
         desired_state: State = State.RUNNING,
         sandbox_id: str | None = None,
+        snapshot_policy: Mapping[str, Any] | None = None,
     ) -> SandboxRecord:
         """A new sandbox record in state `pending` (generation 0); the reconciler creates it.
 
@@ -462,6 +517,8 @@ class Store:
             created_at=now,
             updated_at=now,
             deleted_at=None,
+            snapshot_policy=dict(snapshot_policy) if snapshot_policy is not None else None,
+            crash_count=0,
         )
         with self._tx("creating a sandbox") as session:
             if forked_from is not None:
@@ -539,7 +596,7 @@ class Store:
             # A programming error in the caller, not a user error.
             raise TypeError(f"fields not settable here: {sorted(unknown)}")
         values = dict(fields)
-        for name in ("next_attempt_at", "last_activity_at", "expires_at"):
+        for name in ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at"):
             if values.get(name) is not None:
                 values[name] = _aware(values[name], name)
         if "desired_state" in values:
@@ -811,11 +868,16 @@ class Store:
         capacity: Mapping[str, Any] | None = None,
         templates: Sequence[str] = (),
         labels: Mapping[str, str] | None = None,
+        identity: str | None = None,
     ) -> NodeRecord:
         """Register a node, idempotent by url: a node that registers again (after a restart) keeps its
-        id and becomes ready; its token, capacity, templates and labels are replaced."""
+        id and becomes ready; its token, capacity, templates and labels are replaced. `identity` is the
+        per-node secret the caller issued for this registration (only its hash is kept); it replaces the
+        previous one, so an identity from an earlier registration stops working (None: none works)."""
         url = _text(url, "url", 512)
         token = _text(token, "token", _MAX_SECRET_LENGTH)
+        if identity is not None:
+            identity = _text(identity, "identity", _MAX_SECRET_LENGTH)
         for _attempt in range(2):
             now = self.now()
             try:
@@ -825,6 +887,7 @@ class Store:
                         row = Node(id=ids.new_node_id(), url=url, registered_at=now, used={})
                         session.add(row)
                     row.token_hash = hash_secret(token)
+                    row.identity_hash = hash_secret(identity) if identity is not None else None
                     row.capacity = dict(capacity or {})
                     row.templates = list(templates)
                     row.labels = dict(labels or {})
@@ -836,13 +899,15 @@ class Store:
                 continue  # a concurrent first registration of the same url won; take its row
         raise Conflict(f"node {url} is being registered concurrently; retry")
 
-    def authenticate_node(self, node_id: str, token: str) -> NodeRecord | None:
-        if not isinstance(token, str) or len(token) > _MAX_SECRET_LENGTH:
+    def authenticate_node(self, node_id: str, identity: str) -> NodeRecord | None:
+        """The node `node_id` if `identity` is the secret issued at its latest registration, else None
+        (hashes compared in constant time; the cluster's bootstrap token is never an identity)."""
+        if not isinstance(identity, str) or not identity or len(identity) > _MAX_SECRET_LENGTH:
             return None
-        digest = hash_secret(token)
+        digest = hash_secret(identity)
         with self._tx("authenticating a node") as session:
             row = session.get(Node, node_id)
-            if row is None or not hmac.compare_digest(row.token_hash, digest):
+            if row is None or row.identity_hash is None or not hmac.compare_digest(row.identity_hash, digest):
                 return None
             return _node(row)
 
@@ -936,8 +1001,10 @@ class Store:
         node_id: str | None = None,
         *,
         snapshot_id: str | None = None,
+        **fields: Any,
     ) -> SnapshotRecord:
-        """A snapshot record in state `creating` (written before the side effect starts)."""
+        """A snapshot record in state `creating` (written before the side effect starts); `fields` are
+        SNAPSHOT_FIELDS (prefix, data key, origin ...)."""
         if kind not in _SNAPSHOT_KINDS:
             raise InvalidArgument(f"invalid snapshot kind {kind!r}", field="kind")
         row = Snapshot(
@@ -948,7 +1015,10 @@ class Store:
             node_id=node_id,
             size_bytes=None,
             created_at=self.now(),
+            restorable=False,
         )
+        for name, value in self._fields(fields, SNAPSHOT_FIELDS).items():
+            setattr(row, name, value)
         with self._tx(f"creating a snapshot of sandbox {sandbox_id}") as session:
             session.add(row)
         return _snapshot(row)
@@ -989,6 +1059,19 @@ class Store:
                     row.node_id = node_id
             return _snapshot(row)
 
+    def update_snapshot(self, snapshot_id: str, **fields: Any) -> SnapshotRecord:
+        """Set SNAPSHOT_FIELDS of a snapshot (where its copies are, sizes, errors); NotFound if absent."""
+        values = self._fields(fields, SNAPSHOT_FIELDS)
+        if values.get("uploaded_at") is not None:
+            values["uploaded_at"] = _aware(values["uploaded_at"], "uploaded_at")
+        with self._tx(f"updating snapshot {snapshot_id}") as session:
+            row = session.get(Snapshot, snapshot_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"snapshot {snapshot_id} not found")
+            for name, value in values.items():
+                setattr(row, name, value)
+            return _snapshot(row)
+
     def delete_snapshot(self, snapshot_id: str) -> SnapshotRecord:
         """Mark the snapshot `deleting` (idempotent); the reconciler removes its data, then purges it."""
         with self._tx(f"deleting snapshot {snapshot_id}") as session:
@@ -997,6 +1080,38 @@ class Store:
                 raise NotFound(f"snapshot {snapshot_id} not found")
             row.state = "deleting"
             return _snapshot(row)
+
+    def delete_snapshots_of(self, sandbox_id: str) -> int:
+        """Mark every snapshot of a sandbox `deleting` (the sandbox is being deleted)."""
+        statement = (
+            update(Snapshot)
+            .where(Snapshot.sandbox_id == sandbox_id, Snapshot.state != "deleting")
+            .values(state="deleting")
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx(f"deleting the snapshots of sandbox {sandbox_id}") as session:
+            return _rowcount(session.execute(statement))
+
+    def forget_node_snapshots(self, sandbox_id: str, node_id: str) -> int:
+        """The sandbox left `node_id` (suspended, or recovered elsewhere) and its copies there go with it:
+        snapshots with a verified object-storage copy now live there only (node_id cleared); the others
+        are marked `deleting`. Returns how many rows changed."""
+        uploaded = and_(Snapshot.restorable.is_(True), Snapshot.prefix.is_not(None))
+        base = [Snapshot.sandbox_id == sandbox_id, Snapshot.node_id == node_id]
+        with self._tx(f"forgetting the snapshots of sandbox {sandbox_id} on node {node_id}") as session:
+            moved = session.execute(
+                update(Snapshot)
+                .where(*base, uploaded)
+                .values(node_id=None)
+                .execution_options(synchronize_session=False)
+            )
+            dropped = session.execute(
+                update(Snapshot)
+                .where(*base, ~uploaded, Snapshot.state != "deleting")
+                .values(state="deleting")
+                .execution_options(synchronize_session=False)
+            )
+            return _rowcount(moved) + _rowcount(dropped)
 
     def list_deleting_snapshots(self, limit: int = 100) -> list[SnapshotRecord]:
         query = (
@@ -1109,6 +1224,52 @@ class Store:
         statement = delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff)
         with self._tx("purging idempotency records") as session:
             return _rowcount(session.execute(statement))
+
+    # ---- crash reports, snapshot policy ---------------------------------------------------------------
+
+    def report_crash(
+        self, sandbox_id: str, node_id: str | None, *, notice: str, observed_at: datetime | None = None
+    ) -> SandboxRecord | None:
+        """A runtime died (or its node was lost): live -> crashed by compare-and-swap, crash_count + 1.
+
+        Applies only while the sandbox is in a live state on `node_id` (None: any node) and, with
+        `observed_at`, only if the record did not change after that observation (a late heartbeat must
+        not undo a recovery that finished after it was assembled). None when nothing changed."""
+        live = tuple(sorted(s.value for s in lifecycle.LIVE_STATES))
+        with self._tx(f"reporting a crash of sandbox {sandbox_id}") as session:
+            row = session.get(Sandbox, sandbox_id)
+            if row is None or row.state not in live or (node_id is not None and row.node_id != node_id):
+                return None
+            if observed_at is not None and row.updated_at > _aware(observed_at, "observed_at"):
+                return None
+            state, generation, crashes = row.state, row.generation, row.crash_count or 0
+        try:
+            return self.transition(
+                sandbox_id, state, generation, Event.CRASH, crash_count=crashes + 1, notice=notice
+            )
+        except (Conflict, InvalidState, NotFound):
+            return None  # moved meanwhile: whoever moved it decides
+
+    def list_sandboxes_with_policy(self, limit: int = 1000) -> list[SandboxRecord]:
+        """Running sandboxes that have a snapshot policy (for the snapshot scheduler)."""
+        query = (
+            select(Sandbox)
+            .where(Sandbox.state == State.RUNNING.value, Sandbox.snapshot_policy.is_not(None))
+            .order_by(Sandbox.id)
+            .limit(limit)
+        )
+        with self._tx("listing sandboxes with a snapshot policy") as session:
+            return [_sandbox(row) for row in session.scalars(query)]
+
+    def list_sandboxes_in_states(self, states: Sequence[State], limit: int = 1000) -> list[SandboxRecord]:
+        query = (
+            select(Sandbox)
+            .where(Sandbox.state.in_([lifecycle.parse_state(s).value for s in states]))
+            .order_by(Sandbox.id)
+            .limit(limit)
+        )
+        with self._tx("listing sandboxes by state") as session:
+            return [_sandbox(row) for row in session.scalars(query)]
 
     # ---- maintenance ----------------------------------------------------------------------------------
 

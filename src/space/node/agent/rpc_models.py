@@ -31,12 +31,26 @@ SnapshotKind = Literal["disk", "full"]
 
 
 # -- lifecycle -------------------------------------------------------------------------------------------
+class EgressBody(BaseModel):
+    """A sandbox's egress policy as the node receives it (issue 5): domains/CIDRs, the names of bound
+    credentials (their values the node fetches itself), and the control plane's version of it."""
+
+    model_config = _REQUEST
+
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+    credentials: list[str] = Field(default_factory=list)
+    version: int = Field(default=0, ge=0)
+
+
 class CreateSandboxRequest(BaseModel):
     model_config = _REQUEST
 
     template: str = Field(default="python", pattern=f"^{TEMPLATE_NAME_PATTERN}$")
     env: dict[str, str] = Field(default_factory=dict)
     limits: SandboxLimits | None = None
+    #: None: the node asks the control plane (if any) when the sandbox comes up; no policy = no egress.
+    egress: EgressBody | None = None
 
 
 class SnapshotRequest(BaseModel):
@@ -81,6 +95,9 @@ class ForkRequest(BaseModel):
 
 
 class SnapshotInfo(BaseModel):
+    """`exclusive_bytes`: what the snapshot's disk pins on the node (for a disk snapshot: what the sandbox
+    wrote since the previous snapshot); None when the node cannot tell (no quotas, fake driver)."""
+
     model_config = _ANSWER
 
     snapshot_id: str
@@ -88,6 +105,7 @@ class SnapshotInfo(BaseModel):
     kind: SnapshotKind
     created_at: float
     image_bytes: int = 0
+    exclusive_bytes: int | None = None
 
 
 class SnapshotList(BaseModel):
@@ -155,6 +173,7 @@ class NodeInfo(BaseModel):
     sandbox_count: int
     templates: list[str]
     time: float
+    store_url: str | None = None  # the only object store suspend/restore requests may name on this node
 
 
 # -- data plane ------------------------------------------------------------------------------------------
@@ -295,9 +314,10 @@ class RenameRequest(BaseModel):
 
 # -- node -> control plane ---------------------------------------------------------------------------------
 class RegisterRequest(BaseModel):
-    """POST {control plane}/v1/nodes/register (Authorization: Bearer <node token>); the answer must carry
-    the node's id as "node_id" (or "id"). Registering again (after a restart) is expected to be idempotent
-    by url. `token` is the token the control plane must present on this node's RPC."""
+    """POST {control plane}/v1/nodes/register (Authorization: Bearer <cluster bootstrap token>); the answer
+    carries the node's id as "node_id" (or "id") and "identity", the per-node secret every later call of this
+    node presents (ADR 0019). Registering again (after a restart) is idempotent by url and issues a new
+    identity. `token` is the token the control plane must present on this node's RPC."""
 
     model_config = _ANSWER
 
@@ -310,8 +330,8 @@ class RegisterRequest(BaseModel):
 
 
 class Heartbeat(BaseModel):
-    """POST {control plane}/v1/nodes/{node_id}/heartbeat every 2 s (Authorization: Bearer <node token>); a
-    401/404 answer makes the node register again. `activity` maps sandbox id -> last data-plane activity
+    """POST {control plane}/v1/nodes/{node_id}/heartbeat every 2 s (Authorization: Bearer <node identity>);
+    a 401/404 answer makes the node register again. `activity` maps sandbox id -> last data-plane activity
     (Unix seconds) for the sandboxes that had any; `sandboxes` is the observed state of each, without the
     daemon's sys.info (polling every daemon every 2 s would count as their activity)."""
 
@@ -329,3 +349,89 @@ class Heartbeat(BaseModel):
     activity: dict[str, float]
     sandboxes: list[SandboxObserved]
     unmanaged: list[str] = Field(default_factory=list)
+
+
+# -- suspend / restore / recover (object storage) -----------------------------------------------------------
+_PREFIX = r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$"
+
+
+def _b64(value: str, field: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{field} is not base64") from exc
+
+
+class DataKeyBody(BaseModel):
+    """A per-artifact data key: the plaintext (used now, never stored) and its wrapped form (stored in the
+    manifest, opened later by the key service)."""
+
+    model_config = _REQUEST
+
+    key_id: str = Field(min_length=1, max_length=256)
+    wrapped_b64: str = Field(min_length=1, max_length=8192)
+    plaintext_b64: str = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _valid(self) -> DataKeyBody:
+        _b64(self.wrapped_b64, "wrapped_b64")
+        if len(_b64(self.plaintext_b64, "plaintext_b64")) != 32:
+            raise ValueError("plaintext_b64 must hold a 32-byte key")
+        return self
+
+
+class _StoreTarget(BaseModel):
+    model_config = _REQUEST
+
+    store_url: str = Field(min_length=1, max_length=2048)
+    prefix: str = Field(min_length=1, max_length=512, pattern=_PREFIX)
+
+    @field_validator("prefix")
+    @classmethod
+    def _no_dot_segments(cls, value: str) -> str:
+        if any(part in {".", ".."} for part in value.split("/")):
+            raise ValueError("prefix must not contain '.' or '..' segments")
+        return value
+
+
+class SuspendRequest(_StoreTarget):
+    snapshot_id: str = Field(pattern=f"^{SNAPSHOT_ID_PATTERN}$")
+    data_key: DataKeyBody | None = None
+
+
+class UploadRequest(_StoreTarget):
+    data_key: DataKeyBody | None = None
+
+
+class RestoreRequest(_StoreTarget):
+    sandbox_id: str = Field(pattern=f"^{SANDBOX_ID_PATTERN}$")
+    data_key_b64: str | None = Field(default=None, max_length=64)
+    template: str = Field(default="python", pattern=f"^{TEMPLATE_NAME_PATTERN}$")
+    limits: SandboxLimits | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    #: As on create: None lets a node with a control plane ask it; no policy means no egress.
+    egress: EgressBody | None = None
+
+    @field_validator("data_key_b64")
+    @classmethod
+    def _key(cls, value: str | None) -> str | None:
+        if value is not None and len(_b64(value, "data_key_b64")) != 32:
+            raise ValueError("data_key_b64 must hold a 32-byte key")
+        return value
+
+
+class RecoverRequest(BaseModel):
+    model_config = _REQUEST
+
+    snapshot_id: str | None = Field(default=None, pattern=f"^{SNAPSHOT_ID_PATTERN}$")
+
+
+class TransferResult(BaseModel):
+    """A suspend or upload: the checkpoint, where it is, its stored size, how long each step took."""
+
+    model_config = _ANSWER
+
+    snapshot_id: str
+    prefix: str
+    stored_bytes: int
+    timings: dict[str, float] = Field(default_factory=dict)

@@ -38,6 +38,7 @@ import pathlib
 import signal
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Annotated, Any
@@ -56,11 +57,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from space.core import errors
 from space.core.ids import parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import IN_PROGRESS_STATES, Event, State
+from space.core.settings import SandboxLimits
+from space.crypto.envelope import DataKey
 from space.node.agent import rpc_models as rm
 from space.node.agent.agent import NodeAgent, SandboxHandle, SnapshotRecord
 from space.node.agent.channel import Call
+from space.node.agent.egress_wiring import EgressRequest, EgressSettings, EgressWiring
+from space.node.agent.egress_wiring import install as egress_install
+from space.node.agent.egress_wiring import load_settings as load_egress_settings
 from space.node.agent.guest import GuestSession
+from space.node.agent.identity import IdentityAuth, NodeIdentity
 from space.node.drivers.base import RuntimeState, SandboxSpec
+from space.objectstore.base import ObjectStore
 from space.protocol import Channel, FrameType
 from space.protocol import methods as m
 
@@ -111,6 +119,9 @@ _STATUS: dict[str, int] = {
     "guest_error": 500,
     "runtime_failure": 500,
     "internal": 500,
+    "artifact_corrupt": 502,
+    "key_revoked": 403,
+    "key_unavailable": 503,
 }
 
 
@@ -240,6 +251,16 @@ class NodeService:
         self.templates = list(templates)
         self.activity: dict[str, float] = {}
         self.replays = _Replays()
+        self.egress_policies: dict[str, dict[str, Any]] = {}  # sandbox id -> last pushed policy (issue 5)
+        #: The node's egress gateway wiring (network = "sandbox"; space.node.agent.egress_wiring), else None.
+        self.egress: EgressWiring | None = None
+        #: Node id + per-node secret from this node's latest registration (ADR 0019; memory only).
+        self.identity = NodeIdentity()
+
+    @property
+    def node_id(self) -> str | None:
+        """As the control plane registered this node (None before the first registration)."""
+        return self.identity.node_id
 
     # -- activity, settling, auto-resume ------------------------------------------------------------------
     def touch(self, sandbox_id: str) -> None:
@@ -268,6 +289,11 @@ class NodeService:
         while True:
             await self.settle(handle, max(0.0, deadline - time.monotonic()))
             self._registered(handle)
+            if handle.state == State.SUSPENDED:
+                # Kept paused only as the source of an upload: it serves nothing until restored.
+                raise errors.InvalidState(
+                    f"sandbox {handle.sandbox_id} is suspended; restore it first", state="suspended"
+                )
             if handle.state != State.PAUSED or time.monotonic() > deadline:
                 break
             log.info("auto-resuming paused sandbox %s for a data-plane request", handle.sandbox_id)
@@ -345,6 +371,7 @@ class NodeService:
             sandbox_count=len(self.agent.sandboxes),
             templates=list(self.templates),
             time=time.time(),
+            store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
@@ -381,6 +408,8 @@ class NodeService:
             if existing is not None:
                 await self.settle(existing)
                 return await self.observe_one(existing), False
+            if self.egress is not None and body.egress is not None:
+                self.egress.remember(sandbox_id, _egress_request(body.egress), body.egress.credentials)
             try:
                 handle = await self.agent.create(
                     body.template, limits=body.limits, env=body.env, sandbox_id=sandbox_id
@@ -433,10 +462,74 @@ class NodeService:
         record = await (self.agent.checkpoint if full else self.agent.disk_snapshot)(handle.sandbox_id)
         return _snapshot_info(handle.sandbox_id, record)
 
-    def snapshots(self, sandbox_id: str) -> rm.SnapshotList:
+    async def snapshots(self, sandbox_id: str) -> rm.SnapshotList:
         handle = self.agent.get(sandbox_id)
         records = sorted(handle.snapshots.values(), key=lambda r: r.created_at)
-        return rm.SnapshotList(snapshots=[_snapshot_info(handle.sandbox_id, r) for r in records])
+        listed = []
+        for record in records:
+            info = _snapshot_info(handle.sandbox_id, record)
+            try:
+                usage = await self.agent.snapshot_usage(handle.sandbox_id, record.snapshot_id)
+                info.exclusive_bytes = usage.get("exclusive_bytes")
+            except errors.SpaceError as exc:
+                log.debug("usage of snapshot %s unavailable: %s", record.snapshot_id, exc)
+            listed.append(info)
+        return rm.SnapshotList(snapshots=listed)
+
+    # -- suspend / restore / recover ---------------------------------------------------------------------
+    def store_for(self, url: str) -> ObjectStore:
+        """The node's configured object store, if `url` names it: a node writes only where it was told to."""
+        store = self.agent.store
+        if store is None:
+            raise errors.InvalidArgument("this node has no object store configured", field="store_url")
+        if url != store.url:
+            raise errors.InvalidArgument(
+                "store_url is not this node's object store", field="store_url", expected=public_url(store.url)
+            )
+        return store
+
+    async def suspend(self, sandbox_id: str, body: rm.SuspendRequest) -> rm.TransferResult:
+        store = self.store_for(body.store_url)
+        handle = self.agent.get(sandbox_id)
+        await self.settle(handle)
+        result = await self.agent.suspend(
+            handle.sandbox_id, store=store, prefix=body.prefix, snapshot_id=body.snapshot_id,
+            data_key=_data_key(body.data_key),
+        )  # fmt: skip
+        return rm.TransferResult.model_validate(result)
+
+    async def upload(self, sandbox_id: str, snapshot_id: str, body: rm.UploadRequest) -> rm.TransferResult:
+        store = self.store_for(body.store_url)
+        handle = self.agent.get(sandbox_id)
+        result = await self.agent.upload_snapshot(
+            handle.sandbox_id, parse_snapshot_id(snapshot_id), store=store, prefix=body.prefix,
+            data_key=_data_key(body.data_key),
+        )  # fmt: skip
+        return rm.TransferResult.model_validate(result)
+
+    async def restore(self, body: rm.RestoreRequest) -> rm.SandboxObserved:
+        store = self.store_for(body.store_url)
+        spec = SandboxSpec(
+            sandbox_id=body.sandbox_id, template=body.template,
+            limits=body.limits or SandboxLimits(), env=dict(body.env),
+        )  # fmt: skip
+        key = base64.b64decode(body.data_key_b64) if body.data_key_b64 is not None else None
+        if self.egress is not None and body.egress is not None:
+            self.egress.remember(body.sandbox_id, _egress_request(body.egress), body.egress.credentials)
+        handle = await self.agent.restore_from_store(
+            body.sandbox_id, store=store, prefix=body.prefix, data_key=key, spec=spec
+        )
+        self.touch(handle.sandbox_id)
+        return await self.observe_one(handle)
+
+    async def recover(self, sandbox_id: str, body: rm.RecoverRequest) -> rm.SandboxObserved:
+        handle = self.agent.get(sandbox_id)
+        await self.settle(handle)
+        if handle.state == State.RUNNING:
+            return await self.observe_one(handle)  # already recovered (a repeated request)
+        await self.agent.recover_from_checkpoint(handle.sandbox_id, body.snapshot_id)
+        self.touch(handle.sandbox_id)
+        return await self.observe_one(handle)
 
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> rm.SandboxObserved:
         handle = self.agent.get(sandbox_id)
@@ -594,6 +687,29 @@ class NodeService:
             await _finish(call)
 
 
+def _egress_request(body: rm.EgressBody) -> EgressRequest:
+    wanted = EgressRequest(allow=body.allow, deny=body.deny, version=body.version)
+    wanted.policy()  # InvalidArgument (400) for a malformed entry, before anything is created
+    return wanted
+
+
+def public_url(url: str) -> str:
+    """A store URL without credentials (an s3:// URL may carry access_key/secret_key in its query)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k not in {"access_key", "secret_key"}]
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, safe=":/")))
+
+
+def _data_key(body: rm.DataKeyBody | None) -> DataKey | None:
+    if body is None:
+        return None
+    return DataKey(
+        key_id=body.key_id,
+        wrapped=base64.b64decode(body.wrapped_b64),
+        plaintext=base64.b64decode(body.plaintext_b64),
+    )
+
+
 def _snapshot_info(sandbox_id: str, record: SnapshotRecord) -> rm.SnapshotInfo:
     return rm.SnapshotInfo(
         snapshot_id=record.snapshot_id,
@@ -715,7 +831,24 @@ def _routes(svc: NodeService) -> APIRouter:
 
     @r.get("/sandboxes/{sandbox_id}/snapshots", response_model=rm.SnapshotList)
     async def list_snapshots(sandbox_id: str) -> rm.SnapshotList:
-        return svc.snapshots(sandbox_id)
+        return await svc.snapshots(sandbox_id)
+
+    # suspend / restore / recover (object storage; docs/adr/0012-suspend-restore-on-nodes.md)
+    @r.post("/sandboxes/restore", response_model=rm.SandboxObserved)
+    async def restore_sandbox(body: rm.RestoreRequest) -> rm.SandboxObserved:
+        return await svc.restore(body)
+
+    @r.post("/sandboxes/{sandbox_id}/suspend", response_model=rm.TransferResult)
+    async def suspend_sandbox(sandbox_id: str, body: rm.SuspendRequest) -> rm.TransferResult:
+        return await svc.suspend(sandbox_id, body)
+
+    @r.post("/sandboxes/{sandbox_id}/snapshots/{snapshot_id}/upload", response_model=rm.TransferResult)
+    async def upload_snapshot(sandbox_id: str, snapshot_id: str, body: rm.UploadRequest) -> rm.TransferResult:
+        return await svc.upload(sandbox_id, snapshot_id, body)
+
+    @r.post("/sandboxes/{sandbox_id}/recover", response_model=rm.SandboxObserved)
+    async def recover_sandbox(sandbox_id: str, body: rm.RecoverRequest) -> rm.SandboxObserved:
+        return await svc.recover(sandbox_id, body)
 
     @r.delete("/sandboxes/{sandbox_id}/snapshots/{snapshot_id}")
     async def delete_snapshot(sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
@@ -734,6 +867,31 @@ def _routes(svc: NodeService) -> APIRouter:
             idempotency_key, f"fork:{sandbox_id}", body.model_dump(), lambda: svc.fork(sandbox_id, body)
         )
         return rm.SandboxList(sandboxes=children)
+
+    # egress policy pushed by the control plane at run time (issue 5)
+    @r.put("/sandboxes/{sandbox_id}/egress")
+    async def set_egress(sandbox_id: str, request: Request) -> dict[str, Any]:
+        """Record the sandbox's new policy (newer versions only) and hand it to the node's egress gateway
+        (space.node.agent.egress_wiring: in force at once, the sandbox's cached credentials dropped)."""
+        handle = svc.agent.get(sandbox_id)  # NotFound for a sandbox this node does not run
+        body = await request.json()
+        policy, names = dict(body.get("policy") or {}), [str(n) for n in body.get("credentials") or []]
+        if svc.egress is not None:
+            try:
+                wanted = EgressRequest.model_validate(
+                    {"allow": policy.get("allow") or [], "deny": policy.get("deny") or [],
+                     "version": int(policy.get("version") or 0)}
+                )  # fmt: skip
+            except (ValidationError, TypeError, ValueError) as exc:
+                raise errors.InvalidArgument(f"egress policy: {exc}", field="policy") from exc
+            return await svc.egress.apply(handle.sandbox_id, wanted, names)
+        policies = svc.egress_policies
+        known = policies.get(handle.sandbox_id)
+        if known is not None and int(known["policy"].get("version", 0)) > int(policy.get("version", 0)):
+            return {"applied": False, "reason": "stale", "version": known["policy"].get("version")}
+        policies[handle.sandbox_id] = {"policy": policy, "credentials": names}
+        reason = "no egress gateway on this node"
+        return {"applied": False, "reason": reason, "version": policy.get("version")}
 
     # data plane: processes
     @r.post("/sandboxes/{sandbox_id}/exec", response_model=None)
@@ -1043,10 +1201,14 @@ async def report_to_control_plane(
 ) -> None:
     """Register, then heartbeat every `interval` s until cancelled. Failures are logged and retried, never
     fatal: the node serves the RPC whether or not the control plane is up. A 404/401 on a heartbeat means
-    the control plane no longer knows this node: register again."""
-    headers = {"Authorization": f"Bearer {bootstrap_token}"}
+    the control plane no longer knows this node (or this registration): register again.
+
+    The bootstrap token is sent only to register; the answer's per-node secret goes into `svc.identity`
+    (memory only), which authenticates the heartbeats and every other node-facing call (ADR 0019)."""
+    bootstrap = {"Authorization": f"Bearer {bootstrap_token}"}
+    identity_auth = IdentityAuth(svc.identity)
     async with httpx.AsyncClient(
-        base_url=control_plane.rstrip("/"), headers=headers, timeout=10.0, transport=transport
+        base_url=control_plane.rstrip("/"), timeout=10.0, transport=transport
     ) as http:
         node_id: str | None = None
         failures = 0
@@ -1054,15 +1216,22 @@ async def report_to_control_plane(
             try:
                 if node_id is None:
                     registration = svc.registration(advertise_url, rpc_token)
-                    answer = await http.post("/v1/nodes/register", json=registration.model_dump(mode="json"))
+                    answer = await http.post(
+                        "/v1/nodes/register", json=registration.model_dump(mode="json"), headers=bootstrap
+                    )
                     answer.raise_for_status()
                     body = answer.json()
-                    node_id = str(body.get("node_id") or body.get("id") or "")
-                    if not node_id:
-                        raise ValueError(f"register answered without a node id: {body!r}")
+                    registered_id = str(body.get("node_id") or body.get("id") or "")
+                    secret = str(body.get("identity") or "")
+                    if not registered_id or not secret:  # (never echo the body: it holds the secret)
+                        raise ValueError(f"register answered without a node id and identity: {sorted(body)}")
+                    svc.identity.set(registered_id, secret)
+                    node_id = registered_id
                     log.info("registered with %s as %s", control_plane, node_id)
                 beat = await svc.heartbeat(node_id, advertise_url)
-                answer = await http.post(f"/v1/nodes/{node_id}/heartbeat", json=beat.model_dump(mode="json"))
+                answer = await http.post(
+                    f"/v1/nodes/{node_id}/heartbeat", json=beat.model_dump(mode="json"), auth=identity_auth
+                )
                 if answer.status_code in {401, 404}:
                     log.warning("control plane does not know node %s (%s): registering again", node_id,
                                 answer.status_code)  # fmt: skip
@@ -1090,15 +1259,22 @@ def _parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _build_agent(data_dir: pathlib.Path, driver: str) -> NodeAgent:
+def default_store_url(data_dir: pathlib.Path) -> str:
+    """A one-machine node's store: a directory next to its btrfs image (create it for the agent user with
+    space.node.local.ensure_local_store)."""
+    return (data_dir / "objects").as_uri()
+
+
+def _build_agent(data_dir: pathlib.Path, driver: str, store_url: str | None = None) -> NodeAgent:
     if driver == "fake":
         from space.node.drivers.fake import FakeDriver
+        from space.objectstore.base import open_store
 
         log.warning("--driver fake: sandboxes are host processes WITHOUT ISOLATION (development only)")
-        return NodeAgent(FakeDriver(data_dir))
+        return NodeAgent(FakeDriver(data_dir), store=open_store(store_url) if store_url else None)
     from space.node.local import connect_agent
 
-    return connect_agent(data_dir)
+    return connect_agent(data_dir, store_url=store_url)
 
 
 class _Server(uvicorn.Server):
@@ -1129,15 +1305,31 @@ async def serve(
     templates: Sequence[str] = ("python",),
     prepare: bool = True,
     log_level: str = "info",
+    store_url: str | None = None,
+    egress: EgressSettings | None = None,
 ) -> None:
-    """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc)."""
-    agent = _build_agent(data_dir, driver)
+    """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
+    node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
+    default: state in DATA_DIR/egress, fixed ports, the system resolver and trust store)."""
+    try:
+        agent = _build_agent(data_dir, driver, store_url)
+    except errors.Unavailable as exc:
+        # e.g. the default store directory cannot be created by this user: serve without suspend/restore
+        # rather than not at all (those requests then answer 400 naming the missing store).
+        log.warning("object store %s unusable (%s): suspend/restore disabled on this node", store_url, exc)
+        agent = _build_agent(data_dir, driver, None)
     if prepare:
         await agent.prepare(tuple(templates), progress=lambda line: log.info("prepare: %s", line))
+    app = create_app(agent, token, templates=templates)
+    service: NodeService = app.state.service
+    # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
+    service.egress = await egress_install(
+        agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
+        identity=service.identity,
+    )  # fmt: skip
     adopted = await agent.recover()
     if adopted:
         log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
-    app = create_app(agent, token, templates=templates)
     host, port = listen
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
@@ -1174,6 +1366,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--templates", default="python", help="comma-separated templates to prepare")
     parser.add_argument("--no-prepare", action="store_true", help="skip node/template preparation")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--store-url", default=os.environ.get("SPACE_STORE_URL"),
+        help="object store for templates and suspended sandboxes (file:///dir or s3://bucket/prefix?...); "
+        "default $SPACE_STORE_URL, else file://DATA_DIR/objects",
+    )  # fmt: skip
+    parser.add_argument(
+        "--egress-config", type=pathlib.Path,
+        help="JSON operator settings of the node's egress gateway (network = sandbox): ports, hosts (a "
+        "static name -> addresses map instead of the system resolver), trust_store, allow_networks; see "
+        "space.node.agent.egress_wiring.load_settings",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -1189,6 +1392,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             control_plane=args.control_plane, advertise_url=args.advertise_url, driver=args.driver,
             templates=tuple(t for t in args.templates.split(",") if t), prepare=not args.no_prepare,
             log_level=args.log_level,
+            store_url=args.store_url or default_store_url(args.data_dir.resolve()),
+            egress=load_egress_settings(args.data_dir.resolve() / "egress", args.egress_config),
         )
     )  # fmt: skip
 

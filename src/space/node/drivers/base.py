@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,20 @@ class CheckpointInfo:
     snapshot_id: str
     image_bytes: int
     timings: dict[str, float]
+
+
+@dataclass(frozen=True)
+class StagedFiles:
+    """Files a driver staged for the agent to upload (an export): `files` maps artifact entry names (plain
+    "a/b" names) to sizes; each lives at `directory / name`. `metadata` is non-secret (no env, no data)."""
+
+    directory: pathlib.Path
+    files: dict[str, int]
+    metadata: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def path(self, name: str) -> pathlib.Path:
+        return self.directory / name
 
 
 class Driver(abc.ABC):
@@ -95,11 +110,12 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     async def checkpoint(
-        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True, leave_paused: bool = False
     ) -> tuple[CheckpointInfo, GuestChannel | None]:
         """Save processes + memory and a disk snapshot of one consistent moment; with keep_running the
         sandbox continues. A driver that had to replace the runtime to do so returns the new channel; None
-        means the existing channel is still good."""
+        means the existing channel is still good. `leave_paused` (suspend): the sandbox may already be
+        paused, and stays paused afterwards, so nothing runs after the captured moment."""
 
     @abc.abstractmethod
     async def restore(
@@ -145,3 +161,42 @@ class Driver(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most drivers hold nothing to release
         """Release client-side resources; sandboxes keep running."""
+
+    # -- moving checkpoints and templates between nodes (object storage) -------------------------------------
+    # The agent uploads and downloads; the driver only stages files on the node and takes them in. A driver
+    # without these cannot suspend, restore from object storage or fetch templates.
+    async def export_snapshot(self, sandbox_id: str, snapshot_id: str) -> StagedFiles:
+        """Stage full checkpoint `snapshot_id` for upload (idempotent: a finished export is returned)."""
+        raise NotImplementedError(f"{self.name} cannot export checkpoints")
+
+    async def prepare_import(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        """An empty directory the agent downloads a checkpoint's entries into (by entry name)."""
+        raise NotImplementedError(f"{self.name} cannot import checkpoints")
+
+    async def import_snapshot(self, spec: SandboxSpec, snapshot_id: str) -> None:
+        """Take in the downloaded checkpoint as the sandbox's own (disk, image, runtime config for `spec`),
+        so that `restore(spec.sandbox_id, snapshot_id)` runs it. Repeatable after a crash."""
+        raise NotImplementedError(f"{self.name} cannot import checkpoints")
+
+    async def release_staging(  # noqa: B027 - optional hook: drivers that stage nothing release nothing
+        self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
+    ) -> None:
+        """Drop a staging directory ("export" | "import" | "base-export" | "base-import"); idempotent."""
+
+    async def snapshot_usage(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
+        """{"exclusive_bytes", "referenced_bytes"} of a disk snapshot (None when unknown)."""
+        return {"exclusive_bytes": None, "referenced_bytes": None}
+
+    async def template_base_status(self) -> dict[str, Any] | None:
+        """{"name", "version", "present", "identity", "publishable"} of the base every template and every
+        exported delta build on; None for drivers whose templates need no shared base."""
+        return None
+
+    async def export_template_base(self) -> StagedFiles:
+        raise NotImplementedError(f"{self.name} has no template base to export")
+
+    async def prepare_base_import(self) -> pathlib.Path:
+        raise NotImplementedError(f"{self.name} has no template base to import")
+
+    async def import_template_base(self) -> dict[str, Any]:
+        raise NotImplementedError(f"{self.name} has no template base to import")

@@ -18,12 +18,20 @@ import pathlib
 import shutil
 import signal
 import sys
+import tarfile
 from typing import Any
 
 from space.core import errors
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
-from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+from space.node.drivers.base import (
+    CheckpointInfo,
+    Driver,
+    Progress,
+    RuntimeState,
+    SandboxSpec,
+    StagedFiles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +112,13 @@ class FakeDriver(Driver):
         self.paused.discard(sandbox_id)
 
     async def checkpoint(
-        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True, leave_paused: bool = False
     ) -> tuple[CheckpointInfo, GuestChannel | None]:
+        if leave_paused:
+            if sandbox_id not in self.paused:
+                await self.pause(sandbox_id)
+            await self.disk_snapshot(sandbox_id, snapshot_id)
+            return CheckpointInfo(sandbox_id, snapshot_id, 0, {}), None
         await self.disk_snapshot(sandbox_id, snapshot_id)
         channel = None
         if keep_running:
@@ -182,6 +195,8 @@ class FakeDriver(Driver):
         await self._kill(sandbox_id)
         shutil.rmtree(self._dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self.base_dir / "snapshots" / sandbox_id, ignore_errors=True)
+        for staged in (self.base_dir / "staging").glob(f"*-{sandbox_id}-*"):
+            shutil.rmtree(staged, ignore_errors=True)
         self.specs.pop(sandbox_id, None)
 
     async def state(self, sandbox_id: str) -> RuntimeState:
@@ -200,6 +215,54 @@ class FakeDriver(Driver):
     async def close(self) -> None:
         for sandbox_id in list(self.processes):
             await self._kill(sandbox_id)
+
+    # -- object storage transfers: the snapshot directory as one tar entry ----------------------------------
+    def _staging(self, kind: str, sandbox_id: str | None, snapshot_id: str | None) -> pathlib.Path:
+        name = kind if sandbox_id is None else f"{kind}-{sandbox_id}-{snapshot_id}"
+        return self.base_dir / "staging" / name
+
+    async def export_snapshot(self, sandbox_id: str, snapshot_id: str) -> StagedFiles:
+        snap = self._snapshot_dir(sandbox_id, snapshot_id)
+        if not snap.is_dir():
+            raise errors.NotFound(f"checkpoint {snapshot_id} of {sandbox_id} is not on this node")
+        out = self._staging("export", sandbox_id, snapshot_id)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        with tarfile.open(out / "disk.tar", "w") as tar:
+            tar.add(snap, arcname=".")
+        size = (out / "disk.tar").stat().st_size
+        metadata = {"format": 1, "kind": "full-checkpoint", "driver": self.name, "sandbox_id": sandbox_id,
+                    "snapshot_id": snapshot_id, "disk_stream_bytes": size, "image_bytes": 0}  # fmt: skip
+        return StagedFiles(out, {"disk.tar": size}, metadata)
+
+    async def prepare_import(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        out = self._staging("import", sandbox_id, snapshot_id)
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        return out
+
+    async def import_snapshot(self, spec: SandboxSpec, snapshot_id: str) -> None:
+        staged = self._staging("import", spec.sandbox_id, snapshot_id) / "disk.tar"
+        if not staged.is_file():
+            raise errors.NotFound(f"disk.tar of {snapshot_id} was not staged")
+        snap = self._snapshot_dir(spec.sandbox_id, snapshot_id)
+        shutil.rmtree(snap, ignore_errors=True)
+        snap.mkdir(parents=True)
+        with tarfile.open(staged) as tar:
+            members = tar.getmembers()
+            for member in members:
+                parts = pathlib.PurePosixPath(member.name).parts
+                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise errors.InvalidArgument(f"disk.tar holds an unsafe entry {member.name!r}")
+            tar.extractall(snap, members=members)  # noqa: S202 - every member checked above
+        self.specs[spec.sandbox_id] = spec
+        (self.base_dir / "sandboxes" / spec.sandbox_id).mkdir(parents=True, exist_ok=True)
+        await self.release_staging("import", spec.sandbox_id, snapshot_id)
+
+    async def release_staging(
+        self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
+    ) -> None:
+        shutil.rmtree(self._staging(kind, sandbox_id, snapshot_id), ignore_errors=True)
 
 
 def _signal_tree(root: int, sig: signal.Signals) -> None:

@@ -7,12 +7,20 @@ Invariants:
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any
 
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
-from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+from space.node.drivers.base import (
+    CheckpointInfo,
+    Driver,
+    Progress,
+    RuntimeState,
+    SandboxSpec,
+    StagedFiles,
+)
 from space.node.layout import NodeLayout
 
 BOOT_TIMEOUT_S = 30.0
@@ -76,13 +84,16 @@ class RunscDriver(Driver):
         await self.helper.call("sandbox.resume", {"sandbox_id": sandbox_id})
 
     async def checkpoint(
-        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True, leave_paused: bool = False
     ) -> tuple[CheckpointInfo, GuestChannel | None]:
-        result = await self.helper.call(
-            "sandbox.checkpoint",
-            {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id, "keep_running": keep_running},
-            timeout=600.0,
-        )
+        args: dict[str, Any] = {
+            "sandbox_id": sandbox_id,
+            "snapshot_id": snapshot_id,
+            "keep_running": keep_running,
+        }
+        if leave_paused:
+            args["leave_paused"] = True
+        result = await self.helper.call("sandbox.checkpoint", args, timeout=600.0)
         info = CheckpointInfo(sandbox_id, snapshot_id, int(result["image_bytes"]), dict(result["timings"]))
         # The runtime keeps running with its channel; a new socket only comes from drivers that restart it.
         channel = await self._channel(sandbox_id, str(result["socket"])) if "socket" in result else None
@@ -137,6 +148,63 @@ class RunscDriver(Driver):
 
     async def close(self) -> None:
         await self.helper.close()
+
+    # -- object storage transfers (space.node.helper.transfer) ----------------------------------------------
+    async def export_snapshot(self, sandbox_id: str, snapshot_id: str) -> StagedFiles:
+        result = await self.helper.call(
+            "snapshot.export", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}, timeout=600.0
+        )
+        return _staged(result)
+
+    async def prepare_import(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        result = await self.helper.call(
+            "staging.prepare", {"kind": "import", "sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        )
+        return pathlib.Path(result["dir"])
+
+    async def import_snapshot(self, spec: SandboxSpec, snapshot_id: str) -> None:
+        await self.helper.call(
+            "snapshot.import",
+            {"sandbox_id": spec.sandbox_id, "snapshot_id": snapshot_id, "template": spec.template,
+             "limits": spec.limits.model_dump(), "env": dict(spec.env)},
+            timeout=600.0,
+        )  # fmt: skip
+
+    async def release_staging(
+        self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
+    ) -> None:
+        args: dict[str, Any] = {"kind": kind}
+        if sandbox_id is not None:
+            args["sandbox_id"] = sandbox_id
+        if snapshot_id is not None:
+            args["snapshot_id"] = snapshot_id
+        await self.helper.call("staging.release", args)
+
+    async def snapshot_usage(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
+        return await self.helper.call(
+            "snapshot.usage", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        )
+
+    async def template_base_status(self) -> dict[str, Any] | None:
+        return await self.helper.call("template.base_status")
+
+    async def export_template_base(self) -> StagedFiles:
+        return _staged(await self.helper.call("template.base_export", timeout=1800.0))
+
+    async def prepare_base_import(self) -> pathlib.Path:
+        return pathlib.Path((await self.helper.call("staging.prepare", {"kind": "base-import"}))["dir"])
+
+    async def import_template_base(self) -> dict[str, Any]:
+        return await self.helper.call("template.base_import", timeout=1800.0)
+
+
+def _staged(result: dict[str, Any]) -> StagedFiles:
+    return StagedFiles(
+        directory=pathlib.Path(str(result["dir"])),
+        files={str(k): int(v) for k, v in dict(result["files"]).items()},
+        metadata=dict(result.get("metadata") or {}),
+        timings={str(k): float(v) for k, v in dict(result.get("timings") or {}).items()},
+    )
 
 
 def _runtime_state(raw: dict[str, Any]) -> RuntimeState:

@@ -8,7 +8,9 @@ container id or a cgroup that a retiring container might still remove.
 Invariants:
 - `run/<sandbox>/container` names the current container; it is written before the holder is spawned, so a
   helper restarted at any moment knows which container is current and that all others may be deleted.
-- Each container has its own cgroup `/space/<container id>`; limits are written into the bundle at launch.
+- Each container has its own cgroup `/<cgroup parent>/<container id>` (parent `space` unless the node was
+  given its own, so two nodes on one machine never share a cgroup); limits are written into the bundle at
+  launch.
 - Status is read from runsc's own state file (sub-millisecond) and cross-checked with the sandbox process'
   liveness; `runsc state` (a ~30 ms process) is only the fallback for an unreadable file.
 - Every retired container is deleted by `runsc delete --force` in a tracked background thread; `settle()`
@@ -29,6 +31,7 @@ import time
 from typing import Any
 
 from space.core import errors
+from space.node.helper import network
 from space.node.helper.runsc import Runsc
 from space.node.layout import NodeLayout
 
@@ -56,10 +59,14 @@ def log_tail(path: pathlib.Path, lines: int = 5) -> str:
 
 
 class Runtimes:
-    def __init__(self, layout: NodeLayout, runsc: Runsc, owner_uid: int) -> None:
+    def __init__(
+        self, layout: NodeLayout, runsc: Runsc, owner_uid: int, cgroup_parent: str = "space"
+    ) -> None:
         self.layout = layout
+        self.cgroup_parent = cgroup_parent
         self.runsc = runsc
         self.owner_uid = owner_uid
+        self.network: network.SandboxNetworks | None = None  # set by the helper when sandboxes get one
         self._retiring: dict[str, threading.Thread] = {}
         self._retiring_lock = threading.Lock()
         self._spare: subprocess.Popen[bytes] | None = None
@@ -109,7 +116,7 @@ class Runtimes:
 
     def cgroup_name(self, sandbox_id: str) -> str | None:
         container = self.container(sandbox_id)
-        return f"space/{container}" if container else None
+        return f"{self.cgroup_parent}/{container}" if container else None
 
     def holder_alive(self, sandbox_id: str) -> bool:
         info_path = self.layout.run_dir(sandbox_id) / "holder.json"
@@ -136,7 +143,8 @@ class Runtimes:
         config_path = bundle / "config.json"
         container = self._next_container(sandbox_id)
         config = json.loads(config_path.read_text())
-        config["linux"]["cgroupsPath"] = f"/space/{container}"
+        config["linux"]["cgroupsPath"] = f"/{self.cgroup_parent}/{container}"
+        entry = network.prepare_launch(self.network, sandbox_id, config)  # netns, before runsc scrapes it
         tmp = bundle / "config.json.tmp"
         tmp.write_text(json.dumps(config, indent=1))
         tmp.replace(config_path)
@@ -152,7 +160,7 @@ class Runtimes:
             if image is None
             else self.runsc.restore_argv(bundle, image, container)
         )
-        return self._spawn_holder(sandbox_id, argv)
+        return self._spawn_holder(sandbox_id, [*entry, *argv])
 
     @staticmethod
     def _start_spare() -> subprocess.Popen[bytes]:
@@ -299,7 +307,7 @@ class Runtimes:
         except errors.RuntimeFailure:
             pass
         finally:
-            _remove_cgroup_dirs(container)
+            _remove_cgroup_dirs(self.cgroup_parent, container)
             with self._retiring_lock:
                 self._retiring.pop(container, None)
 
@@ -327,11 +335,11 @@ class Runtimes:
         return removed
 
 
-def _remove_cgroup_dirs(container: str) -> None:
+def _remove_cgroup_dirs(parent: str, container: str) -> None:
     """runsc removes its cgroups on delete; this sweeps up after a runtime that was killed hard."""
     base = pathlib.Path("/sys/fs/cgroup")
     for controller_dir in base.iterdir() if base.exists() else []:
-        leaf = controller_dir / "space" / container
+        leaf = controller_dir / parent / container
         if leaf.is_dir():
             with contextlib.suppress(OSError):
                 leaf.rmdir()

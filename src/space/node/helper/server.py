@@ -21,6 +21,7 @@ import logging
 import os
 import pathlib
 import pwd
+import re
 import signal
 import socket
 import socketserver
@@ -31,6 +32,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from space.core import errors
+from space.core.settings import NodeSettings
+from space.node.helper.network import SandboxNetworks
 from space.node.helper.runsc import Runsc
 from space.node.helper.verbs import VERBS, HelperContext
 from space.node.layout import NodeLayout
@@ -159,6 +162,12 @@ def _resolve_uid(user: str) -> int:
         raise SystemExit(f"no such user: {user}") from exc
 
 
+def _cgroup_parent(value: str) -> str:
+    if re.fullmatch(r"space[a-z0-9-]{0,40}", value) is None:
+        raise argparse.ArgumentTypeError("--cgroup-parent is 'space' followed by [a-z0-9-]")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="SPACE node helper (root): the fixed verb table")
     parser.add_argument("--data-dir", required=True, type=pathlib.Path)
@@ -166,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=pathlib.Path, default=None)
     parser.add_argument("--runsc", default="runsc")
     parser.add_argument("--platform", default="ptrace", choices=["systrap", "ptrace"])
+    parser.add_argument(
+        "--cgroup-parent", default="space", type=_cgroup_parent,
+        help="cgroup under which sandboxes run (give each node on one machine its own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--network", default=NodeSettings().network, choices=["none", "sandbox"],
+        help="sandbox: each sandbox gets its own network namespace, reaching only the egress gateway",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("space-node-helper must run as root", file=sys.stderr)
@@ -175,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     layout.data_dir.mkdir(parents=True, exist_ok=True)
     owner = _resolve_uid(args.agent_user)
     context = HelperContext(
-        layout=layout, runsc=Runsc(root=layout.runsc_root, binary=args.runsc, platform=args.platform),
-        owner_uid=owner,
+        layout=layout,
+        runsc=Runsc(root=layout.runsc_root, binary=args.runsc, platform=args.platform, network=args.network),
+        owner_uid=owner, cgroup_parent=args.cgroup_parent,
+        network=SandboxNetworks(layout) if args.network == "sandbox" else None,
     )  # fmt: skip
     socket_path = str(args.socket or layout.helper_socket)
     server = HelperServer(socket_path, context, {0, owner})

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from space.core import errors
 from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
 from space.core.settings import SandboxLimits
-from space.node.helper import oci
+from space.node.helper import network, oci, transfer
 from space.node.helper.runsc import Runsc
 from space.node.helper.runtime import Runtimes
 from space.node.layout import NodeLayout
@@ -96,6 +96,9 @@ class CheckpointParams(Params):
     sandbox_id: SandboxId
     snapshot_id: SnapshotId
     keep_running: bool = True
+    # Suspend: checkpoint a running or paused sandbox and leave it paused (nothing runs after the moment the
+    # checkpoint captured, so the copy that leaves the node is the sandbox's last state).
+    leave_paused: bool = False
 
 
 class RestoreParams(Params):
@@ -115,12 +118,15 @@ class HelperContext:
     layout: NodeLayout
     runsc: Runsc
     owner_uid: int
+    cgroup_parent: str = "space"
+    network: network.SandboxNetworks | None = None  # None: sandboxes get no network (NodeSettings.network)
     runtimes: Runtimes = field(init=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
-        self.runtimes = Runtimes(self.layout, self.runsc, self.owner_uid)
+        self.runtimes = Runtimes(self.layout, self.runsc, self.owner_uid, self.cgroup_parent)
+        self.runtimes.network = self.network
 
     def lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
@@ -133,7 +139,7 @@ Handler = Callable[[HelperContext, Any, Progress], dict[str, Any]]
 @dataclass(frozen=True)
 class Verb:
     name: str
-    params: type[Params]
+    params: type[BaseModel]  # a Params subclass (or one of another verb module's, same config)
     handler: Handler
     sandbox_scoped: bool = False
 
@@ -155,9 +161,11 @@ def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> 
         path.chmod(0o755)
     if not fs.quota:
         btrfs.enable_quota(fs.root)
+    transfer.prepare_agent_dirs(ctx)
     ctx.runtimes.sweep()
     ctx.runtimes.prime()
-    return {"fs": str(fs.root), "quota": btrfs.quota_mode(fs.root)}
+    net = ctx.network.prepare() if ctx.network is not None else {"mode": "none"}
+    return {"fs": str(fs.root), "quota": btrfs.quota_mode(fs.root), "network": net}
 
 
 def template_ensure(ctx: HelperContext, params: TemplateParams, progress: Progress) -> dict[str, Any]:
@@ -225,7 +233,9 @@ def _template_stamp(ctx: HelperContext, template: str) -> str:
     """Changes whenever the template is rebuilt (its metadata file is rewritten last on every build)."""
     meta = ctx.layout.templates / f"{template}.json"
     try:
-        return hashlib.sha256(meta.read_bytes()).hexdigest()
+        # A checkpoint made with networking restores only with networking (and the reverse).
+        mode = b"" if ctx.network is None else b"network=sandbox"
+        return hashlib.sha256(meta.read_bytes() + mode).hexdigest()
     except OSError:
         return ""
 
@@ -306,7 +316,8 @@ def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress)
 
 def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id, snapshot_id = params.sandbox_id, params.snapshot_id
-    container = ctx.runtimes.require(sandbox_id, "running", event="checkpoint")
+    allowed = ("running", "paused") if params.leave_paused else ("running",)
+    container = ctx.runtimes.require(sandbox_id, *allowed, event="checkpoint")
     image = ctx.layout.checkpoint_image(sandbox_id, snapshot_id)
     disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
     if image.exists() or disk.exists():
@@ -318,7 +329,8 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     # the files are one consistent moment: whatever runsc flushes while saving is in the snapshot, and no
     # process can write after it. `--leave-running` keeps the same runtime (and channel) afterwards.
     mark = time.monotonic()
-    ctx.runsc.pause(container)
+    if ctx.runtimes.status(sandbox_id) != "paused":
+        ctx.runsc.pause(container)
     try:
         timings["pause_ms"] = (time.monotonic() - mark) * 1000
         mark = time.monotonic()
@@ -327,9 +339,10 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
         mark = time.monotonic()
         btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
         timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
+        transfer.record_snapshot_usage(ctx, sandbox_id, snapshot_id)
     finally:
         mark = time.monotonic()
-        if ctx.runtimes.status(sandbox_id) == "paused":
+        if not params.leave_paused and ctx.runtimes.status(sandbox_id) == "paused":
             ctx.runsc.resume(container)
         timings["resume_ms"] = (time.monotonic() - mark) * 1000
     image_bytes = _tree_bytes(image)
@@ -394,6 +407,7 @@ def sandbox_disk_snapshot(ctx: HelperContext, params: SnapshotParams, _progress:
         raise errors.NotFound(f"sandbox {params.sandbox_id} has no root filesystem on this node")
     disk.parent.mkdir(parents=True, exist_ok=True)
     btrfs.snapshot(rootfs, disk, readonly=True)
+    transfer.record_snapshot_usage(ctx, params.sandbox_id, params.snapshot_id)
     return {"disk": str(disk)}
 
 
@@ -434,6 +448,8 @@ def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progre
     sandbox_id = params.sandbox_id
     ctx.runtimes.stop(sandbox_id)
     ctx.runtimes.settle(sandbox_id)
+    if ctx.network is not None:
+        ctx.network.release(sandbox_id)
     snapshots_dir = ctx.layout.snapshots_root / sandbox_id
     if snapshots_dir.exists():
         for snap in snapshots_dir.iterdir():
@@ -446,6 +462,7 @@ def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progre
         btrfs.delete_subvolume(rootfs)
     shutil.rmtree(ctx.layout.bundle(sandbox_id), ignore_errors=True)
     shutil.rmtree(ctx.layout.run_dir(sandbox_id), ignore_errors=True)
+    transfer.discard_sandbox_staging(ctx, sandbox_id)
     return {}
 
 
@@ -492,10 +509,9 @@ def sandbox_usage(ctx: HelperContext, params: SandboxParams, _progress: Progress
 
 
 def snapshot_usage(ctx: HelperContext, params: SnapshotParams, _progress: Progress) -> dict[str, Any]:
-    disk = ctx.layout.snapshot(params.sandbox_id, params.snapshot_id)
-    if not btrfs.is_subvolume(disk):
-        raise errors.NotFound(f"snapshot {params.snapshot_id} of {params.sandbox_id} is not on this node")
-    return {"exclusive_bytes": btrfs.exclusive_bytes(disk), "referenced_bytes": btrfs.referenced_bytes(disk)}
+    """Size on disk of a snapshot: `exclusive_bytes` is what it pins (see transfer.snapshot_cost for the
+    meaning under simple quotas), `referenced_bytes` everything it reaches."""
+    return transfer.snapshot_cost(ctx, params.sandbox_id, params.snapshot_id)
 
 
 def snapshot_list(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
@@ -527,6 +543,8 @@ def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> 
             sandbox_destroy(ctx, SandboxParams(sandbox_id=entry.name), progress)
         destroyed.append(entry.name)
     ctx.runtimes.sweep()
+    if ctx.network is not None:
+        ctx.network.teardown()
     filesystem.unmount_btrfs(ctx.layout.data_dir)
     return {"destroyed": destroyed}
 
@@ -556,5 +574,17 @@ VERBS: dict[str, Verb] = {
         Verb("snapshot.delete", SnapshotParams, snapshot_delete, sandbox_scoped=True),
         Verb("snapshot.usage", SnapshotParams, snapshot_usage),
         Verb("snapshot.list", SandboxParams, snapshot_list),
+        # per-sandbox network namespaces and the node's nftables table (space.node.helper.network)
+        Verb("sandbox.network", SandboxParams, network.verb_sandbox_network),
+        Verb("network.info", NoParams, network.verb_network_info),
+        Verb("network.configure", network.NetworkConfigureParams, network.verb_network_configure),
+        # suspend / restore / templates through object storage (space.node.helper.transfer)
+        Verb("snapshot.export", transfer.TransferParams, transfer.snapshot_export, sandbox_scoped=True),
+        Verb("snapshot.import", transfer.ImportParams, transfer.snapshot_import, sandbox_scoped=True),
+        Verb("staging.prepare", transfer.StagingParams, transfer.staging_prepare, sandbox_scoped=True),
+        Verb("staging.release", transfer.StagingParams, transfer.staging_release, sandbox_scoped=True),
+        Verb("template.base_status", transfer.NoTransferParams, transfer.base_status),
+        Verb("template.base_export", transfer.NoTransferParams, transfer.base_export),
+        Verb("template.base_import", transfer.NoTransferParams, transfer.base_import),
     )
 }

@@ -581,3 +581,77 @@ def receive(stream: PathLike | int | BinaryIO, dest_dir: PathLike) -> Path:
     if not names:
         raise RuntimeFailure("receive did not report the subvolume it created", path=os.fspath(dest_dir))
     return Path(os.path.abspath(dest_dir)) / str(names[-1])
+
+
+# --- identities (which subvolume a delta needs as its parent) -----------------------------------------------
+@dataclass(frozen=True)
+class SubvolumeIdentity:
+    uuid: str
+    received_uuid: str | None  # set on a subvolume made by `btrfs receive`: the sender's UUID
+
+
+def subvolume_identity(subvol: PathLike) -> SubvolumeIdentity:
+    """UUID and received UUID of a subvolume (`btrfs subvolume show`; only used off the hot path)."""
+    _require_subvolume(subvol, "subvolume show")
+    out = _run([BTRFS, "subvolume", "show", os.fspath(subvol)], "subvolume show", subvol).stdout.decode()
+    fields: dict[str, str] = {}
+    for line in out.splitlines():
+        key, sep, value = line.strip().partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    uuid = fields.get("UUID", "")
+    received = fields.get("Received UUID", "-")
+    if not uuid or uuid == "-":
+        raise RuntimeFailure("subvolume show reported no UUID", path=os.fspath(subvol))
+    return SubvolumeIdentity(uuid=uuid, received_uuid=None if received in ("", "-") else received)
+
+
+# A send stream starts with "btrfs-stream\0", a le32 version, then commands: le32 payload length, le16
+# command, le32 crc, then TLV attributes (le16 type, le16 length, data). The first command is SUBVOL (a full
+# stream) or SNAPSHOT (a delta, naming its parent by CLONE_UUID).
+_STREAM_MAGIC = b"btrfs-stream\0"
+_SEND_C_SUBVOL, _SEND_C_SNAPSHOT = 1, 2
+_SEND_A_UUID, _SEND_A_PATH, _SEND_A_CLONE_UUID = 1, 15, 20
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    kind: Literal["full", "delta"]
+    name: str  # the subvolume the stream creates
+    uuid: str  # the sender's UUID of that subvolume (the receiver records it as its received UUID)
+    parent_uuid: str | None  # a delta: the UUID (or received UUID) its parent must have on the receiver
+
+
+def _format_uuid(raw: bytes) -> str:
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def read_stream_header(source: BinaryIO) -> StreamHeader:
+    """Parse the first command of a send stream (reads at most a few KiB from `source`)."""
+    head = source.read(len(_STREAM_MAGIC) + 4 + 10)
+    if len(head) < len(_STREAM_MAGIC) + 14 or not head.startswith(_STREAM_MAGIC):
+        raise InvalidArgument("not a btrfs send stream")
+    length, command, _crc = struct.unpack_from("<IHI", head, len(_STREAM_MAGIC) + 4)
+    if command not in (_SEND_C_SUBVOL, _SEND_C_SNAPSHOT) or length > 65536:
+        raise InvalidArgument(f"send stream starts with command {command}, not a subvolume")
+    payload = source.read(length)
+    if len(payload) != length:
+        raise InvalidArgument("send stream is truncated in its first command")
+    attrs: dict[int, bytes] = {}
+    pos = 0
+    while pos + 4 <= length:
+        kind, size = struct.unpack_from("<HH", payload, pos)
+        attrs.setdefault(kind, payload[pos + 4 : pos + 4 + size])
+        pos += 4 + size
+    if _SEND_A_UUID not in attrs or _SEND_A_PATH not in attrs:
+        raise InvalidArgument("send stream's first command has no UUID or path")
+    delta = command == _SEND_C_SNAPSHOT
+    return StreamHeader(
+        kind="delta" if delta else "full",
+        name=attrs[_SEND_A_PATH].decode(errors="replace"),
+        uuid=_format_uuid(attrs[_SEND_A_UUID]),
+        parent_uuid=(
+            _format_uuid(attrs[_SEND_A_CLONE_UUID]) if delta and _SEND_A_CLONE_UUID in attrs else None
+        ),
+    )

@@ -167,6 +167,10 @@ def ensure_btrfs(
                 _make_image(image, image_size_gb)
             root.mkdir(exist_ok=True)
             _run(["mount", "-t", "btrfs", "-o", MOUNT_OPTIONS, str(image), str(root)], "mount btrfs image")
+            # Shared propagation: a process that enters a new mount namespace as a slave (runsc's wrapper,
+            # `ip netns exec`) gets a copy that our unmount removes too. On a host whose root mount is
+            # private, a private copy would keep the filesystem, hence the loop device, busy after teardown.
+            _run(["mount", "--make-shared", str(root)], "share the btrfs mount")
             mounted = mount_source(root)
             loop = mounted[0] if mounted else None
             fs = BtrfsFs(data, root, image, loop)

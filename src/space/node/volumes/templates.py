@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure, SpaceError
 from space.node.volumes import btrfs
@@ -466,3 +466,91 @@ def ensure_template(
         _write_json_atomic(meta_path, meta)
         progress(f"space: template {name} ready ({time.monotonic() - t0:.2f} s for the guest layer)")
         return Template(name, target, meta)
+
+
+# --- the base through object storage ---------------------------------------------------------------------
+# Deltas of sandboxes are sent with `-p <base>`, so every node must hold a base that the receiver recognises
+# as that parent: the same received UUID. Only the *original* full stream gives that (a full send of a
+# received base would carry a new UUID), so a node publishes either the base it built itself or the cache
+# stream it received its base from, never a re-send of a received base.
+def base_status(templates: Path, *, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Whether the base is here (complete), its identity (the UUID deltas name), and whether this node
+    holds an original full stream of it that it could publish."""
+    base = templates / BASE_NAME
+    meta = _read_json(templates / f"{BASE_NAME}.json")
+    present = bool(
+        meta and meta.get("version") == BASE_VERSION and btrfs.is_subvolume(base) and btrfs.get_readonly(base)
+    )
+    status: dict[str, Any] = {
+        "name": BASE_NAME,
+        "version": BASE_VERSION,
+        "present": present,
+        "identity": None,
+        "publishable": False,
+        "source": (meta or {}).get("source"),
+    }
+    if not present:
+        return status
+    ident = btrfs.subvolume_identity(base)
+    status["identity"] = ident.received_uuid or ident.uuid
+    original = ident.received_uuid is None or _cache_stream_uuid(cache_dir) == ident.received_uuid
+    status["publishable"] = original
+    return status
+
+
+def _cache_stream_uuid(cache_dir: Path | None) -> str | None:
+    cache = (cache_dir or default_cache_dir()) / CACHE_NAME
+    try:
+        with open(cache, "rb") as f:
+            return btrfs.read_stream_header(f).uuid
+    except (OSError, SpaceError):
+        return None
+
+
+def export_base(templates: Path, out: Path, *, cache_dir: Path | None = None) -> dict[str, Any]:
+    """Write the base's original full send stream to `out`; returns {"identity", "bytes"}."""
+    status = base_status(templates, cache_dir=cache_dir)
+    if not status["present"]:
+        raise NotFound(f"the template base {BASE_NAME} is not on this node")
+    if not status["publishable"]:
+        raise NotFound(f"this node received {BASE_NAME} and no longer holds the original stream of it")
+    base = templates / BASE_NAME
+    ident = btrfs.subvolume_identity(base)
+    if ident.received_uuid is None:
+        with open(out, "wb") as f:
+            btrfs.send(base, f)
+    else:
+        shutil.copyfile((cache_dir or default_cache_dir()) / CACHE_NAME, out)
+    with open(out, "rb") as f:
+        header = btrfs.read_stream_header(f)
+    if header.kind != "full" or header.name != BASE_NAME or header.uuid != status["identity"]:
+        out.unlink(missing_ok=True)
+        raise RuntimeFailure(f"the stream of {BASE_NAME} does not carry the base's identity")
+    return {"identity": header.uuid, "bytes": out.stat().st_size, "version": BASE_VERSION}
+
+
+def import_base(
+    templates: Path, stream: BinaryIO, *, progress: Progress = default_progress
+) -> dict[str, Any]:
+    """Install the base from an original full stream (downloaded and verified by the caller); idempotent:
+    a complete base already here is kept. Serialised with template builds by the templates lock."""
+    header = btrfs.read_stream_header(stream)
+    stream.seek(0)
+    if header.kind != "full" or header.name != BASE_NAME:
+        raise InvalidArgument(f"stream holds {header.name!r} ({header.kind}), not the base {BASE_NAME}")
+    with _flock(templates / ".lock"):
+        status = base_status(templates)
+        if status["present"]:
+            return {"identity": status["identity"], "received": False}
+        (templates / f"{BASE_NAME}.json").unlink(missing_ok=True)
+        _discard_subvolume(templates / BASE_NAME)  # half-received by a killed run
+        t0 = time.monotonic()
+        got = btrfs.receive(stream, templates)
+        if got.name != BASE_NAME:
+            _discard_subvolume(got)
+            raise RuntimeFailure(f"stream created {got.name}, not {BASE_NAME}")
+        progress(f"space: base received from object storage in {time.monotonic() - t0:.1f} s")
+        meta = _base_metadata(templates / BASE_NAME, _now(), built_here=False)
+        meta["source"] = "objectstore"
+        _write_json_atomic(templates / f"{BASE_NAME}.json", meta)
+    return {"identity": header.uuid, "received": True}

@@ -1,0 +1,227 @@
+"""The snapshot scheduler and collector (run by the API's housekeeping loop).
+
+Invariants:
+- Scheduled snapshots follow each running sandbox's SnapshotPolicy: a full checkpoint when `full_every_s`
+  has passed since the newest scheduled one (uploaded to object storage when `upload_full`), else a disk
+  snapshot when `disk_every_s` has passed. Taking one is the node's idempotent snapshot call; its row is
+  written after the node answered (a crash in between leaves a snapshot only the node knows, deleted with
+  the sandbox).
+- An upload is recorded on the row (prefix + wrapped data key) BEFORE the node is asked, so a retry uses
+  the same key and place; the row becomes `restorable` only after the manifest was read back.
+- Retention (space.core.retention.keep with the policy's tiers) prunes only snapshots the platform took
+  (origin "policy" or "suspend"), never a user's, and never the newest usable full checkpoint. Pruning
+  only marks rows `deleting`; `collect` removes the node copy and the object-storage copy, then the row,
+  so a crash anywhere leaves a row that the next round finishes. `sweep_objects` (rarely) removes artifacts
+  no record accounts for (an upload that finished after its snapshot was pruned or its sandbox deleted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.core import errors, retention
+from space.core.lifecycle import State
+
+if TYPE_CHECKING:
+    from space.controlplane.reconciler.loop import Reconciler
+
+log = logging.getLogger(__name__)
+
+PRUNABLE_ORIGINS = frozenset({"policy", "suspend"})
+NODE_CALL_TIMEOUT_S = 30.0
+
+
+class SnapshotKeeper:
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.reconciler = reconciler
+        self.store = reconciler.store
+        self._busy: set[str] = set()
+
+    async def run_policies(self) -> int:
+        """One round of the scheduler over every running sandbox with a policy; returns snapshots taken."""
+        taken = 0
+        sandboxes = await asyncio.to_thread(self.store.list_sandboxes_with_policy)
+        results = await asyncio.gather(
+            *(self._one(sb) for sb in sandboxes if sb.id not in self._busy), return_exceptions=True
+        )
+        for sb, result in zip(sandboxes, results, strict=False):
+            if isinstance(result, BaseException):
+                if not isinstance(result, errors.SpaceError | TimeoutError):
+                    log.error("snapshot policy of %s failed", sb.id, exc_info=result)
+                else:
+                    log.info("snapshot policy of %s: %s", sb.id, result)
+            elif result:
+                taken += 1
+        return taken
+
+    async def _one(self, sb: SandboxRecord) -> bool:
+        if sb.node_id is None or sb.snapshot_policy is None:
+            return False
+        self._busy.add(sb.id)
+        try:
+            policy = retention.SnapshotPolicy.model_validate(sb.snapshot_policy)
+            snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)
+            now = self.store.now()
+            scheduled = [s for s in snaps if s.origin == "policy"]
+            last_full = max((s.created_at for s in scheduled if s.kind == "full"), default=None)
+            last_disk = max((s.created_at for s in scheduled if s.kind == "disk"), default=None)
+            took = False
+            if retention.due(last_full, policy.full_every_s, now):
+                snap = await self.take(sb, full=True)
+                if policy.upload_full:
+                    await self.upload(sb, snap)
+                took = True
+            elif retention.due(last_disk, policy.disk_every_s, now):
+                await self.take(sb, full=False)
+                took = True
+            await self.prune(sb, policy)
+            return took
+        finally:
+            self._busy.discard(sb.id)
+
+    async def take(self, sb: SandboxRecord, *, full: bool, origin: str = "policy") -> SnapshotRecord:
+        """A disk snapshot or full checkpoint of a running sandbox, recorded ready."""
+        if sb.node_id is None:
+            raise errors.InvalidState(f"sandbox {sb.id} is not on a node", state=sb.state.value)
+        node = self.reconciler.nodes.client(sb.node_id)
+        info = await asyncio.wait_for(node.create_snapshot(sb.id, full=full), NODE_CALL_TIMEOUT_S)
+        snap = await asyncio.to_thread(
+            self.store.create_snapshot, sb.id, "full" if full else "disk", sb.node_id,
+            snapshot_id=info.snapshot_id, origin=origin,
+            exclusive_bytes=getattr(info, "exclusive_bytes", None),
+        )  # fmt: skip
+        return await asyncio.to_thread(self.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
+
+    async def upload(self, sb: SandboxRecord, snap: SnapshotRecord) -> SnapshotRecord:
+        """Upload a full checkpoint the node holds to object storage (for recovery on any node)."""
+        from space.controlplane.reconciler.loop import snapshot_prefix
+
+        rec = self.reconciler
+        _objects, store_url = rec._objects()
+        if sb.node_id is None:
+            raise errors.InvalidState(f"sandbox {sb.id} is not on a node", state=sb.state.value)
+        if snap.prefix is None:
+            key = await rec._data_key(sb, None)
+            snap = await asyncio.to_thread(
+                self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
+                data_key_id=key.key_id if key else None,
+                wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
+            )  # fmt: skip
+        else:
+            key = await rec._data_key(sb, snap)
+        assert snap.prefix is not None
+        node = rec.nodes.client(sb.node_id)
+        await node.upload_snapshot(sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key)
+        return await rec._verify_uploaded(snap.id, snap.prefix)
+
+    async def prune(self, sb: SandboxRecord, policy: retention.SnapshotPolicy) -> list[str]:
+        snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)
+        candidates = [s for s in snaps if s.state == "ready"]
+        items = [
+            retention.Item(s.id, s.created_at, s.kind, usable=s.kind == "full" and s.state == "ready")
+            for s in candidates
+        ]
+        kept = retention.keep(items, policy.tiers, self.store.now())
+        dropped = [s.id for s in candidates if s.id not in kept and s.origin in PRUNABLE_ORIGINS]
+        # A snapshot the sandbox is suspended to or recovering from is never pruned.
+        dropped = [i for i in dropped if i not in (sb.suspended_snapshot_id, sb.recovered_from)]
+        for snapshot_id in dropped:
+            await asyncio.to_thread(self.store.delete_snapshot, snapshot_id)
+        return dropped
+
+    async def collect(self) -> int:
+        """Remove the data of snapshots marked `deleting` (node copy, object-storage copy), then the row."""
+        purged = 0
+        for snap in await asyncio.to_thread(self.store.list_deleting_snapshots):
+            try:
+                await self._remove(snap)
+            except (errors.SpaceError, TimeoutError) as exc:
+                log.info("snapshot %s: not removed yet: %s", snap.id, exc)
+                continue
+            if await asyncio.to_thread(self.store.purge_snapshot, snap.id):
+                purged += 1
+        return purged
+
+    async def _remove(self, snap: SnapshotRecord) -> None:
+        rec = self.reconciler
+        if snap.node_id is not None:
+            sb = await asyncio.to_thread(self.store.load_sandbox, snap.sandbox_id)
+            on_node = sb is not None and sb.node_id == snap.node_id and sb.state != State.DELETED
+            if on_node and await rec._node_ready(snap.node_id):
+                node = rec.nodes.client(snap.node_id)
+                with contextlib.suppress(errors.NotFound):
+                    await asyncio.wait_for(
+                        node.delete_snapshot(snap.sandbox_id, snap.id), NODE_CALL_TIMEOUT_S
+                    )
+            elif on_node:
+                raise errors.Unavailable(f"node {snap.node_id} is not ready")
+            # Otherwise the sandbox left that node (or is gone): its node copies went with it.
+        if snap.prefix is not None and rec.objects is not None:
+            from space.objectstore.artifacts import delete_artifact
+
+            await asyncio.to_thread(delete_artifact, rec.objects, snap.prefix)
+
+    async def sweep_objects(self) -> list[str]:
+        """Remove artifacts under sandboxes/ that no record accounts for: the sandbox is deleted (or
+        unknown), or the snapshot has no row and is not the one a suspend is writing. They appear when a
+        node finishes an upload after its snapshot was pruned or its sandbox deleted. Returns the removed
+        prefixes. Lists the whole sandboxes/ tree: run it rarely."""
+        rec = self.reconciler
+        if rec.objects is None:
+            return []
+        objects = rec.objects
+        keys = await asyncio.to_thread(objects.list, "sandboxes/")
+        prefixes = sorted({"/".join(k.split("/")[:4]) for k in keys if k.count("/") >= 4})
+        removed = []
+        for prefix in prefixes:
+            _root, _project, sandbox_id, snapshot_id = prefix.split("/")
+            sb = await asyncio.to_thread(self.store.load_sandbox, sandbox_id)
+            snap = await asyncio.to_thread(self.store.get_snapshot, snapshot_id)
+            owned = (
+                sb is not None
+                and sb.state != State.DELETED
+                and (
+                    (snap is not None and snap.sandbox_id == sandbox_id)
+                    or sb.suspended_snapshot_id == snapshot_id
+                )
+            )
+            if owned:
+                continue
+            await asyncio.to_thread(objects.delete_prefix, prefix + "/")
+            removed.append(prefix)
+        if removed:
+            log.info("removed %d artifact(s) nothing refers to: %s", len(removed), ", ".join(removed))
+        return removed
+
+
+async def report_lost_node_crashes(reconciler: Reconciler) -> list[str]:
+    """Sandboxes live on a lost node that have a verified uploaded full checkpoint are marked crashed, so
+    the reconciler recovers them on another node. Level-triggered: every lost node is looked at each round
+    (a control plane that died right after marking a node lost does not strand its sandboxes)."""
+    store = reconciler.store
+    crashed = []
+    for node in await asyncio.to_thread(store.list_nodes, "lost"):
+        for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
+            if sb.state not in (State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING,
+                                State.SUSPENDING, State.STOPPING, State.CHECKPOINTING):  # fmt: skip
+                continue
+            snaps = await asyncio.to_thread(store.list_snapshots, sb.id)
+            if not any(s.kind == "full" and s.restorable and s.state == "ready" for s in snaps):
+                continue  # nothing to recover from elsewhere: it waits for its node to come back
+            if sb.state == State.SUSPENDING and any(
+                s.id == sb.suspended_snapshot_id and s.restorable for s in snaps
+            ):
+                continue  # its suspend is verified: the reconciler finishes it without that node
+            changed = await asyncio.to_thread(
+                store.report_crash, sb.id, node.id, notice=f"node {node.id} was lost"
+            )
+            if changed is not None:
+                crashed.append(sb.id)
+    if crashed:
+        reconciler.poke()
+    return crashed

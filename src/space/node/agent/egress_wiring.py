@@ -1,0 +1,569 @@
+"""The node's egress wiring: one EgressGateway per node agent, fed with every sandbox's source address and
+policy, and every sandbox prepared to use it (proxy variables, the node's CA in its trust store, DNS).
+
+Only active when the node's helper runs with `network = "sandbox"` (asked through `network.info`); with
+"none" nothing here is installed and the agent behaves exactly as without it.
+
+How it hooks in: `install()` wraps the agent's driver in `EgressDriver`, which sees every moment a
+sandbox's runtime comes up (create incl. warm start, start, restore: rollback, fork children, restore from
+object storage, recovery; connect after an agent restart; a keep-running checkpoint that replaced the
+runtime) and every moment it goes (stop, destroy). So no lifecycle path can bring a sandbox up without its
+policy being decided first.
+
+Invariants:
+- Fail closed: a sandbox whose policy is unknown (no record, control plane unreachable) is not known to
+  the gateway, so it has no egress at all. A sandbox is only handed out after its policy was applied and
+  its files were written; if either fails, the lifecycle step fails.
+- With a control plane, a sandbox's policy is the control plane's (`ControlPlaneCredentials.policy`; it
+  resolves fork children to their parent's policy itself); the node's record of the last push (PUT
+  /sandboxes/{id}/egress, newer versions only, persisted in `state_dir`) is used when it is newer or the
+  control plane cannot be asked. Without one, the node's record (create request or push) is the policy,
+  and a fork child without a record takes its parent's.
+- What a sandbox sees of the gateway does not depend on the node: the proxy is `http://<sandbox gateway
+  address>:<proxy port>` (the same inner address in every sandbox, and fixed ports by default), so the
+  environment set at create stays right after restore or fork elsewhere. The CA differs per node: every
+  time a runtime starts or is restored (fresh files), the node's CA is written into the sandbox's trust
+  store again (the block between the SPACE markers is replaced), and resolv.conf points at the gateway.
+- No credential value ever passes through here: the sandbox gets placeholders only (put into its env by
+  the control plane, or by the caller of a node-only create); the gateway fetches values itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import pathlib
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from space.core import errors
+from space.node.agent.channel import GuestChannel
+from space.node.agent.credential_manager import AuditForwarder, ControlPlaneCredentials
+from space.node.agent.guest import GuestSession
+from space.node.agent.identity import IdentityAuth, NodeIdentity
+from space.node.drivers.base import CheckpointInfo, Driver, SandboxSpec
+from space.node.egress import (
+    CredentialSource,
+    EgressGateway,
+    EgressPolicy,
+    Resolver,
+    StaticCredentials,
+    StaticResolver,
+)
+from space.node.egress.policy import IPNetwork
+
+if TYPE_CHECKING:
+    from space.node.agent.agent import NodeAgent
+    from space.node.agent.helper_client import HelperClient
+
+log = logging.getLogger(__name__)
+
+#: Where the gateway listens on the node's gateway address. Fixed (not "any free port") because the proxy
+#: port is part of every sandbox's environment, which must stay right across agent restarts and nodes.
+DEFAULT_PORTS: dict[str, int] = {
+    "proxy": 3128,
+    "transparent_http": 3080,
+    "transparent_tls": 3443,
+    "dns": 3053,
+}
+#: In the sandbox: the system bundle (the node's CA appended between markers) and the CA alone.
+CA_BUNDLE_PATH = "/etc/ssl/certs/ca-certificates.crt"
+CA_FILE_PATH = "/usr/local/share/ca-certificates/space-egress-ca.crt"
+RESOLV_CONF_PATH = "/etc/resolv.conf"
+CA_BEGIN = b"# BEGIN SPACE node egress CA (rewritten by the node on every start and restore)\n"
+CA_END = b"# END SPACE node egress CA\n"
+POLICIES_FILE = "policies.json"
+RECENT_AUDIT = 1000
+CP_POLICY_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class EgressRequest(BaseModel):
+    """An egress policy as callers send it (create request, policy push): domains/CIDRs + a version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+    version: int = Field(default=0, ge=0)
+
+    def policy(self) -> EgressPolicy:
+        try:
+            return EgressPolicy(allow=self.allow, deny=self.deny)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise errors.InvalidArgument(f"egress policy: {first.get('msg')}", field="egress") from exc
+
+
+@dataclass
+class EgressSettings:
+    """How the node's gateway is set up (operator configuration, never a tenant's)."""
+
+    state_dir: pathlib.Path  # the CA key and recorded policies; owned by the agent's user, mode 0700
+    ports: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    resolver: Resolver | None = None  # default: the node's own resolver
+    trust_store: pathlib.Path | None = None  # upstream certificates; default: the system store
+    operator_allowed_networks: Sequence[IPNetwork] = ()
+    credentials: CredentialSource | None = None  # node-only use; with a control plane it is the CP's
+
+
+@dataclass
+class _Record:
+    policy: EgressRequest
+    credentials: list[str] = field(default_factory=list)
+
+
+class EgressWiring:
+    """The node agent's egress side: the gateway, sandbox policies, and what a sandbox must contain."""
+
+    def __init__(
+        self,
+        helper: HelperClient,
+        gateway: EgressGateway,
+        network_info: Mapping[str, Any],
+        state_dir: pathlib.Path,
+        *,
+        control_plane: ControlPlaneCredentials | None = None,
+        audit_forwarder: AuditForwarder | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.helper = helper
+        self.gateway = gateway
+        self.network_info = dict(network_info)
+        self.state_dir = state_dir
+        self.control_plane = control_plane
+        self.audit_forwarder = audit_forwarder
+        self._http = http
+        self._records: dict[str, _Record] = self._load_records()
+        self._sources: dict[str, str] = {}  # sandbox id -> host-side address, while its runtime is up
+        self._retries: dict[str, asyncio.Task[None]] = {}
+        self.recent_audit: deque[dict[str, Any]] = deque(maxlen=RECENT_AUDIT)
+
+    # -- gateway lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.gateway.start()
+        ports = self.gateway.ports
+        configured = await self.helper.call("network.configure", {"ports": ports})
+        self.network_info.update(configured)
+        if self.audit_forwarder is not None:
+            self.audit_forwarder.start()
+        log.info("egress gateway on %s ports %s", self.gateway.listen_host, ports)
+
+    async def close(self) -> None:
+        for task in self._retries.values():
+            task.cancel()
+        self._retries.clear()
+        await self.gateway.close()
+        if self.audit_forwarder is not None:
+            await self.audit_forwarder.close()
+        if self._http is not None:
+            await self._http.aclose()
+
+    def audit(self, record: dict[str, Any]) -> None:
+        """The gateway's audit callback: keep recent events here, forward to the control plane if any."""
+        self.recent_audit.append(record)
+        if self.audit_forwarder is not None:
+            self.audit_forwarder(record)
+        elif record.get("decision") not in {"allowed", "answered"}:
+            log.info("egress %s", record)
+
+    # -- what a sandbox sees -------------------------------------------------------------------------------
+    @property
+    def sandbox_gateway_addr(self) -> str:
+        return str(self.network_info["sandbox_gateway_addr"])
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.sandbox_gateway_addr}:{self.gateway.ports['proxy']}"
+
+    def sandbox_env(self) -> dict[str, str]:
+        """Environment every sandbox of this node gets (the same on every node with the default ports)."""
+        proxy = self.proxy_url
+        return {
+            "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy, "http_proxy": proxy, "https_proxy": proxy,
+            "NO_PROXY": "", "no_proxy": "",
+            "SSL_CERT_FILE": CA_BUNDLE_PATH, "REQUESTS_CA_BUNDLE": CA_BUNDLE_PATH,
+            "CURL_CA_BUNDLE": CA_BUNDLE_PATH, "NODE_EXTRA_CA_CERTS": CA_FILE_PATH,
+        }  # fmt: skip
+
+    async def install_files(self, session: GuestSession) -> None:
+        """The node's CA into the sandbox's trust store (replacing another node's), DNS to the gateway."""
+        ca = self.gateway.ca_certificate_pem
+        try:
+            installed = await session.read_file(CA_FILE_PATH)
+        except errors.SpaceError:
+            installed = b""
+        # Fast path (a restart or restore on the node that wrote them): both files are written together,
+        # the CA file last, so this node's CA there means its block in the bundle is in place too.
+        if installed != ca:
+            try:
+                current = await session.read_file(CA_BUNDLE_PATH)
+            except errors.SpaceError:
+                current = b""
+            wanted = with_node_ca(current, ca)
+            if wanted != current:
+                await session.write_file(CA_BUNDLE_PATH, wanted, mode=0o644)
+            await session.mkdir(os.path.dirname(CA_FILE_PATH), parents=True)
+            await session.write_file(CA_FILE_PATH, ca, mode=0o644)
+        await session.write_file(
+            RESOLV_CONF_PATH, f"nameserver {self.sandbox_gateway_addr}\n".encode(), mode=0o644
+        )
+
+    # -- policies ------------------------------------------------------------------------------------------
+    def remember(self, sandbox_id: str, policy: EgressRequest, credentials: Sequence[str] = ()) -> None:
+        """Record the policy a sandbox is created with (applied when its runtime comes up)."""
+        self._records[sandbox_id] = _Record(policy, list(credentials))
+        self._save_records()
+
+    def recorded(self, sandbox_id: str) -> EgressRequest | None:
+        record = self._records.get(sandbox_id)
+        return record.policy if record else None
+
+    async def apply(
+        self, sandbox_id: str, policy: EgressRequest, credentials: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """A policy change at run time: recorded (newer versions only), credentials fetched again, and in
+        force at once if the sandbox runs."""
+        known = self._records.get(sandbox_id)
+        if known is not None and policy.version and known.policy.version > policy.version:
+            return {"applied": False, "reason": "stale", "version": known.policy.version}
+        compiled = policy.policy()
+        names = list(credentials) if credentials is not None else (known.credentials if known else [])
+        self._records[sandbox_id] = _Record(policy, names)
+        self._save_records()
+        if self.control_plane is not None:
+            self.control_plane.forget(sandbox_id)  # bindings may have changed: fetch them again
+        source = self._sources.get(sandbox_id)
+        if source is not None:
+            self._set(sandbox_id, source, compiled)
+        return {"applied": True, "live": source is not None, "version": policy.version}
+
+    async def _policy_for(self, sandbox_id: str, source_sandbox_id: str | None) -> EgressPolicy | None:
+        record = self._records.get(sandbox_id)
+        if self.control_plane is not None:
+            # The control plane is the truth (it also resolves fork children to their parent's policy); the
+            # node's record is the last push, used when it is newer or the control plane cannot be asked.
+            try:
+                found = await self.control_plane.policy(sandbox_id)
+            except errors.SpaceError as exc:
+                if record is not None:
+                    return record.policy.policy()
+                log.warning("egress policy of %s unavailable (no egress until it is): %s", sandbox_id,
+                            exc.message)  # fmt: skip
+                self._retry_later(sandbox_id)
+                return None
+            version = int(found.get("version") or 0)
+            if record is not None and record.policy.version > version:
+                return record.policy.policy()
+            allow, deny = list(found.get("allow") or []), list(found.get("deny") or [])
+            if allow or deny or version:
+                return EgressRequest(allow=allow, deny=deny, version=version).policy()
+            return record.policy.policy() if record is not None else None
+        if record is not None:
+            return record.policy.policy()
+        if source_sandbox_id is not None and source_sandbox_id != sandbox_id:
+            parent = self._records.get(source_sandbox_id)
+            if parent is not None:
+                self.remember(sandbox_id, parent.policy, parent.credentials)
+                return parent.policy.policy()
+        return None
+
+    def _retry_later(self, sandbox_id: str) -> None:
+        if sandbox_id in self._retries:
+            return
+
+        async def retry() -> None:
+            try:
+                for delay in CP_POLICY_RETRY_S:
+                    await asyncio.sleep(delay)
+                    source = self._sources.get(sandbox_id)
+                    if source is None or self.control_plane is None:
+                        return
+                    with contextlib.suppress(errors.SpaceError):
+                        found = await self.control_plane.policy(sandbox_id)
+                        policy = EgressRequest(allow=list(found.get("allow") or []),
+                                               deny=list(found.get("deny") or []))  # fmt: skip
+                        if sandbox_id not in self._records and self._sources.get(sandbox_id) == source:
+                            self._set(sandbox_id, source, policy.policy())
+                        return
+            finally:
+                self._retries.pop(sandbox_id, None)
+
+        self._retries[sandbox_id] = asyncio.get_running_loop().create_task(retry())
+
+    def _claim_source(self, sandbox_id: str, source: str) -> None:
+        # The helper's record is the truth about who owns a host address now: a stale claim (a sandbox this
+        # agent did not see go) gives way.
+        for other, addr in list(self._sources.items()):
+            if addr == source and other != sandbox_id:
+                self.gateway.forget(other)
+                self._sources.pop(other, None)
+
+    def _set(self, sandbox_id: str, source: str, policy: EgressPolicy) -> None:
+        self._claim_source(sandbox_id, source)
+        try:
+            self.gateway.set_policy(sandbox_id, source, policy)
+        except errors.Conflict:
+            owner = self.gateway.ctx.by_source.get(source)
+            if owner is None or owner == sandbox_id:
+                raise
+            self.gateway.forget(owner)
+            self.gateway.set_policy(sandbox_id, source, policy)
+        self._sources[sandbox_id] = source
+
+    # -- sandbox events (from EgressDriver) ----------------------------------------------------------------
+    async def runtime_up(
+        self,
+        sandbox_id: str,
+        channel: GuestChannel | None,
+        *,
+        fresh: bool,
+        source_sandbox_id: str | None = None,
+    ) -> None:
+        """A sandbox's runtime is (again) up: its policy in force at the gateway; with `fresh` (a boot or a
+        restore, possibly from another node) its trust store, DNS and proxy environment written too."""
+        network = await self.helper.call("sandbox.network", {"sandbox_id": sandbox_id})
+        source = str(network["host_addr"])
+        policy = await self._policy_for(sandbox_id, source_sandbox_id)
+        if policy is None:
+            self.gateway.forget(sandbox_id)
+            self._claim_source(sandbox_id, source)
+            self._sources[sandbox_id] = source
+        else:
+            self._set(sandbox_id, source, policy)
+        if fresh and channel is not None:
+            session = GuestSession(channel)
+            await self.install_files(session)
+            await session.configure(self.sandbox_env())
+
+    def runtime_gone(self, sandbox_id: str) -> None:
+        self.gateway.forget(sandbox_id)
+        self._sources.pop(sandbox_id, None)
+        if self.control_plane is not None:
+            self.control_plane.forget(sandbox_id)
+
+    def sandbox_deleted(self, sandbox_id: str) -> None:
+        self.runtime_gone(sandbox_id)
+        if self._records.pop(sandbox_id, None) is not None:
+            self._save_records()
+
+    # -- persistence ---------------------------------------------------------------------------------------
+    def _load_records(self) -> dict[str, _Record]:
+        try:
+            raw = json.loads((self.state_dir / POLICIES_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        records: dict[str, _Record] = {}
+        for sandbox_id, item in raw.items() if isinstance(raw, dict) else []:
+            with contextlib.suppress(ValidationError, KeyError, TypeError):
+                records[sandbox_id] = _Record(EgressRequest.model_validate(item["policy"]),
+                                              [str(n) for n in item.get("credentials", [])])  # fmt: skip
+        return records
+
+    def _save_records(self) -> None:
+        data = {
+            sid: {"policy": r.policy.model_dump(), "credentials": r.credentials}
+            for sid, r in self._records.items()
+        }
+        path = self.state_dir / POLICIES_FILE
+        tmp = path.with_name(f".{POLICIES_FILE}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+
+def with_node_ca(bundle: bytes, ca_pem: bytes) -> bytes:
+    """`bundle` with exactly one SPACE block, holding `ca_pem` (a previous node's block is dropped)."""
+    kept = bundle
+    while CA_BEGIN in kept:
+        head, _, rest = kept.partition(CA_BEGIN)
+        _, found, tail = rest.partition(CA_END)
+        kept = head + (tail if found else b"")
+    if kept and not kept.endswith(b"\n"):
+        kept += b"\n"
+    return kept + CA_BEGIN + ca_pem.rstrip(b"\n") + b"\n" + CA_END
+
+
+class EgressDriver:
+    """The agent's driver, seen through the egress wiring: every runtime that comes up gets its policy (and
+    on a boot or restore its files) before the agent hands it out; every runtime that goes is forgotten.
+    Everything else is the wrapped driver's, unchanged."""
+
+    def __init__(self, inner: Driver, wiring: EgressWiring) -> None:
+        self.inner = inner
+        self.wiring = wiring
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def create(self, spec: SandboxSpec) -> None:
+        spec.env.update(self.wiring.sandbox_env())
+        await self.inner.create(spec)
+
+    async def create_warm(self, spec: SandboxSpec) -> GuestChannel | None:
+        spec.env.update(self.wiring.sandbox_env())
+        channel = await self.inner.create_warm(spec)
+        if channel is not None:
+            await self.wiring.runtime_up(spec.sandbox_id, channel, fresh=True)
+        return channel
+
+    async def start(self, sandbox_id: str) -> GuestChannel:
+        channel = await self.inner.start(sandbox_id)
+        await self.wiring.runtime_up(sandbox_id, channel, fresh=True)
+        return channel
+
+    async def connect(self, sandbox_id: str) -> GuestChannel:
+        channel = await self.inner.connect(sandbox_id)
+        await self.wiring.runtime_up(sandbox_id, channel, fresh=False)
+        return channel
+
+    async def restore(
+        self, sandbox_id: str, snapshot_id: str, *, source_sandbox_id: str | None = None, limits: Any = None
+    ) -> GuestChannel:
+        channel = await self.inner.restore(
+            sandbox_id, snapshot_id, source_sandbox_id=source_sandbox_id, limits=limits
+        )
+        await self.wiring.runtime_up(sandbox_id, channel, fresh=True, source_sandbox_id=source_sandbox_id)
+        return channel
+
+    async def checkpoint(
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True, leave_paused: bool = False
+    ) -> tuple[CheckpointInfo, GuestChannel | None]:
+        info, channel = await self.inner.checkpoint(
+            sandbox_id, snapshot_id, keep_running=keep_running, leave_paused=leave_paused
+        )
+        if channel is not None:
+            await self.wiring.runtime_up(sandbox_id, channel, fresh=False)
+        return info, channel
+
+    async def stop(self, sandbox_id: str) -> None:
+        self.wiring.runtime_gone(sandbox_id)
+        await self.inner.stop(sandbox_id)
+
+    async def destroy(self, sandbox_id: str) -> None:
+        self.wiring.sandbox_deleted(sandbox_id)
+        await self.inner.destroy(sandbox_id)
+
+    async def close(self) -> None:
+        try:
+            await self.wiring.close()
+        finally:
+            await self.inner.close()
+
+
+# -- installation ------------------------------------------------------------------------------------------
+async def install(
+    agent: NodeAgent,
+    settings: EgressSettings,
+    *,
+    control_plane: str | None = None,
+    identity: NodeIdentity | None = None,
+) -> EgressWiring | None:
+    """Give `agent` its egress gateway if its node gives sandboxes a network; None (nothing changed) when
+    the node's network is "none" or the driver has no helper. Call after the node is prepared and before
+    `agent.recover()`, so that adopted sandboxes get their policies too."""
+    if isinstance(agent.driver, EgressDriver):
+        return agent.driver.wiring
+    helper = cast("HelperClient | None", getattr(agent.driver, "helper", None))
+    if helper is None:
+        return None
+    info = await helper.call("network.info")
+    if info.get("mode") != "sandbox":
+        return None
+    try:
+        settings.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = settings.state_dir / ".writable"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise errors.Unavailable(
+            f"the egress gateway's state directory {settings.state_dir} is not usable by this user ({exc}); "
+            "create it owned by the agent's user (the node helper's node.prepare does)"
+        ) from exc
+    http: httpx.AsyncClient | None = None
+    cp_credentials: ControlPlaneCredentials | None = None
+    forwarder: AuditForwarder | None = None
+    credentials: CredentialSource
+    if control_plane:
+        if identity is None:
+            raise errors.InvalidArgument(
+                "a control plane needs the node's identity (space.node.agent.identity)"
+            )
+        # The node's per-node identity, read per request: valid after each (re-)registration (ADR 0019).
+        http = httpx.AsyncClient(
+            base_url=control_plane.rstrip("/"), auth=IdentityAuth(identity), timeout=10.0
+        )
+        cp_credentials = ControlPlaneCredentials(http, identity.current_node_id)
+        forwarder = AuditForwarder(http, identity.current_node_id)
+        credentials = cp_credentials
+    else:
+        credentials = settings.credentials or StaticCredentials()
+    wiring_ref: list[EgressWiring] = []
+
+    def audit(record: dict[str, Any]) -> None:
+        if wiring_ref:
+            wiring_ref[0].audit(record)
+
+    gateway = EgressGateway(
+        ca_dir=settings.state_dir / "ca",
+        credentials=credentials,
+        audit=audit,
+        resolver=settings.resolver,
+        listen_host=str(info["gateway_addr"]),
+        listen_ports=settings.ports,
+        trust_store=settings.trust_store,
+        operator_allowed_networks=settings.operator_allowed_networks,
+    )
+    wiring = EgressWiring(
+        helper, gateway, info, settings.state_dir, control_plane=cp_credentials, audit_forwarder=forwarder,
+        http=http,
+    )  # fmt: skip
+    wiring_ref.append(wiring)
+    try:
+        await wiring.start()
+    except BaseException:
+        await wiring.close()
+        raise
+    agent.driver = cast(Driver, EgressDriver(agent.driver, wiring))
+    return wiring
+
+
+def wiring_of(agent: NodeAgent) -> EgressWiring | None:
+    driver: object = agent.driver
+    return driver.wiring if isinstance(driver, EgressDriver) else None
+
+
+def load_settings(state_dir: pathlib.Path, config: pathlib.Path | None) -> EgressSettings:
+    """EgressSettings from an operator's JSON file (all keys optional):
+    {"ports": {"proxy", "transparent_http", "transparent_tls", "dns"}, "hosts": {name: [address, ...]},
+     "trust_store": "/path/ca.pem", "allow_networks": ["CIDR", ...]}. `hosts` replaces the system resolver
+    (air-gapped nodes, tests); `allow_networks` opens ranges that are otherwise never reachable."""
+    settings = EgressSettings(state_dir=state_dir)
+    if config is None:
+        return settings
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise errors.InvalidArgument(f"egress config {config}: {exc}", field="egress_config") from exc
+    if not isinstance(raw, dict):
+        raise errors.InvalidArgument(f"egress config {config} is not a JSON object", field="egress_config")
+    try:
+        if "ports" in raw:
+            settings.ports = {**DEFAULT_PORTS, **{str(k): int(v) for k, v in raw["ports"].items()}}
+        if "hosts" in raw:
+            settings.resolver = StaticResolver({str(k): [str(a) for a in v] for k, v in raw["hosts"].items()})
+        if raw.get("trust_store"):
+            settings.trust_store = pathlib.Path(str(raw["trust_store"]))
+        settings.operator_allowed_networks = [
+            ipaddress.ip_network(str(n)) for n in raw.get("allow_networks") or []
+        ]
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise errors.InvalidArgument(f"egress config {config}: {exc}", field="egress_config") from exc
+    return settings

@@ -1,0 +1,459 @@
+"""Checkpoints and the template base leaving and entering a node (root helper verbs).
+
+A full checkpoint leaves a node as three things: the read-only disk snapshot as a `btrfs send -p <base>`
+delta (the guest layer and everything the sandbox wrote; the base is the same subvolume on every node, see
+space.node.volumes.templates), the runsc checkpoint image directory, and nothing else: the bundle config is
+*derived* on the receiving node from the caller's validated spec (template, limits, env), never taken from
+the artifact, so an artifact cannot add a mount, a capability or a hook.
+
+Staging: `<fs>/staging/` (root, 0755) holds one directory per transfer, owned by the agent's uid (0700):
+  export-<sandbox>-<snapshot>/   written here (disk.stream, image/...), read and uploaded by the agent
+  import-<sandbox>-<snapshot>/   written by the agent (downloaded and verified), consumed here
+  base-export/, base-import/     the template base's original full send stream
+It lies on the node's btrfs filesystem, so image files are reflinked out and renamed in (no copies).
+
+Invariants:
+- Every path is derived from validated ids (NodeLayout); the agent names no path. Files the agent wrote are
+  opened with O_NOFOLLOW and must be regular files with plain names: a symlink planted in staging cannot
+  make the helper read or move anything else.
+- An export is complete iff its `export.json` exists (written last); a repeat returns it, an incomplete one
+  is rebuilt from scratch.
+- An import is repeatable after a crash at any point: a disk subvolume counts as received only once it is
+  read-only with a received UUID (what `btrfs receive` sets last), otherwise it is deleted and received
+  again; the image directory is moved in by one rename;
+  the bundle files are rewritten every time (config last). What is already complete is kept.
+- A delta is received only onto the base it was made against (its parent UUID is checked first), and
+  nothing is imported for a sandbox whose runtime is alive on this node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from space.core import errors
+from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
+from space.core.settings import SandboxLimits
+from space.node.helper import oci
+from space.node.volumes import btrfs, templates
+
+if TYPE_CHECKING:
+    from space.node.helper.verbs import HelperContext
+
+Progress = Callable[[str], None]
+FICLONE = 0x40049409  # _IOW(0x94, 9, int): share the extents of one file with another (reflink)
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_IMAGE_FILES = 256
+DISK_STREAM = "disk.stream"
+BASE_STREAM = "base.stream"
+
+
+def _anchored(pattern: str) -> str:
+    return f"^(?:{pattern})$"
+
+
+SandboxId = Annotated[str, StringConstraints(pattern=_anchored(SANDBOX_ID_PATTERN))]
+SnapshotId = Annotated[str, StringConstraints(pattern=_anchored(SNAPSHOT_ID_PATTERN))]
+TemplateName = Annotated[str, StringConstraints(pattern=_anchored(TEMPLATE_NAME_PATTERN))]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+EnvValue = Annotated[str, StringConstraints(max_length=32768, pattern=r"^[^\x00]*$")]
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class TransferParams(_Params):
+    sandbox_id: SandboxId
+    snapshot_id: SnapshotId
+
+
+class ImportParams(_Params):
+    sandbox_id: SandboxId
+    snapshot_id: SnapshotId
+    template: TemplateName = "python"
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+
+
+class StagingParams(_Params):
+    kind: Literal["export", "import", "base-export", "base-import"]
+    sandbox_id: SandboxId | None = None
+    snapshot_id: SnapshotId | None = None
+
+
+class NoTransferParams(_Params):
+    pass
+
+
+# -- staging ---------------------------------------------------------------------------------------------
+def _staging_dir(
+    ctx: HelperContext, kind: str, sandbox_id: str | None, snapshot_id: str | None
+) -> pathlib.Path:
+    if kind in {"base-export", "base-import"}:
+        return ctx.layout.base_export_dir() if kind == "base-export" else ctx.layout.base_import_dir()
+    if sandbox_id is None or snapshot_id is None:
+        raise errors.InvalidArgument(f"staging of kind {kind!r} needs sandbox_id and snapshot_id")
+    if kind == "export":
+        return ctx.layout.export_dir(sandbox_id, snapshot_id)
+    return ctx.layout.import_dir(sandbox_id, snapshot_id)
+
+
+def _fresh_dir(ctx: HelperContext, path: pathlib.Path) -> pathlib.Path:
+    """An empty directory owned by the agent (0700) under the root-owned staging root."""
+    root = ctx.layout.staging
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    os.chown(root, 0, 0)
+    _remove(path)
+    path.mkdir(mode=0o700)
+    os.chown(path, ctx.owner_uid, -1)
+    return path
+
+
+def _remove(path: pathlib.Path) -> None:
+    if os.path.islink(path) or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def staging_prepare(ctx: HelperContext, params: StagingParams, _progress: Progress) -> dict[str, Any]:
+    if params.kind not in {"import", "base-import"}:
+        raise errors.InvalidArgument("only import directories are prepared for the agent", field="kind")
+    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id)
+    return {"dir": str(_fresh_dir(ctx, path))}
+
+
+def staging_release(ctx: HelperContext, params: StagingParams, _progress: Progress) -> dict[str, Any]:
+    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id)
+    existed = path.exists()
+    _remove(path)
+    return {"released": existed}
+
+
+def discard_sandbox_staging(ctx: HelperContext, sandbox_id: str) -> None:
+    """Every transfer directory of a sandbox (called when it is destroyed)."""
+    root = ctx.layout.staging
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith((f"export-{sandbox_id}-", f"import-{sandbox_id}-")):
+            _remove(entry)
+
+
+def _chown_tree(root: pathlib.Path, uid: int) -> None:
+    os.lchown(root, uid, -1)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, -1)
+
+
+def _clone(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Reflink `src` to `dst` (same btrfs filesystem: O(1)); a plain copy where reflinks do not work."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+        except OSError:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+@contextlib.contextmanager
+def _open_staged(directory: pathlib.Path, name: str) -> Iterator[BinaryIO]:
+    """A regular file the agent staged, opened without following symlinks."""
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise errors.NotFound(f"{name} was not staged in {directory.name}", field=name) from exc
+    except OSError as exc:
+        raise errors.InvalidArgument(f"staged {name} cannot be opened: {exc.strerror}", field=name) from exc
+    # Unbuffered: a buffered reader's seek(0) inside its buffer never moves the fd, and `btrfs receive`
+    # reads from the fd itself.
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise errors.InvalidArgument(f"staged {name} is not a regular file", field=name)
+        yield f
+
+
+def _image_files(image: pathlib.Path) -> list[pathlib.Path]:
+    """The files of a checkpoint image directory (flat, plain names, regular files only)."""
+    st = os.lstat(image)
+    if not stat.S_ISDIR(st.st_mode):
+        raise errors.InvalidArgument(f"{image.name} is not a directory")
+    files = sorted(image.iterdir())
+    if len(files) > MAX_IMAGE_FILES:
+        raise errors.InvalidArgument(f"checkpoint image has {len(files)} files (at most {MAX_IMAGE_FILES})")
+    for path in files:
+        if _FILE_NAME.fullmatch(path.name) is None or not stat.S_ISREG(os.lstat(path).st_mode):
+            raise errors.InvalidArgument(f"checkpoint image entry {path.name!r} is not a plain file")
+    return files
+
+
+def _take_ownership(directory: pathlib.Path) -> None:
+    """Make a directory the agent staged root's own (0700, files 0600) without following any symlink:
+    first the directory, so the agent can no longer add or swap entries, then each plain file."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise errors.InvalidArgument(f"staged {directory.name} is not a plain directory") from exc
+    try:
+        os.fchown(dir_fd, 0, 0)
+        os.fchmod(dir_fd, 0o700)
+        for name in os.listdir(dir_fd):
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError as exc:
+                raise errors.InvalidArgument(f"staged entry {name!r} is not a plain file") from exc
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise errors.InvalidArgument(f"staged entry {name!r} is not a plain file")
+                os.fchown(fd, 0, 0)
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any], uid: int | None = None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    if uid is not None:
+        os.chown(tmp, uid, -1)
+    tmp.replace(path)
+
+
+def _base(ctx: HelperContext) -> tuple[pathlib.Path, str]:
+    status = templates.base_status(ctx.layout.templates)
+    if not status["present"]:
+        raise errors.NotFound(f"the template base {templates.BASE_NAME} is not on this node")
+    return ctx.layout.templates / templates.BASE_NAME, str(status["identity"])
+
+
+def prepare_agent_dirs(ctx: HelperContext) -> None:
+    """The directories the agent keeps its own state in, owned by the agent (which cannot create them under
+    the root-owned data directory itself): `objects`, the default local object store of a one-machine node
+    (harmless when another store is used), and `egress`, the egress gateway's CA and policies."""
+    for name in ("objects", "egress"):
+        root = ctx.layout.data_dir / name
+        if root.is_symlink():
+            continue
+        root.mkdir(mode=0o700, exist_ok=True)
+        if root.stat().st_uid != ctx.owner_uid:
+            os.chown(root, ctx.owner_uid, -1)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+def snapshot_export(ctx: HelperContext, params: TransferParams, _progress: Progress) -> dict[str, Any]:
+    """Stage a full checkpoint for upload: disk.stream (send -p base) and image/<files>."""
+    sandbox_id, snapshot_id = params.sandbox_id, params.snapshot_id
+    image = ctx.layout.checkpoint_image(sandbox_id, snapshot_id)
+    disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
+    if not image.is_dir() or not btrfs.is_subvolume(disk):
+        raise errors.NotFound(f"full checkpoint {snapshot_id} of {sandbox_id} is not on this node")
+    out = ctx.layout.export_dir(sandbox_id, snapshot_id)
+    marker = out / "export.json"
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        done = json.loads(marker.read_text())
+        if isinstance(done, dict):
+            return done
+    _fresh_dir(ctx, out)
+    base, identity = _base(ctx)
+    timings: dict[str, float] = {}
+    mark = time.monotonic()
+    with open(out / DISK_STREAM, "wb") as f:
+        btrfs.send(disk, f, parent=base)
+    timings["send_ms"] = (time.monotonic() - mark) * 1000
+    with open(out / DISK_STREAM, "rb") as f:
+        header = btrfs.read_stream_header(f)
+    if header.parent_uuid != identity:
+        raise errors.RuntimeFailure(f"delta of {snapshot_id} names parent {header.parent_uuid}, not the base")
+    mark = time.monotonic()
+    (out / "image").mkdir()
+    files = {DISK_STREAM: (out / DISK_STREAM).stat().st_size}
+    for path in _image_files(image):
+        _clone(path, out / "image" / path.name)
+        files[f"image/{path.name}"] = path.stat().st_size
+    timings["image_ms"] = (time.monotonic() - mark) * 1000
+    _chown_tree(out, ctx.owner_uid)
+    result = {
+        "dir": str(out),
+        "files": files,
+        "metadata": {
+            "format": 1,
+            "kind": "full-checkpoint",
+            "sandbox_id": sandbox_id,
+            "snapshot_id": snapshot_id,
+            "base": templates.BASE_NAME,
+            "base_version": templates.BASE_VERSION,
+            "base_identity": identity,
+            "disk_stream_bytes": files[DISK_STREAM],
+            "image_bytes": sum(size for name, size in files.items() if name.startswith("image/")),
+        },
+        "timings": timings,
+    }
+    _write_json(marker, result, ctx.owner_uid)
+    return result
+
+
+def snapshot_import(ctx: HelperContext, params: ImportParams, _progress: Progress) -> dict[str, Any]:
+    """Place a downloaded full checkpoint: the disk delta received onto the base, the image moved in, and
+    the bundle written for the caller's spec. `sandbox.restore` then runs it."""
+    sandbox_id, snapshot_id = params.sandbox_id, params.snapshot_id
+    if ctx.runtimes.holder_alive(sandbox_id):
+        raise errors.InvalidState(f"sandbox {sandbox_id} already runs on this node", state="running")
+    staged = ctx.layout.import_dir(sandbox_id, snapshot_id)
+    disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
+    image = ctx.layout.checkpoint_image(sandbox_id, snapshot_id)
+    timings: dict[str, float] = {}
+    if not _received(disk):
+        _base_path, identity = _base(ctx)
+        with _open_staged(staged, DISK_STREAM) as stream:
+            header = btrfs.read_stream_header(stream)
+            if header.kind != "delta" or header.parent_uuid != identity:
+                raise errors.NotFound(
+                    f"the disk of {snapshot_id} was made against base {header.parent_uuid}; this node's "
+                    f"{templates.BASE_NAME} is {identity}", field="base",
+                )  # fmt: skip
+            if header.name != snapshot_id:
+                raise errors.InvalidArgument(f"the disk stream creates {header.name!r}, not {snapshot_id}")
+            stream.seek(0)
+            if btrfs.is_subvolume(disk):
+                btrfs.delete_subvolume(disk)  # half-received by a killed import
+            disk.parent.mkdir(parents=True, exist_ok=True)
+            mark = time.monotonic()
+            # Received in place: a read-only subvolume cannot be moved to another directory afterwards.
+            btrfs.receive(stream, disk.parent)
+            timings["receive_ms"] = (time.monotonic() - mark) * 1000
+        if not _received(disk):
+            raise errors.RuntimeFailure(f"receiving the disk of {snapshot_id} left no finished subvolume")
+    if not image.is_dir():
+        staged_image = staged / "image"
+        _take_ownership(staged_image)
+        if not _image_files(staged_image):
+            raise errors.InvalidArgument(f"the checkpoint image of {snapshot_id} is empty")
+        image.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staged_image, image)
+    bundle = ctx.layout.bundle(sandbox_id)
+    bundle.mkdir(parents=True, exist_ok=True)
+    (bundle / "limits.json").write_text(params.limits.model_dump_json())
+    (bundle / "spec.json").write_text(json.dumps({"template": params.template, "env": params.env}))
+    config = oci.bundle_config(
+        rootfs=ctx.layout.rootfs(sandbox_id),
+        init_argv=templates.guest_command(),
+        init_env={**templates.GUEST_ENV, **params.env},
+        limits=params.limits,
+    )
+    oci.write_bundle_config(bundle, config)
+    _remove(staged)
+    return {"disk": str(disk), "image": str(image), "timings": timings}
+
+
+def _received(disk: pathlib.Path) -> bool:
+    """A finished `btrfs receive`: it sets the received UUID and the read-only flag only at its very end."""
+    if not btrfs.is_subvolume(disk) or not btrfs.get_readonly(disk):
+        return False
+    return btrfs.subvolume_identity(disk).received_uuid is not None
+
+
+# -- the template base -----------------------------------------------------------------------------------
+def base_status(ctx: HelperContext, _params: NoTransferParams, _progress: Progress) -> dict[str, Any]:
+    return templates.base_status(ctx.layout.templates)
+
+
+def base_export(ctx: HelperContext, _params: NoTransferParams, _progress: Progress) -> dict[str, Any]:
+    out = ctx.layout.base_export_dir()
+    marker = out / "export.json"
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        done = json.loads(marker.read_text())
+        if isinstance(done, dict):
+            return done
+    _fresh_dir(ctx, out)
+    info = templates.export_base(ctx.layout.templates, out / BASE_STREAM)
+    _chown_tree(out, ctx.owner_uid)
+    result = {
+        "dir": str(out),
+        "files": {BASE_STREAM: info["bytes"]},
+        "metadata": {"format": 1, "kind": "template-base", "base": templates.BASE_NAME,
+                     "base_version": info["version"], "base_identity": info["identity"]},
+        "timings": {},
+    }  # fmt: skip
+    _write_json(marker, result, ctx.owner_uid)
+    return result
+
+
+def base_import(ctx: HelperContext, _params: NoTransferParams, progress: Progress) -> dict[str, Any]:
+    staged = ctx.layout.base_import_dir()
+    with _open_staged(staged, BASE_STREAM) as stream:
+        result = templates.import_base(ctx.layout.templates, stream, progress=progress)
+    _remove(staged)
+    return result
+
+
+# -- what a disk snapshot costs ----------------------------------------------------------------------------
+# Full qgroups answer directly (the snapshot's exclusive bytes). Simple quotas charge every extent to the
+# subvolume that allocated it, so a snapshot (which allocates nothing) always shows ~0: there, what a snapshot
+# pins is what the sandbox wrote between the previous snapshot and it, read from the root filesystem's qgroup
+# at snapshot time (the snapshot's commit made those numbers current, so no extra sync is paid).
+def _usage_file(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+    return ctx.layout.snapshots_root / sandbox_id / f".{snapshot_id}.usage.json"
+
+
+def record_snapshot_usage(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> None:
+    rootfs = ctx.layout.rootfs(sandbox_id)
+    try:
+        usage = btrfs.qgroup_usage(rootfs, sync_first=False)
+    except errors.SpaceError:
+        return  # no quotas: the listing reports no size rather than failing the snapshot
+    record = {"rootfs_exclusive": usage.exclusive, "rootfs_qgroup": usage.qgroup, "taken_at": time.time()}
+    _write_json(_usage_file(ctx, sandbox_id, snapshot_id), record)
+
+
+def snapshot_cost(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
+    disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
+    if not btrfs.is_subvolume(disk):
+        raise errors.NotFound(f"snapshot {snapshot_id} of {sandbox_id} is not on this node")
+    own = btrfs.qgroup_usage(disk)
+    mode = btrfs.quota_mode(disk)
+    result = {"exclusive_bytes": own.exclusive, "referenced_bytes": own.referenced,
+              "qgroup_exclusive_bytes": own.exclusive, "quota_mode": mode}  # fmt: skip
+    if mode != "simple":
+        return result
+    records = _usage_records(ctx, sandbox_id)
+    mine = records.get(snapshot_id)
+    if mine is None:
+        return result  # e.g. a received snapshot: it allocated its own delta, so its qgroup is right
+    earlier = [r for r in records.values() if r["taken_at"] < mine["taken_at"]]
+    previous = max(earlier, key=lambda r: r["taken_at"]) if earlier else None
+    cost = int(mine["rootfs_exclusive"])
+    if previous is not None and previous.get("rootfs_qgroup") == mine.get("rootfs_qgroup"):
+        cost = max(0, cost - int(previous["rootfs_exclusive"]))
+    result["exclusive_bytes"] = cost
+    return result
+
+
+def _usage_records(ctx: HelperContext, sandbox_id: str) -> dict[str, dict[str, Any]]:
+    """Usage records of the sandbox's snapshots that still exist."""
+    found: dict[str, dict[str, Any]] = {}
+    root = ctx.layout.snapshots_root / sandbox_id
+    for path in root.glob(".*.usage.json") if root.is_dir() else []:
+        snapshot_id = path.name[1 : -len(".usage.json")]
+        if not btrfs.is_subvolume(root / snapshot_id):
+            continue
+        with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, ValueError):
+            record = json.loads(path.read_text())
+            if isinstance(record, dict):
+                record["taken_at"] = float(record["taken_at"])
+                found[snapshot_id] = record
+    return found
