@@ -231,6 +231,16 @@ class World:
             data_keys=self.keys,
         )
         self.keeper = SnapshotKeeper(self.reconciler)
+        # Background tasks a step started (freeing a suspended sandbox's node copy) that already ended and
+        # so left the reconciler's `_freeing` map: their Killed must still reach the test.
+        self.finished: list[asyncio.Task[None]] = []
+        forget_task = self.reconciler._freed
+
+        def keep_finished(sandbox_id: str, task: asyncio.Task[None]) -> None:
+            self.finished.append(task)
+            forget_task(sandbox_id, task)
+
+        self.reconciler._freed = keep_finished  # type: ignore[method-assign]
 
     def run(self, sandbox_id: str, *, rounds: int = 6) -> SandboxRecord:
         """Reconcile until settled (a few rounds, as the claim loop would); Killed propagates."""
@@ -249,8 +259,11 @@ class World:
                 finally:
                     # Background work the steps started (freeing a suspended sandbox's node copy) ends
                     # before this "process" does, as it would in a long-running control plane.
-                    freeing = [task for _node, task in self.reconciler._freeing.values()]
-                    await asyncio.gather(*freeing)
+                    running = [task for _node, task in self.reconciler._freeing.values()]
+                    try:
+                        await asyncio.gather(*running, *self.finished)
+                    finally:
+                        self.finished = []  # all done now, and their loop ends with this "process"
 
         asyncio.run(go())
         sb = self.store.load_sandbox(sandbox_id)
