@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ def write_config_file(url: str, api_key: str, path: Path | None = None) -> Path:
     """Write the config file (mode 0600) the way resolve_config reads it; returns its path."""
     target = path or config_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
+    # A name of its own per writer: `space up --detach` and the server it starts both write this file.
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump({"url": url, "api_key": api_key}, handle)
