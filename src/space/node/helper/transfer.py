@@ -38,14 +38,14 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import Field
 
 from space.core import errors
-from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
 from space.core.settings import SandboxLimits
 from space.node.helper import oci
+from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, SnapshotId, TemplateName
 from space.node.volumes import btrfs, templates
 
 if TYPE_CHECKING:
@@ -59,27 +59,12 @@ DISK_STREAM = "disk.stream"
 BASE_STREAM = "base.stream"
 
 
-def _anchored(pattern: str) -> str:
-    return f"^(?:{pattern})$"
-
-
-SandboxId = Annotated[str, StringConstraints(pattern=_anchored(SANDBOX_ID_PATTERN))]
-SnapshotId = Annotated[str, StringConstraints(pattern=_anchored(SNAPSHOT_ID_PATTERN))]
-TemplateName = Annotated[str, StringConstraints(pattern=_anchored(TEMPLATE_NAME_PATTERN))]
-EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-EnvValue = Annotated[str, StringConstraints(max_length=32768, pattern=r"^[^\x00]*$")]
-
-
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class TransferParams(_Params):
+class TransferParams(Params):
     sandbox_id: SandboxId
     snapshot_id: SnapshotId
 
 
-class ImportParams(_Params):
+class ImportParams(Params):
     sandbox_id: SandboxId
     snapshot_id: SnapshotId
     template: TemplateName = "python"
@@ -87,13 +72,13 @@ class ImportParams(_Params):
     env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
 
 
-class StagingParams(_Params):
+class StagingParams(Params):
     kind: Literal["export", "import", "base-export", "base-import"]
     sandbox_id: SandboxId | None = None
     snapshot_id: SnapshotId | None = None
 
 
-class NoTransferParams(_Params):
+class NoTransferParams(Params):
     pass
 
 

@@ -22,38 +22,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, Field
 
 from space.core import errors
-from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
 from space.core.settings import SandboxLimits
 from space.node.helper import network, oci, transfer
+from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, SnapshotId, TemplateName
 from space.node.helper.runsc import Runsc
 from space.node.helper.runtime import Runtimes
 from space.node.layout import NodeLayout
 from space.node.volumes import btrfs, filesystem, templates
 
-
-def _anchored(pattern: str) -> str:
-    # pydantic's `pattern` matches anywhere in the string; ids must match whole.
-    return f"^(?:{pattern})$"
-
-
-SandboxId = Annotated[str, StringConstraints(pattern=_anchored(SANDBOX_ID_PATTERN))]
-SnapshotId = Annotated[str, StringConstraints(pattern=_anchored(SNAPSHOT_ID_PATTERN))]
-TemplateName = Annotated[str, StringConstraints(pattern=_anchored(TEMPLATE_NAME_PATTERN))]
-EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-EnvValue = Annotated[str, StringConstraints(max_length=32768, pattern=r"^[^\x00]*$")]
-
 Progress = Callable[[str], None]
 SOCKET_WAIT_S = 10.0
 HOLDER_EXIT_WAIT_S = 30.0
-
-
-class Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class NoParams(Params):
