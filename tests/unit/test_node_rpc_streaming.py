@@ -22,7 +22,8 @@ import pytest
 
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
-from space.node.agent.server import NodeService, report_to_control_plane
+from space.node.agent.registration import report_to_control_plane
+from space.node.agent.server import NodeService
 from space.node.drivers.fake import FakeDriver
 
 MiB = 1 << 20

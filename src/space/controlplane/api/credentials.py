@@ -473,7 +473,9 @@ def router(services: "cp_app.Services") -> APIRouter:
         parse_node_id(node_id, field="node_id")
         # The identity issued to THIS node at its latest registration (ADR 0019): another node's identity
         # or the cluster's bootstrap token is a 401, so the node id in the path is the caller's own.
-        await cp_app.authenticate_node(store, node_id, authorization)
+        from space.controlplane.api.node_routes import authenticate_node
+
+        await authenticate_node(store, node_id, authorization)
 
     async def assigned(node_id: str, sandbox_id: str) -> SandboxRecord:
         sb = None
