@@ -31,7 +31,7 @@ from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashe
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store, open_store
-from space.core import errors
+from space.core import errors, retention
 from space.core.ids import new_snapshot_id
 from space.core.lifecycle import State
 from space.crypto.envelope import DataKey
@@ -492,7 +492,9 @@ def test_lost_node_sandboxes_with_an_uploaded_checkpoint_move(world: World) -> N
     assert world.store.load_sandbox(staying.id).state == State.RUNNING  # type: ignore[union-attr]
 
 
-def test_policy_takes_uploads_and_prunes(world: World) -> None:
+def test_policy_takes_uploads_and_prunes(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One disk snapshot a second (the production minimum is 60 s, ADR 0027).
+    monkeypatch.setattr(retention, "_minimums", retention.MinimumIntervals(disk_s=1, full_s=1))
     sb = world.running_sandbox()
     policy = {
         "disk_every_s": 1, "full_every_s": 3600, "upload_full": True,

@@ -18,6 +18,7 @@ from space.controlplane.keys import OrgDataKeys
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
+from space.core import errors, retention
 
 
 def build_store(database_url: str) -> Store:
@@ -45,8 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         help="directory of the embedded key service that wraps data keys (default DATA_DIR/keys); control"
         " plane replicas must share it (or use an external KMS)",
     )
+    parser.add_argument(
+        "--snapshot-min-intervals",
+        default=os.environ.get("SPACE_SNAPSHOT_MIN_INTERVALS", "60,300"),
+        help="DISK,FULL: the shortest disk_every_s and full_every_s a snapshot policy may ask for, in "
+        "seconds (default 60,300; ADR 0027)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    try:
+        disk_s, full_s = (int(part) for part in args.snapshot_min_intervals.split(","))
+        retention.set_minimum_intervals(disk_s, full_s)
+    except (ValueError, errors.InvalidArgument):
+        parser.error("--snapshot-min-intervals is DISK,FULL: two whole numbers of seconds, each at least 1")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s controlplane %(levelname)s %(message)s"
     )

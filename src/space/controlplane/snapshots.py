@@ -13,6 +13,12 @@ Invariants:
   only marks rows `deleting`; `collect` removes the node copy and the object-storage copy, then the row,
   so a crash anywhere leaves a row that the next round finishes. `sweep_objects` (rarely) removes artifacts
   no record accounts for (an upload that finished after its snapshot was pruned or its sandbox deleted).
+- Disk budgets (docs/adr/0027-disk-budgets.md): a scheduled snapshot the node refuses for the sandbox's
+  storage budget (or its own reserve) is made to fit by deleting the oldest prunable snapshots at once (the
+  same protections as retention: never a user's, never the newest usable full checkpoint, never the one a
+  suspend or recovery uses), then asked for once more. When even all prunable ones would not free enough,
+  nothing is deleted, the sandbox's `notice` says why, and its scheduled snapshots wait BUDGET_BACKOFF_S.
+  Retention also keeps at most `policy.max_retained` prunable snapshots (the oldest go first).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 
 PRUNABLE_ORIGINS = frozenset({"policy", "suspend"})
 NODE_CALL_TIMEOUT_S = 30.0
+BUDGET_BACKOFF_S = 60.0  # a sandbox whose budget is full is not asked again for this long
 
 
 class SnapshotKeeper:
@@ -41,6 +49,7 @@ class SnapshotKeeper:
         self.reconciler = reconciler
         self.store = reconciler.store
         self._busy: set[str] = set()
+        self._full_until: dict[str, float] = {}  # sandbox id -> monotonic time its budget is looked at again
 
     async def run_policies(self) -> int:
         """One round of the scheduler over every running sandbox with a policy; returns snapshots taken."""
@@ -64,25 +73,105 @@ class SnapshotKeeper:
             return False
         self._busy.add(sb.id)
         try:
-            policy = retention.SnapshotPolicy.model_validate(sb.snapshot_policy)
+            policy = retention.SnapshotPolicy.from_stored(sb.snapshot_policy)
             snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)
             now = self.store.now()
             scheduled = [s for s in snaps if s.origin == "policy"]
             last_full = max((s.created_at for s in scheduled if s.kind == "full"), default=None)
             last_disk = max((s.created_at for s in scheduled if s.kind == "disk"), default=None)
             took = False
-            if retention.due(last_full, policy.full_every_s, now):
-                snap = await self.take(sb, full=True)
-                if policy.upload_full:
+            if self._full_until.get(sb.id, 0.0) > time.monotonic():
+                pass  # its budget was full a moment ago and nothing could be pruned: wait
+            elif retention.due(last_full, policy.full_every_s, now):
+                snap = await self.take_fitting(sb, full=True)
+                if snap is not None and policy.upload_full:
                     await self.upload(sb, snap)
-                took = True
+                took = snap is not None
             elif retention.due(last_disk, policy.disk_every_s, now):
-                await self.take(sb, full=False)
-                took = True
+                took = await self.take_fitting(sb, full=False) is not None
             await self.prune(sb, policy)
             return took
         finally:
             self._busy.discard(sb.id)
+
+    async def take_fitting(self, sb: SandboxRecord, *, full: bool) -> SnapshotRecord | None:
+        """A scheduled snapshot; if the node refuses it for lack of disk, the oldest prunable snapshots are
+        deleted to make room and it is asked once more. None (and a notice) when it cannot fit."""
+        try:
+            snap = await self.take(sb, full=full)
+        except errors.StorageExhausted as exc:
+            freed = await self.prune_to_fit(sb, exc)
+            if not freed:
+                await self._report_full(sb, exc)
+                return None
+            try:
+                snap = await self.take(sb, full=full)
+            except errors.StorageExhausted as again:
+                await self._report_full(sb, again)
+                return None
+        self._full_until.pop(sb.id, None)
+        if sb.notice and sb.notice.startswith(_FULL_NOTICE):
+            await asyncio.to_thread(self.store.update_observed, sb.id, notice=None)
+        return snap
+
+    async def prune_to_fit(self, sb: SandboxRecord, refusal: errors.StorageExhausted) -> list[str]:
+        """Delete (now, on the node too) the oldest prunable snapshots that free what `refusal` says is
+        missing; [] when that is impossible (then nothing is deleted)."""
+        details = refusal.details
+        needed = int(details.get("needed_bytes") or 0)
+        if details.get("reason") == "storage_budget":
+            excess = int(details.get("used_bytes", 0)) + needed - int(details.get("budget_bytes", 0))
+        elif details.get("reason") == "node_reserve":
+            excess = int(details.get("reserve_bytes", 0)) + needed - int(details.get("free_bytes", 0))
+        else:
+            return []  # e.g. too many snapshots on the node: max_retained pruning handles the count
+        sized = await self._sized(sb)
+        plan = retention.plan_prune_to_fit(sized, max(1, excess))
+        if not plan:
+            return []
+        log.info(
+            "sandbox %s: deleting %d old snapshot(s) to fit its %s", sb.id, len(plan), details.get("reason")
+        )
+        for snapshot_id in plan:
+            await asyncio.to_thread(self.store.delete_snapshot, snapshot_id)
+            snap = await asyncio.to_thread(self.store.get_snapshot, snapshot_id)
+            if snap is None:
+                continue
+            try:
+                await self._remove(snap)
+            except (errors.SpaceError, TimeoutError) as exc:
+                log.info("snapshot %s: not removed yet: %s", snapshot_id, exc)  # collect() finishes it
+                continue
+            await asyncio.to_thread(self.store.purge_snapshot, snapshot_id)
+        return plan
+
+    async def _sized(self, sb: SandboxRecord) -> list[retention.Sized]:
+        """The sandbox's ready snapshots with what deleting each frees (the node's live figures when it
+        answers, else the recorded ones) and whether pruning may take it."""
+        snaps = [s for s in await asyncio.to_thread(self.store.list_snapshots, sb.id) if s.state == "ready"]
+        live: dict[str, tuple[int, int]] = {}
+        if sb.node_id is not None:
+            with contextlib.suppress(errors.SpaceError, TimeoutError):
+                node = self.reconciler.nodes.client(sb.node_id)
+                for info in await asyncio.wait_for(node.list_snapshots(sb.id), NODE_CALL_TIMEOUT_S):
+                    live[info.snapshot_id] = (info.image_bytes, info.exclusive_bytes or 0)
+        fulls = [s for s in snaps if s.kind == "full"]
+        newest_full = max(fulls, key=lambda s: (s.created_at, s.id)).id if fulls else None
+        protected = {newest_full, sb.suspended_snapshot_id, sb.recovered_from}
+        sized = []
+        for s in snaps:
+            image, exclusive = live.get(s.id, (s.size_bytes or 0, s.exclusive_bytes or 0))
+            prunable = s.origin in PRUNABLE_ORIGINS and s.id not in protected
+            sized.append(retention.Sized(s.id, s.created_at, image + exclusive, prunable))
+        return sized
+
+    async def _report_full(self, sb: SandboxRecord, refusal: errors.StorageExhausted) -> None:
+        self._full_until[sb.id] = time.monotonic() + BUDGET_BACKOFF_S
+        notice = f"{_FULL_NOTICE}: {refusal.message}"
+        log.warning("sandbox %s: %s", sb.id, notice)
+        if sb.notice != notice:
+            with contextlib.suppress(errors.SpaceError):
+                await asyncio.to_thread(self.store.update_observed, sb.id, notice=notice)
 
     async def take(self, sb: SandboxRecord, *, full: bool, origin: str = "policy") -> SnapshotRecord:
         """A disk snapshot or full checkpoint of a running sandbox, recorded ready."""
@@ -130,6 +219,16 @@ class SnapshotKeeper:
         dropped = [s.id for s in candidates if s.id not in kept and s.origin in PRUNABLE_ORIGINS]
         # A snapshot the sandbox is suspended to or recovering from is never pruned.
         dropped = [i for i in dropped if i not in (sb.suspended_snapshot_id, sb.recovered_from)]
+        # At most max_retained prunable snapshots stay, whatever the tiers keep (oldest go first).
+        fulls = [s for s in candidates if s.kind == "full"]
+        newest_full = max(fulls, key=lambda s: (s.created_at, s.id)).id if fulls else None
+        protected = {newest_full, sb.suspended_snapshot_id, sb.recovered_from}
+        remaining = [
+            retention.Sized(s.id, s.created_at, 0, s.origin in PRUNABLE_ORIGINS and s.id not in protected)
+            for s in candidates
+            if s.id not in dropped
+        ]
+        dropped += retention.over_count(remaining, policy.max_retained)
         for snapshot_id in dropped:
             await asyncio.to_thread(self.store.delete_snapshot, snapshot_id)
         return dropped
@@ -197,6 +296,9 @@ class SnapshotKeeper:
         if removed:
             log.info("removed %d artifact(s) nothing refers to: %s", len(removed), ", ".join(removed))
         return removed
+
+
+_FULL_NOTICE = "scheduled snapshots paused"
 
 
 async def report_lost_node_crashes(reconciler: Reconciler) -> list[str]:

@@ -78,6 +78,13 @@ class ResourceExhausted(SpaceError):
     code = "resource_exhausted"
 
 
+class StorageExhausted(ResourceExhausted):
+    """A disk bound was hit: a sandbox's storage budget, a node's free-space reserve, or a disk no node can
+    hold (HTTP 507; `details` name the numbers: used/budget or free/reserve, in bytes)."""
+
+    code = "storage_exhausted"
+
+
 class Timeout(SpaceError):
     code = "timeout"
 

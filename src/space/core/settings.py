@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from space.core.errors import InvalidArgument
 
@@ -28,6 +28,9 @@ _BINARY_RE: Final = re.compile(r"[A-Za-z0-9._+-]{1,64}|/[A-Za-z0-9._+/-]{1,4095}
 
 _FROZEN: Final = ConfigDict(frozen=True, extra="forbid")
 
+STORAGE_PER_DISK: Final = 2  # default storage budget per MB of disk
+STORAGE_MB_MAX: Final = 2 * 1048576  # 2 TiB: twice the largest disk
+
 
 class SandboxLimits(BaseModel):
     """Resources one sandbox may use (enforced by the driver: cgroups for runsc, -smp/-m for QEMU)."""
@@ -38,6 +41,31 @@ class SandboxLimits(BaseModel):
     memory_mb: int = Field(default=512, ge=64, le=65536, strict=True)
     pids: int = Field(default=512, ge=16, le=65536, strict=True)
     disk_mb: int = Field(default=2048, ge=64, le=1048576, strict=True)
+    # Everything the sandbox keeps on its node: its files, what its snapshots pin and its checkpoint images
+    # (docs/adr/0027-disk-budgets.md). Absent or null: STORAGE_PER_DISK x disk_mb.
+    storage_mb: int = Field(default=2 * 2048, ge=64, le=STORAGE_MB_MAX, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_storage(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("storage_mb") is None:
+            disk = data.get("disk_mb", 2048)
+            if isinstance(disk, int) and not isinstance(disk, bool):
+                data = {**data, "storage_mb": min(STORAGE_MB_MAX, max(64, STORAGE_PER_DISK * disk))}
+        return data
+
+
+class DiskReserve(BaseModel):
+    """Free space a node keeps for itself: creates, snapshots, checkpoints and imports are refused when they
+    would leave less than `min(percent of the disk, mb)` free (docs/adr/0027-disk-budgets.md)."""
+
+    model_config = _FROZEN
+
+    percent: float = Field(default=5.0, ge=0.0, le=50.0, strict=True, allow_inf_nan=False)
+    mb: int = Field(default=2048, ge=0, le=1048576, strict=True)
+
+    def bytes_for(self, total_bytes: int) -> int:
+        return min(int(total_bytes * self.percent / 100), self.mb << 20)
 
 
 def _absolute(value: Path, field: str) -> Path:
@@ -62,6 +90,8 @@ class NodeSettings(BaseModel):
     # The object store this node reads templates from and writes suspended sandboxes to ("file:///dir" or
     # "s3://bucket/prefix?endpoint=..."); a suspend/restore request naming another store is refused.
     store_url: str | None = Field(default=None, pattern=r"^(file|s3)://\S+$", max_length=2048)
+    # Free space the node keeps (creates, snapshots, checkpoints and imports refused below it).
+    disk_reserve: DiskReserve = Field(default_factory=DiskReserve)
 
     @field_validator("data_dir")
     @classmethod

@@ -33,6 +33,7 @@ from space.controlplane.api import errors as api_errors
 from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.scheduler import check_admissible
 from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
 from space.controlplane.store.store import Store
@@ -484,6 +485,8 @@ def _public_router(services: Services) -> APIRouter:
     @r.post("/sandboxes", status_code=201)
     async def create_sandbox(body: CreateSandbox, who: Auth, idem: IdempotencyKey = None) -> JSONResponse:
         who.require("member")
+        # A disk no node can hold is refused now, not left waiting for a node forever (ADR 0027).
+        await asyncio.to_thread(check_admissible, store, body.limits or SandboxLimits())
         egress = body.egress or EgressSpec()
         allow, bound = [*body.allow, *egress.allow], [*body.credentials, *egress.credentials]
 

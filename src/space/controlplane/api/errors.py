@@ -31,6 +31,9 @@ STATUS_BY_CODE: dict[str, int] = {
     errors.AlreadyExists.code: 409,
     errors.TooLarge.code: 413,
     errors.ResourceExhausted.code: 429,
+    # A disk bound (storage budget, node reserve, no node with that much disk): 507, not 429, because
+    # retrying soon does not help; the details name the numbers (docs/adr/0027-disk-budgets.md).
+    errors.StorageExhausted.code: 507,
     errors.Timeout.code: 504,
     errors.Unavailable.code: 503,
     errors.ChannelError.code: 502,

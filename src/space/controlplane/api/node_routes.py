@@ -66,7 +66,13 @@ async def _stale_copies(services: Services, node_id: str, reported: list[str]) -
 
 def _capacity(raw: dict[str, Any]) -> dict[str, Any]:
     memory_mb = int(raw.get("memory_mb", 0))
-    return {"cpus": float(raw.get("cpus", 0)), "memory_mb": memory_mb, "sandboxes": max(1, memory_mb // 64)}
+    capacity: dict[str, Any] = {"cpus": float(raw.get("cpus", 0)), "memory_mb": memory_mb}
+    capacity["sandboxes"] = max(1, memory_mb // 64)
+    for field in ("disk_mb", "disk_free_mb", "disk_reserve_mb"):  # scheduler.py's disk admission
+        value = raw.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            capacity[field] = max(0, value)
+    return capacity
 
 
 # -- node registration ---------------------------------------------------------------------------------------

@@ -14,6 +14,11 @@ Invariants:
   every part before the driver touches anything; a failed restore leaves nothing of the sandbox behind.
 - Suspend, upload and restore are repeatable: a repeat after a crash (of the agent, at any point) finds what
   is already done (the checkpoint on disk, the staged export, the manifest in the store) and finishes.
+- Disk is bounded (space.core.disk, docs/adr/0027-disk-budgets.md): a snapshot or checkpoint starts only if
+  the sandbox stays within its storage budget and the node above its free-space reserve, and one that
+  turns out to exceed either is deleted again before the error is raised (nothing half-made stays); creates,
+  forks and imports are refused below the reserve before anything is written. Suspend and recovery are
+  exempt: they are how a node gets its disk back.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from space.core import errors
+from space.core import disk, errors
 from space.core.ids import new_sandbox_id, new_snapshot_id, parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import LIVE_STATES, Event, State, transition
-from space.core.settings import SandboxLimits
+from space.core.settings import DiskReserve, SandboxLimits
 from space.crypto.envelope import DataKey
 from space.node.agent import transfer
 from space.node.agent.channel import GuestChannel
@@ -90,8 +95,13 @@ class SandboxHandle:
 
 
 class NodeAgent:
-    def __init__(self, driver: Driver, *, store: ObjectStore | None = None) -> None:
+    def __init__(
+        self, driver: Driver, *, store: ObjectStore | None = None, disk_reserve: DiskReserve | None = None
+    ) -> None:
         self.driver = driver
+        #: Free space the node keeps (NodeSettings.disk_reserve); `disk` is the last reading of its disk.
+        self.disk_reserve = disk_reserve or DiskReserve()
+        self.disk: dict[str, int] | None = None
         self.sandboxes: dict[str, SandboxHandle] = {}
         #: The object store this node was configured with: templates come from and go to it, and it is the
         #: only store suspend/restore requests may name (space.node.agent.server checks the URL).
@@ -250,6 +260,7 @@ class NodeAgent:
         )
         if spec.sandbox_id in self.sandboxes:
             raise errors.AlreadyExists(f"sandbox {spec.sandbox_id} already exists")
+        await self.check_reserve(f"creating sandbox {spec.sandbox_id}")
         handle = SandboxHandle(spec.sandbox_id, spec, State.PENDING, time.time())
         self.sandboxes[spec.sandbox_id] = handle
         async with handle.lock:
@@ -321,17 +332,23 @@ class NodeAgent:
                     f"cannot snapshot a sandbox in state '{handle.state}'", state=str(handle.state),
                     event="snapshot",
                 )  # fmt: skip
+            what = f"disk snapshot of {handle.sandbox_id}"
+            await self._check_growth(handle, what, needed_bytes=0)
             if handle.state == State.RUNNING:
                 await handle.session.sync()
             record = SnapshotRecord(new_snapshot_id(), "disk", time.time())
             await self.driver.disk_snapshot(sandbox_id, record.snapshot_id)
             handle.snapshots[record.snapshot_id] = record
+            await self._settle_growth(handle, record.snapshot_id, what)
             return record
 
     async def checkpoint(self, sandbox_id: str) -> SnapshotRecord:
         """A full checkpoint (processes, memory, files); the sandbox runs on afterwards."""
         handle = self.get(sandbox_id)
         async with handle.lock:
+            what = f"full checkpoint of {handle.sandbox_id}"
+            if handle.state == State.RUNNING:
+                await self._check_growth(handle, what, needed_bytes=self._image_estimate(handle))
             record = SnapshotRecord(new_snapshot_id(), "full", time.time())
 
             async def effect() -> None:
@@ -351,6 +368,7 @@ class NodeAgent:
                 await self._reconnect_if_running(handle)
                 raise
             handle.snapshots[record.snapshot_id] = record
+            await self._settle_growth(handle, record.snapshot_id, what)
             return record
 
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> None:
@@ -388,6 +406,8 @@ class NodeAgent:
         record = parent.snapshots.get(snapshot_id)
         if record is None or record.kind != "full":
             raise errors.InvalidArgument(f"{snapshot_id} is not a full checkpoint of {sandbox_id}")
+
+        await self.check_reserve(f"forking {count} children of {sandbox_id}")
 
         async def one_child() -> SandboxHandle:
             child_spec = SandboxSpec(
@@ -611,6 +631,9 @@ class NodeAgent:
                 # A half-restored copy adopted after a crash (or a stale copy): the artifact is the truth.
                 await self.delete(sandbox_id)
             await self._check_base(manifest, spec)
+            # The download is staged, then taken in: about twice its size at the peak.
+            incoming = 2 * sum(entry.size for entry in manifest.entries.values())
+            await self.check_reserve(f"importing sandbox {sandbox_id}", needed_bytes=incoming)
             await self._download_checkpoint(spec, snapshot_id, store, manifest, data_key)
             handle = SandboxHandle(sandbox_id, spec, State.SUSPENDED, time.time())
             self.sandboxes[sandbox_id] = handle
@@ -760,6 +783,75 @@ class NodeAgent:
         for handle in self.sandboxes.values():
             await self._close_channel(handle)
         await self.driver.close()
+
+    # -- disk bounds (space.core.disk) --------------------------------------------------------------------
+    async def disk_space(self) -> dict[str, int] | None:
+        """The node's disk now ({"total_bytes", "free_bytes", "reserve_bytes"}), kept as `self.disk` for the
+        heartbeat; None when the driver cannot tell."""
+        try:
+            measured = await self.driver.disk_space()
+        except errors.SpaceError as exc:
+            log.warning("free space of the node unavailable: %s", exc.message)
+            return self.disk
+        if measured is not None:
+            measured = {**measured, "reserve_bytes": self.disk_reserve.bytes_for(measured["total_bytes"])}
+        self.disk = measured
+        return measured
+
+    async def check_reserve(self, what: str, *, needed_bytes: int = 0) -> None:
+        """StorageExhausted (naming free space and reserve) when `what` would eat into the node's reserve."""
+        measured = await self.disk_space()
+        if measured is None:
+            return
+        disk.check_reserve(
+            free_bytes=measured["free_bytes"], total_bytes=measured["total_bytes"], needed_bytes=needed_bytes,
+            reserve=self.disk_reserve, what=what,
+        )  # fmt: skip
+
+    async def storage(self, sandbox_id: str) -> dict[str, Any]:
+        """What the sandbox keeps on this node against its budget: {"used_bytes", "budget_bytes", ...}."""
+        handle = self.get(sandbox_id)
+        usage = await self.driver.storage_usage(handle.sandbox_id) or {}
+        return {**usage, "budget_bytes": handle.spec.limits.storage_mb * disk.MiB}
+
+    def _image_estimate(self, handle: SandboxHandle) -> int:
+        """What a new checkpoint image will take: the newest one's size, else the memory limit (the image
+        holds the sandbox's memory; the measurement afterwards is what counts)."""
+        fulls = [r for r in handle.snapshots.values() if r.kind == "full" and r.image_bytes]
+        if fulls:
+            return max(fulls, key=lambda r: r.created_at).image_bytes
+        return handle.spec.limits.memory_mb * disk.MiB
+
+    async def _check_growth(self, handle: SandboxHandle, what: str, *, needed_bytes: int) -> None:
+        """Before a snapshot or checkpoint: count, budget and reserve (StorageExhausted naming them)."""
+        disk.check_snapshot_count(handle.sandbox_id, len(handle.snapshots))
+        usage = await self.driver.storage_usage(handle.sandbox_id)
+        if usage is not None:
+            disk.check_budget(
+                handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=needed_bytes,
+                budget_bytes=handle.spec.limits.storage_mb * disk.MiB, what=what,
+            )  # fmt: skip
+        await self.check_reserve(what, needed_bytes=needed_bytes)
+
+    async def _settle_growth(self, handle: SandboxHandle, snapshot_id: str, what: str) -> None:
+        """After: a snapshot that took the sandbox over its budget or the node into its reserve is deleted
+        again, then the error raised (estimates before are only estimates; this is the bound)."""
+        try:
+            await self._check_growth_after(handle, what)
+        except errors.StorageExhausted:
+            handle.snapshots.pop(snapshot_id, None)
+            with contextlib.suppress(errors.NotFound):
+                await self.driver.delete_snapshot(handle.sandbox_id, snapshot_id)
+            raise
+
+    async def _check_growth_after(self, handle: SandboxHandle, what: str) -> None:
+        usage = await self.driver.storage_usage(handle.sandbox_id)
+        if usage is not None:
+            disk.check_budget(
+                handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=0,
+                budget_bytes=handle.spec.limits.storage_mb * disk.MiB, what=what,
+            )  # fmt: skip
+        await self.check_reserve(what)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     async def _close_channel(self, handle: SandboxHandle) -> None:

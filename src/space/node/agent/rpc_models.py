@@ -161,6 +161,11 @@ class Resources(BaseModel):
 
     cpus: float
     memory_mb: int
+    # Disk (docs/adr/0027-disk-budgets.md): as capacity, the usable size, free space and reserve of the
+    # node's filesystem; as used, the sum of its sandboxes' disk_mb. None: the driver cannot tell.
+    disk_mb: int | None = None
+    disk_free_mb: int | None = None
+    disk_reserve_mb: int | None = None
 
 
 class NodeInfo(BaseModel):

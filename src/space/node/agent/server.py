@@ -95,6 +95,8 @@ _ACTION_TARGET: dict[str, State] = {
     "stop": State.STOPPED,
     "start": State.RUNNING,
 }
+# NodeInfo's disk fields (MiB) <- agent.disk_space() keys (bytes).
+_DISK_FIELDS = {"disk_mb": "total_bytes", "disk_free_mb": "free_bytes", "disk_reserve_mb": "reserve_bytes"}
 # States in which a sandbox holds no CPU or memory on this node (stopped keeps only its disk).
 _IDLE_STATES = frozenset({State.PENDING, State.STOPPED, State.SUSPENDED, State.DELETED, State.FAILED})
 
@@ -112,6 +114,7 @@ _STATUS: dict[str, int] = {
     "too_large": 413,
     # On a node this is capacity or a full disk, never rate limiting.
     "resource_exhausted": 507,
+    "storage_exhausted": 507,
     "unavailable": 503,
     "timeout": 504,
     "channel_error": 502,
@@ -362,11 +365,20 @@ class NodeService:
             if handle.state not in _IDLE_STATES:
                 used_cpus += handle.spec.limits.cpus
                 used_memory += handle.spec.limits.memory_mb
+        disk = self.agent.disk or {}  # refreshed by every heartbeat (agent.disk_space())
         return rm.NodeInfo(
             driver=self.agent.driver.name,
             isolating=self.agent.driver.isolating,
-            capacity=rm.Resources(cpus=float(os.cpu_count() or 1), memory_mb=_physical_memory_mb()),
-            used=rm.Resources(cpus=round(used_cpus, 3), memory_mb=used_memory),
+            capacity=rm.Resources(
+                cpus=float(os.cpu_count() or 1),
+                memory_mb=_physical_memory_mb(),
+                **{k: disk[f] >> 20 for k, f in _DISK_FIELDS.items() if f in disk},
+            ),
+            used=rm.Resources(
+                cpus=round(used_cpus, 3),
+                memory_mb=used_memory,
+                disk_mb=sum(h.spec.limits.disk_mb for h in self.agent.sandboxes.values()),
+            ),
             sandbox_count=len(self.agent.sandboxes),
             templates=list(self.templates),
             time=time.time(),
@@ -375,6 +387,7 @@ class NodeService:
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
         observed = await self.observe_all(guest=False)
+        await self.agent.disk_space()
         info = self.info()
         activity = {s.id: s.last_activity_at for s in observed.sandboxes if s.last_activity_at is not None}
         return rm.Heartbeat(

@@ -183,6 +183,15 @@ class Driver(abc.ABC):
     ) -> None:
         """Drop a staging directory ("export" | "import" | "base-export" | "base-import"); idempotent."""
 
+    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
+        """{"used_bytes", "files_bytes", "images_bytes", "snapshots"}: everything the sandbox keeps on this
+        node (files, what its snapshots pin, checkpoint images); None when the driver cannot tell."""
+        return None
+
+    async def disk_space(self) -> dict[str, int] | None:
+        """{"total_bytes", "free_bytes"} of the filesystem the node's sandboxes live on; None: unknown."""
+        return None
+
     async def snapshot_usage(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
         """{"exclusive_bytes", "referenced_bytes"} of a disk snapshot (None when unknown)."""
         return {"exclusive_bytes": None, "referenced_bytes": None}

@@ -46,6 +46,8 @@ class FakeDriver(Driver):
         self.processes: dict[str, asyncio.subprocess.Process] = {}
         self.paused: set[str] = set()
         self.specs: dict[str, SandboxSpec] = {}
+        #: (total, free) bytes to report instead of the host filesystem's (tests of the disk reserve).
+        self.disk_override: tuple[int, int] | None = None
 
     def _dir(self, sandbox_id: str) -> pathlib.Path:
         return self.base_dir / "sandboxes" / sandbox_id
@@ -212,6 +214,22 @@ class FakeDriver(Driver):
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return {"memory_bytes": None, "disk_exclusive_bytes": None}
 
+    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
+        """The fake keeps full copies: a sandbox's storage is its directory plus every snapshot copy."""
+        snapshots = self.base_dir / "snapshots" / sandbox_id
+        used = _tree_bytes(self._dir(sandbox_id)) + _tree_bytes(snapshots)
+        count = sum(1 for _ in snapshots.iterdir()) if snapshots.is_dir() else 0
+        return {"used_bytes": used, "files_bytes": used, "images_bytes": 0, "snapshots": count}
+
+    async def disk_space(self) -> dict[str, int] | None:
+        if self.disk_override is not None:
+            return {"total_bytes": self.disk_override[0], "free_bytes": self.disk_override[1]}
+        try:
+            usage = shutil.disk_usage(self.base_dir)
+        except OSError:
+            return None
+        return {"total_bytes": usage.used + usage.free, "free_bytes": usage.free}
+
     async def close(self) -> None:
         for sandbox_id in list(self.processes):
             await self._kill(sandbox_id)
@@ -263,6 +281,15 @@ class FakeDriver(Driver):
         self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
     ) -> None:
         shutil.rmtree(self._staging(kind, sandbox_id, snapshot_id), ignore_errors=True)
+
+
+def _tree_bytes(root: pathlib.Path) -> int:
+    total = 0
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(directory, name)).st_size
+    return total
 
 
 def _signal_tree(root: int, sig: signal.Signals) -> None:

@@ -146,6 +146,13 @@ class RunscDriver(Driver):
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return await self.helper.call("sandbox.usage", {"sandbox_id": sandbox_id})
 
+    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
+        return await self.helper.call("sandbox.storage", {"sandbox_id": sandbox_id})
+
+    async def disk_space(self) -> dict[str, int] | None:
+        result = await self.helper.call("node.disk")
+        return {"total_bytes": int(result["total_bytes"]), "free_bytes": int(result["free_bytes"])}
+
     async def close(self) -> None:
         await self.helper.close()
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 
 from space.core import errors
 from space.core.settings import SandboxLimits
-from space.node.helper import network, oci, transfer
+from space.node.helper import network, oci, storage, transfer
 from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, SnapshotId, TemplateName
 from space.node.helper.runsc import Runsc
 from space.node.helper.runtime import Runtimes
@@ -554,6 +554,9 @@ VERBS: dict[str, Verb] = {
         Verb("sandbox.destroy", SandboxParams, sandbox_destroy, sandbox_scoped=True),
         Verb("sandbox.state", SandboxParams, sandbox_state),
         Verb("sandbox.usage", SandboxParams, sandbox_usage),
+        # disk budgets (space.node.helper.storage, docs/adr/0027-disk-budgets.md)
+        Verb("sandbox.storage", storage.StorageParams, storage.sandbox_storage),
+        Verb("node.disk", storage.DiskParams, storage.node_disk),
         Verb("sandbox.list", NoParams, sandbox_list),
         Verb("snapshot.delete", SnapshotParams, snapshot_delete, sandbox_scoped=True),
         Verb("snapshot.usage", SnapshotParams, snapshot_usage),

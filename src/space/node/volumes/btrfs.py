@@ -516,6 +516,17 @@ def qgroup_usage(subvol: PathLike, *, sync_first: bool = True) -> QgroupUsage:
     return QgroupUsage(qgroup=f"0/{sid}", referenced=rfer, exclusive=excl)
 
 
+def qgroup_usage_by_id(mount: PathLike, subvolume_id: int) -> QgroupUsage | None:
+    """Usage of qgroup 0/<subvolume_id> on the filesystem of `mount`, also after its subvolume was deleted
+    (its extents still pinned elsewhere keep it charged); None when it no longer exists (all freed) or
+    quotas are off. No commit first: call `sync` once before reading many."""
+    items = _tree_search(mount, BTRFS_QUOTA_TREE_OBJECTID, BTRFS_QGROUP_INFO_KEY, subvolume_id, "quota usage")
+    if not items:
+        return None
+    _gen, rfer, _rfer_c, excl, _excl_c = struct.unpack_from("<5Q", items[0][2])
+    return QgroupUsage(qgroup=f"0/{subvolume_id}", referenced=rfer, exclusive=excl)
+
+
 def exclusive_bytes(subvol: PathLike) -> int:
     return qgroup_usage(subvol).exclusive
 
