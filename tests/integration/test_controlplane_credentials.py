@@ -45,6 +45,23 @@ def put(client: httpx.Client, name: str, **body: Any) -> httpx.Response:
     return client.put(f"/v1/credentials/{name}", json=body)
 
 
+_ADMIN_KEYS: dict[str, str] = {}
+
+
+def admin_key(project: c.Project) -> str:
+    """A project admin key of `project` (made once): only admin keys create and change credentials."""
+    if project.id not in _ADMIN_KEYS:
+        _ADMIN_KEYS[project.id] = project.new_key("admin")[1]
+    return _ADMIN_KEYS[project.id]
+
+
+def admin(project: c.Project) -> httpx.Client:
+    return project.http(admin_key(project))
+
+
+admin_of = admin  # for tests that name a local `admin`
+
+
 def node_client(cluster: c.Cluster, token: str) -> httpx.Client:
     """A client presenting `token` (a node's identity: see tests.support.node_identity.as_node)."""
     return cluster.http(headers={"Authorization": f"Bearer {token}"})
@@ -73,7 +90,10 @@ def sandbox(project: c.Project) -> Iterator[dict[str, Any]]:
     """A running sandbox of `project` bound to credential "tok" (created here) with an allow list."""
     client = project.http()
     value = canary()
-    assert put(client, "tok", value=value, hosts=["api.example.com"], rate_per_minute=42).status_code == 200
+    assert (
+        put(admin(project), "tok", value=value, hosts=["api.example.com"], rate_per_minute=42).status_code
+        == 200
+    )
     answer = client.post(
         "/v1/sandboxes",
         json={"limits": c.SMALL, "allow": ["API.example.com."], "credentials": ["tok"],
@@ -111,7 +131,7 @@ def test_every_route_needs_an_api_key(fake_cluster: c.Cluster, method: str, path
 
 # -- the value is write-only -----------------------------------------------------------------------------
 def test_set_list_rotate_delete_never_return_the_value(project: c.Project) -> None:
-    client = project.http()
+    client = admin(project)
     first, second = canary(), canary()
     made = put(
         client, "openai", value=first, hosts=["api.openai.com"], header="Authorization: Bearer {value}"
@@ -136,7 +156,7 @@ def test_set_list_rotate_delete_never_return_the_value(project: c.Project) -> No
 
 
 def test_validation_errors_name_their_field(project: c.Project) -> None:
-    client = project.http()
+    client = admin(project)
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("ok", {"value": "v", "hosts": ["good.example.com", "bad host"]}, "hosts[1]"),
         ("ok", {"value": "v", "hosts": ["*"]}, "hosts[0]"),
@@ -163,7 +183,7 @@ def test_validation_errors_name_their_field(project: c.Project) -> None:
 
 # -- roles and projects ----------------------------------------------------------------------------------
 def test_read_only_keys_cannot_change_credentials(fake_cluster: c.Cluster, project: c.Project) -> None:
-    assert put(project.http(), "gh", value=canary(), hosts=["api.github.com"]).status_code == 200
+    assert put(admin_of(project), "gh", value=canary(), hosts=["api.github.com"]).status_code == 200
     _id, readonly = project.new_key("read-only")
     ro = fake_cluster.http(readonly)
     error(put(ro, "gh", value=canary()), 403, "permission_denied")
@@ -185,14 +205,14 @@ def test_read_only_keys_cannot_change_credentials(fake_cluster: c.Cluster, proje
 
 def test_another_projects_credentials_are_invisible(fake_cluster: c.Cluster, project: c.Project) -> None:
     other = c.new_project(fake_cluster)
-    theirs = other.http()
+    theirs = admin(other)
     assert put(theirs, "their-secret", value=canary(), hosts=["x.example.com"]).status_code == 200
     mine = project.http()
     assert "their-secret" not in mine.get("/v1/credentials").text
-    error(mine.delete("/v1/credentials/their-secret"), 404, "not_found")
+    error(admin(project).delete("/v1/credentials/their-secret"), 404, "not_found")
     assert actions(mine, "their-secret") == []
     # Naming the other project explicitly is refused like a project that does not exist.
-    error(put(mine, "their-secret", value="x", project=other.name), 404, "not_found")
+    error(put(admin(project), "their-secret", value="x", project=other.name), 404, "not_found")
     error(mine.get("/v1/credentials", params={"project": other.id}), 404, "not_found")
     # Binding it to a sandbox of this project: no such credential here.
     answer = mine.post("/v1/sandboxes", json={"limits": c.SMALL, "credentials": ["their-secret"]})
@@ -366,7 +386,9 @@ def test_node_credential_manager_fetches_caches_and_reports(
 def test_expired_credentials_are_not_handed_out(fake_cluster: c.Cluster, project: c.Project) -> None:
     client = project.http()
     expires = datetime.now(UTC) + timedelta(seconds=3)
-    made = put(client, "short", value=canary(), hosts=["api.example.com"], expires_at=expires.isoformat())
+    made = put(
+        admin(project), "short", value=canary(), hosts=["api.example.com"], expires_at=expires.isoformat()
+    )
     assert made.status_code == 200 and made.json()["expired"] is False
     sb = client.post("/v1/sandboxes", json={"limits": c.SMALL, "credentials": ["short"]})
     assert sb.status_code == 201, sb.text
@@ -379,14 +401,14 @@ def test_expired_credentials_are_not_handed_out(fake_cluster: c.Cluster, project
     assert client.get("/v1/credentials").json()["credentials"][0]["expired"] is True
     assert actions(client, "short")[-1] == "expired"
     # Clearing the expiry (explicit null) makes it usable again.
-    assert put(client, "short", expires_at=None).json()["expires_at"] is None
+    assert put(admin(project), "short", expires_at=None).json()["expires_at"] is None
     with as_node(fake_cluster) as (_node, identity):
         again = fetch(fake_cluster, sb.json()["id"], token=identity).json()
     assert [x["name"] for x in again["credentials"]] == ["short"]
 
 
 def test_rate_limit_configuration_is_persisted(fake_cluster: c.Cluster, project: c.Project) -> None:
-    client = project.http()
+    client = admin(project)
     assert put(client, "rl", value=canary(), hosts=["api.example.com"], rate_per_minute=42).status_code == 200
     assert client.get("/v1/credentials").json()["credentials"][0]["rate_per_minute"] == 42
     assert put(client, "rl", rate_per_minute=7).json()["rate_per_minute"] == 7
@@ -399,7 +421,7 @@ def test_rate_limit_configuration_is_persisted(fake_cluster: c.Cluster, project:
 
 
 def test_sdk_surface(project: c.Project) -> None:
-    with project.sdk() as sp:
+    with project.cluster.sdk(admin_key(project)) as sp:
         cred = sp.credentials.set(
             "sdk-cred", value=f"user:{canary()}", hosts=["api.example.com"], method="basic"
         )
@@ -421,7 +443,7 @@ def test_cli_against_the_real_api(project: c.Project) -> None:
     from space.cli.main import app
 
     runner = CliRunner()
-    base = ["--url", project.cluster.url, "--api-key", project.key]
+    base = ["--url", project.cluster.url, "--api-key", admin_key(project)]
 
     def space(*args: str, input: str | None = None) -> str:
         result = runner.invoke(app, [*base, *args], input=input)

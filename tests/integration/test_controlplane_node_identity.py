@@ -38,7 +38,8 @@ def sandbox(project: c.Project) -> dict[str, Any]:
     """A running sandbox (on the cluster's node) bound to a credential holding a canary value."""
     client = project.http()
     value = "CANARY-" + secrets.token_hex(16)
-    answer = client.put("/v1/credentials/tok", json={"value": value, "hosts": ["api.example.com"]})
+    manager = project.http(project.new_key("admin")[1])  # credentials are made by admin keys (ADR 0026)
+    answer = manager.put("/v1/credentials/tok", json={"value": value, "hosts": ["api.example.com"]})
     assert answer.status_code == 200, answer.text
     answer = client.post(
         "/v1/sandboxes", json={"limits": c.SMALL, "allow": ["api.example.com"], "credentials": ["tok"]}

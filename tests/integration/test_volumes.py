@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from space.core.errors import AlreadyExists, InvalidArgument, NotFound
-from space.node.volumes import btrfs, templates
+from space.node.volumes import btrfs, sendstream, templates
 from space.node.volumes.filesystem import BtrfsFs, ensure_btrfs, mount_source, unmount_btrfs
 from space.node.volumes.mirror import find_mirror
 
@@ -275,7 +275,7 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
     full = tmp_path / "template.stream"
     btrfs.send(template.path, full)
     dest = other_node_fs.root / "templates"
-    received_template = btrfs.receive(full, dest)
+    received_template = btrfs.receive(full, dest, expected=sendstream.Expected.full(template.path.name))
     assert received_template == dest / template.path.name
     assert btrfs.get_readonly(received_template)
 
@@ -293,7 +293,9 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
     assert 5 * MB <= delta.stat().st_size <= 7 * MB
 
     target = other_node_fs.root / "snapshots"
-    got = btrfs.receive(delta, target)
+    parent = btrfs.subvolume_identity(template.path)
+    expected = sendstream.Expected.delta("snap-1", {parent.received_uuid or parent.uuid})
+    got = btrfs.receive(delta, target, expected=expected)
     assert (got / "work" / "data.bin").read_bytes() == payload
     assert (got / "etc" / "hostname").read_text() == "changed\n"
     assert (got / "usr" / "bin" / "python3").exists()
@@ -302,7 +304,7 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
     btrfs.delete_subvolume(got)
     btrfs.delete_subvolume(received_template)
     with pytest.raises(NotFound):
-        btrfs.receive(delta, target)
+        btrfs.receive(delta, target, expected=expected)
     for leftover in target.iterdir():
         if btrfs.is_subvolume(leftover):
             btrfs.delete_subvolume(leftover)

@@ -287,7 +287,9 @@ def test_hosts_and_policies_are_normalized_like_the_gateway_does() -> None:
     for address in ("[::1]", "0x7f.1", "10.0.0.1", "2130706433"):  # every notation is an address: refused
         with pytest.raises(errors.InvalidArgument):
             spec.normalize_hosts([address])
-    allow, deny = spec.normalize_policy(["Example.com", "10.1.2.3", "*.example.org"], ["192.168.0.0/16"])
+    allow, deny = spec.normalize_policy(
+        ["Example.com", "10.1.2.3", "*.example.org"], ["192.168.0.0/16"], approved=["10.1.0.0/16"]
+    )  # a private address only inside what an org admin approved for the project (ADR 0026)
     assert allow == ["example.com", "10.1.2.3/32", "*.example.org"] and deny == ["192.168.0.0/16"]
     # What the control plane stores, the gateway accepts as it is.
     from space.node.egress.credentials import Credential

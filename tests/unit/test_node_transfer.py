@@ -20,7 +20,7 @@ from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
 from space.node.helper.verbs import HelperContext
 from space.node.layout import NodeLayout
-from space.node.volumes import btrfs
+from space.node.volumes import sendstream
 from space.objectstore.artifacts import ArtifactWriter, read_manifest
 from space.objectstore.base import open_store
 
@@ -83,20 +83,24 @@ def test_staged_files_are_never_followed_through_symlinks(tmp_path: pathlib.Path
 
 
 def test_send_stream_header_is_parsed_and_garbage_refused() -> None:
-    with pytest.raises(errors.InvalidArgument):
-        btrfs.read_stream_header(io.BytesIO(b"not a stream at all, certainly not btrfs"))
+    with pytest.raises(errors.ArtifactCorrupt):
+        sendstream.read_header(io.BytesIO(b"not a stream at all, certainly not btrfs"))
     uuid, parent = bytes(range(16)), bytes(range(16, 32))
     attrs = b"".join(
         struct.pack("<HH", kind, len(value)) + value
-        for kind, value in ((1, uuid), (2, struct.pack("<Q", 7)), (15, b"sn-x"), (20, parent))
-    )
-    stream = b"btrfs-stream\0" + struct.pack("<I", 1) + struct.pack("<IHI", len(attrs), 2, 0) + attrs
-    header = btrfs.read_stream_header(io.BytesIO(stream))
+        for kind, value in (
+            (1, uuid), (2, struct.pack("<Q", 7)), (15, b"sn-x"), (20, parent), (21, struct.pack("<Q", 3))
+        )
+    )  # fmt: skip
+    command = struct.pack("<IHI", len(attrs), 2, 0) + attrs
+    command = command[:6] + struct.pack("<I", sendstream.command_crc(command)) + command[10:]
+    stream = b"btrfs-stream\0" + struct.pack("<I", 1) + command
+    header = sendstream.read_header(io.BytesIO(stream))
     assert header.kind == "delta" and header.name == "sn-x"
     assert header.uuid == "00010203-0405-0607-0809-0a0b0c0d0e0f"
     assert header.parent_uuid == "10111213-1415-1617-1819-1a1b1c1d1e1f"
-    with pytest.raises(errors.InvalidArgument):
-        btrfs.read_stream_header(io.BytesIO(stream[:30]))
+    with pytest.raises(errors.ArtifactCorrupt):
+        sendstream.read_header(io.BytesIO(stream[:30]))
 
 
 def test_download_refuses_entry_names_outside_the_known_set(tmp_path: pathlib.Path) -> None:

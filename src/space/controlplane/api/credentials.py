@@ -1,13 +1,15 @@
 """Routes of the credential store, egress policies and tenant keys (issue 5); included by app.py.
 
 Tenant routes (API key):
-  PUT    /v1/credentials/{name}             set or rotate (value write-only) + metadata; member (org scope:
-                                            org admin key)
+  PUT    /v1/credentials/{name}             set or rotate (value write-only) + metadata; project admin key
+                                            (org scope: org admin key); members only bind (ADR 0026)
   GET    /v1/credentials                    metadata of the org's, the project's and its sandboxes' ones
   DELETE /v1/credentials/{name}             ?scope=&sandbox_id=
   GET    /v1/credentials/{name}/audit       ?scope=&sandbox_id=&after=&limit=
   GET    /v1/sandboxes/{id}/egress          the policy and bound credentials (no values)
   PUT    /v1/sandboxes/{id}/egress          change it at run time; pushed to the sandbox's node
+  GET|PUT /v1/projects/{project}/private-networks   private CIDRs a project's allow lists may name (PUT:
+                                            org admin key only)
   GET|PUT /v1/org/encryption-key, POST /v1/org/encryption-key/{rotate,revoke}   (org admin key; BYOK)
 Node routes (the node's identity, the secret issued at that node's latest registration; ADR 0019):
   GET    /v1/nodes/{node_id}/sandboxes/{sid}/credentials   values, only for sandboxes assigned to that node
@@ -19,6 +21,11 @@ Invariants:
 - A node gets values only for a sandbox whose record names it as its node (403 otherwise, also for unknown
   sandboxes, so a node learns nothing about sandboxes elsewhere); every hand-out is audited.
 - Every change (set, rotate, update, delete, bind, policy change) and every use is in the audit log.
+- Credentials by capability: only admin keys create, rotate, change or delete a credential (org scope:
+  org admin keys); a member key binds existing credentials to its sandboxes and nothing more, so it
+  cannot send a value to a host the credential was not made for.
+- A private range reaches a sandbox's allow list only inside a network an org admin opened for its
+  project; what a node is handed is filtered by the project's current approval again.
 
 (No `from __future__ import annotations` here: the routes are defined inside `router()` and FastAPI must
 see their annotations as objects.)
@@ -106,6 +113,10 @@ class NodeAuditEvent(BaseModel):
 
 class NodeAuditBody(BaseModel):
     events: list[NodeAuditEvent] = Field(max_length=MAX_NODE_AUDIT_EVENTS)
+
+
+class PrivateNetworksBody(_Body):
+    allowed_private_networks: list[str] = Field(max_length=spec.MAX_PRIVATE_NETWORKS)
 
 
 class OrgKeyBody(_Body):
@@ -216,10 +227,11 @@ async def prepare_create(
     each bound credential's placeholder added under its env_var."""
     service = credential_service(services)
     bound = list(credentials)
-    allow_n, deny_n = spec.normalize_policy(allow, deny, "egress")
     project = await asyncio.to_thread(services.store.get_project, who.project_id)
     if project is None:  # deleted since the key was checked
         raise errors.NotFound(f"project {who.project_id} not found")
+    approved = await asyncio.to_thread(service.credentials.get_private_networks, who.project_id)
+    allow_n, deny_n = spec.normalize_policy(allow, deny, "egress", approved=approved)
     records = await validate_bindings(service, project.org_id, who.project_id, None, bound)
     merged = dict(env)
     for name, record in records.items():
@@ -333,10 +345,15 @@ def router(services: "cp_app.Services") -> APIRouter:
         return who.key.org_id, project_id, sb.id, sb.id
 
     def may_change(who: cp_app.Principal, scope: str) -> None:
+        """Credentials by capability: an admin key of the project (or the org) makes and changes them; a
+        member only binds existing ones to its sandboxes (module invariants)."""
         if scope == "org":
             require_org_admin(who, "change org credentials")
-        else:
-            who.require("member")
+        elif who.role != "admin":
+            raise errors.PermissionDenied(
+                f"a {who.role} key may not create, change or delete credentials (needs a project admin key); "
+                "members bind existing credentials to sandboxes (create with credentials, PUT egress)"
+            )
 
     # -- credentials -----------------------------------------------------------------------------------
     @r.put("/v1/credentials/{name}")
@@ -429,7 +446,8 @@ def router(services: "cp_app.Services") -> APIRouter:
         service = credential_service(services)
         sb = await sandbox_of(services, who.project_id, sandbox_id, "sandbox_id")
         org_id = await org_of(sb.project_id)
-        allow, deny = spec.normalize_policy(body.allow or [], body.deny or [], "egress")
+        approved = await asyncio.to_thread(service.credentials.get_private_networks, sb.project_id)
+        allow, deny = spec.normalize_policy(body.allow or [], body.deny or [], "egress", approved=approved)
         records: dict[str, CredentialRecord] = {}
         if body.credentials is not None:
             records = await validate_bindings(service, org_id, sb.project_id, sb.id, body.credentials)
@@ -463,10 +481,37 @@ def router(services: "cp_app.Services") -> APIRouter:
             audit=changed, also=bindings,
         )  # fmt: skip
         applied, node_error = await _push_policy(
-            services, sb, allow=policy.allow, deny=policy.deny, credentials=policy.credentials,
-            version=policy.version,
+            services, sb, allow=spec.within_approval(policy.allow, approved), deny=policy.deny,
+            credentials=policy.credentials, version=policy.version,
         )  # fmt: skip
         return egress_view(policy) | {"sandbox_id": sb.id, "applied": applied, "node_error": node_error}
+
+    # -- private networks of a project (org admin) -----------------------------------------------------
+    @r.get("/v1/projects/{project}/private-networks")
+    async def get_private_networks(project: str, who: cp_app.Auth) -> dict[str, Any]:
+        service = credential_service(services)
+        project_id = await resolve_project(services, who, project)
+        networks = await asyncio.to_thread(service.credentials.get_private_networks, project_id)
+        return {"project_id": project_id, "allowed_private_networks": networks}
+
+    @r.put("/v1/projects/{project}/private-networks")
+    async def put_private_networks(
+        project: str, body: PrivateNetworksBody, who: cp_app.Auth
+    ) -> dict[str, Any]:
+        """Open private CIDRs for the project's allow lists (org admin keys only: a project's own keys
+        cannot give their sandboxes a way to the machines beside the node). Replaces the list; narrowing
+        it takes effect at each sandbox's next policy hand-out."""
+        require_org_admin(who, "open private networks for a project")
+        service = credential_service(services)
+        project_id = await resolve_project(services, who, project)
+        networks = spec.normalize_private_networks(body.allowed_private_networks)
+        audit = AuditEntry(
+            org_id=who.key.org_id, action="private_networks_set", actor=_actor(who), project_id=project_id
+        )
+        stored = await asyncio.to_thread(
+            service.credentials.set_private_networks, project_id, networks, actor=_actor(who), audit=audit
+        )
+        return {"project_id": project_id, "allowed_private_networks": stored}
 
     # -- node-facing -----------------------------------------------------------------------------------
     async def check_node(node_id: str, authorization: str | None) -> None:

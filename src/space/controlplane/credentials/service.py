@@ -13,13 +13,14 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from space.controlplane.credentials.spec import Scope
+from space.controlplane.credentials.spec import Scope, within_approval
 from space.controlplane.credentials.vault import EncryptedLocalVault, VaultBackend
 from space.controlplane.store.credentials import (
     AuditEntry,
@@ -177,6 +178,11 @@ class CredentialService:
     def bundle_for_node(self, node_id: str, sandbox: SandboxRecord, org_id: str) -> NodeBundle:
         """The policy and credential values of `sandbox` (the caller checked it runs on `node_id`)."""
         policy = self.effective_egress(sandbox)
+        if policy is not None:
+            # The project's approval as it is now (an org admin may have narrowed it since the policy was
+            # written): a node never gets a private range the project may no longer name.
+            approved = self.credentials.get_private_networks(sandbox.project_id)
+            policy = dataclasses.replace(policy, allow=within_approval(policy.allow, approved))
         names = policy.credentials if policy else []
         resolved = self.credentials.resolve(org_id, sandbox.project_id, sandbox.id, names)
         now = self.store.now()

@@ -10,6 +10,14 @@ Invariants:
 - A credential's wildcard host `*.example.com` matches strict subdomains only and needs at least two labels
   after the `*.`; a bare `*` is refused for credentials (a secret goes only to hosts named for it). Policy
   entries follow the gateway (`*` there means "any name", still subject to its address checks).
+- No host pattern spans registrants (ADR 0026): a wildcard over a public suffix of the Public Suffix List
+  (ICANN or private section: `*.com`, `*.co.uk`, `*.github.io`) is refused for credentials and in allow
+  lists, and a credential's exact host may not be an ICANN suffix (`com`) or an unknown TLD. The list is
+  the copy shipped in the `publicsuffixlist` package, read from disk once; nothing is fetched at run time.
+- An allow-list CIDR inside a private, shared, loopback, link-local or other special range is refused
+  unless it lies inside a network the org admin approved for the project (`approved`); loopback,
+  link-local and the other never-reachable ranges cannot be approved at all (the gateway never reaches
+  them; only the node's operator can open them).
 - A placeholder (`space-cred-<name>-<16 random [a-z0-9]>`, ~83 random bits from `secrets`) is chosen once
   per credential and kept across rotations; it is never derived from the value, so it reveals nothing.
 """
@@ -17,6 +25,8 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import functools
+import ipaddress
 import re
 import secrets
 from collections.abc import Sequence
@@ -24,10 +34,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Final, Literal
 
+from publicsuffixlist import PublicSuffixList
 from pydantic import ValidationError
 
 from space.core import errors
-from space.node.egress.policy import Destination, EgressPolicy
+from space.node.egress.policy import ALWAYS_BLOCKED, PRIVATE, Destination, EgressPolicy, IPNetwork
 from space.node.egress.policy import normalize_host as gateway_normalize_host
 
 Scope = Literal["org", "project", "sandbox"]
@@ -42,6 +53,8 @@ ENV_VAR_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 HEADER_NAME_PATTERN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")  # RFC 9110 token
 QUERY_PARAM_PATTERN: Final = re.compile(r"[A-Za-z0-9_.~-]{1,128}")
 MAX_HOSTS: Final = 64
+MAX_PRIVATE_NETWORKS: Final = 64
+_IPV4_CARRIERS: Final = (ipaddress.IPv6Network("::ffff:0:0/96"), ipaddress.IPv6Network("64:ff9b::/96"))
 MAX_POLICY_ENTRIES: Final = 512
 MAX_RATE_PER_MINUTE: Final = 1_000_000
 PLACEHOLDER_PREFIX: Final = "space-cred-"
@@ -83,6 +96,29 @@ def new_placeholder(name: str) -> str:
     return f"{PLACEHOLDER_PREFIX}{readable}-{tail}"
 
 
+@functools.cache
+def _suffix_list(icann_only: bool) -> PublicSuffixList:
+    """The Public Suffix List shipped with `publicsuffixlist` (a file in the package: never fetched)."""
+    return PublicSuffixList(only_icann=icann_only)
+
+
+def is_public_suffix(name: str, *, icann_only: bool = False) -> bool:
+    """Is the normalized (A-label) `name` a public suffix, i.e. a zone under which unrelated parties
+    register names (`com`, `co.uk`, and, unless `icann_only`, private ones such as `github.io`)? Unknown
+    top-level labels count as public (`corp`, `localhost`)."""
+    return bool(_suffix_list(icann_only).is_public(name))
+
+
+def _refuse_public_wildcard(suffix: str, value: object, field: str) -> None:
+    if is_public_suffix(suffix):
+        raise errors.InvalidArgument(
+            f"invalid {field}: {_quote(value)} spans a public suffix ({suffix!r} is on the Public Suffix "
+            "List: its subdomains belong to unrelated owners); name the domain you mean, e.g. "
+            f"'*.example.{suffix}'",
+            field=field,
+        )
+
+
 def _gateway_host(value: str, field: str) -> Destination:
     try:
         return gateway_normalize_host(value.strip())
@@ -108,6 +144,7 @@ def normalize_host(value: object, field: str) -> str:
                 f"got {_quote(value)}",
                 field=field,
             )
+        _refuse_public_wildcard(rest.host, value, field)
         return f"*.{rest.host}"
     if "*" in text:
         raise errors.InvalidArgument(
@@ -121,6 +158,12 @@ def normalize_host(value: object, field: str) -> str:
         # them), never to addresses.
         raise errors.InvalidArgument(
             f"invalid {field}: a credential is bound to host names, not addresses ({_quote(value)})",
+            field=field,
+        )
+    if is_public_suffix(parsed.host, icann_only=True):
+        raise errors.InvalidArgument(
+            f"invalid {field}: {_quote(value)} is a public suffix, not a host (a credential is sent only to "
+            "hosts of one owner)",
             field=field,
         )
     return parsed.host
@@ -139,11 +182,110 @@ def normalize_hosts(values: object, field: str = "hosts") -> list[str]:
     return out
 
 
+def _judged(network: IPNetwork) -> IPNetwork:
+    """`network`, or the IPv4 network an IPv4-carrying IPv6 network (mapped, NAT64) embeds."""
+    if isinstance(network, ipaddress.IPv6Network):
+        for carrier in _IPV4_CARRIERS:
+            if network.subnet_of(carrier):
+                offset = int(network.network_address) & 0xFFFFFFFF
+                return ipaddress.IPv4Network((offset, network.prefixlen - 96))
+    return network
+
+
+def _special_range(network: IPNetwork) -> tuple[IPNetwork, bool] | None:
+    """The special range `network` lies inside, and whether that range can never be reached (loopback,
+    link-local, ...) rather than needing approval (private, shared, documentation); None for public. An
+    IPv6 network that embeds IPv4 addresses (mapped `::ffff:0:0/96`, NAT64 `64:ff9b::/96`) is judged by
+    the IPv4 network it embeds, as the gateway judges its addresses."""
+    network = _judged(network)
+    for ranges, never in ((ALWAYS_BLOCKED, True), (PRIVATE, False)):
+        for special in ranges:
+            if network.version == special.version and network.subnet_of(special):  # type: ignore[arg-type]
+                return special, never
+    return None
+
+
+def _check_allowed_cidr(entry: str, approved: Sequence[IPNetwork], field: str) -> None:
+    network = _judged(ipaddress.ip_network(entry))
+    special = _special_range(network)
+    if special is None:
+        return
+    inside, never = special
+    if never:
+        raise errors.InvalidArgument(
+            f"invalid {field}: {entry} is inside {inside}, which a sandbox can never reach", field=field
+        )
+    if not any(network.version == a.version and network.subnet_of(a) for a in approved):  # type: ignore[arg-type]
+        raise errors.InvalidArgument(
+            f"invalid {field}: {entry} is inside the private range {inside}; an organization admin must "
+            "first allow it for this project (PUT /v1/projects/{project}/private-networks)",
+            field=field,
+        )
+
+
+def within_approval(allow: Sequence[str], approved: Sequence[str]) -> list[str]:
+    """A stored allow list without the CIDRs its project's approval no longer covers (an org admin narrowed
+    it after the policy was written): what a node is handed, so a narrowing takes effect at the next
+    hand-out without rewriting stored policies."""
+    networks = [ipaddress.ip_network(a) for a in approved]
+    kept: list[str] = []
+    for entry in allow:
+        if "/" in entry:
+            try:
+                _check_allowed_cidr(entry, networks, "allow")
+            except (errors.InvalidArgument, ValueError):
+                continue
+        kept.append(entry)
+    return kept
+
+
+def normalize_private_networks(values: object, field: str = "allowed_private_networks") -> list[str]:
+    """The private networks an org admin opens for a project's allow lists: CIDRs, each inside one of the
+    gateway's private ranges (10/8, 172.16/12, 192.168/16, 100.64/10, fc00::/7, ...); never-reachable
+    ranges (loopback, link-local, ...) and public addresses are refused."""
+    if not isinstance(values, list | tuple):
+        raise errors.InvalidArgument(f"{field}: expected a list of CIDRs", field=field)
+    if len(values) > MAX_PRIVATE_NETWORKS:
+        raise errors.InvalidArgument(f"{field}: at most {MAX_PRIVATE_NETWORKS} networks", field=field)
+    out: list[str] = []
+    for i, value in enumerate(values):
+        where = f"{field}[{i}]"
+        if not isinstance(value, str):
+            raise errors.InvalidArgument(f"invalid {where}: expected a CIDR string", field=where)
+        try:
+            network = ipaddress.ip_network(value.strip(), strict=False)
+        except ValueError as exc:
+            why = f"invalid {where}: not a CIDR ({_quote(value)})"
+            raise errors.InvalidArgument(why, field=where) from exc
+        special = _special_range(network)
+        if special is None:
+            raise errors.InvalidArgument(
+                f"invalid {where}: {network} is not inside a private range (public addresses need no "
+                "approval)",
+                field=where,
+            )
+        if special[1]:
+            raise errors.InvalidArgument(
+                f"invalid {where}: {network} is inside {special[0]}, which a sandbox can never reach",
+                field=where,
+            )
+        if str(network) not in out:
+            out.append(str(network))
+    return out
+
+
 def normalize_policy(
-    allow: Sequence[object], deny: Sequence[object], field: str = "egress"
+    allow: Sequence[object],
+    deny: Sequence[object],
+    field: str = "egress",
+    *,
+    approved: Sequence[str] = (),
 ) -> tuple[list[str], list[str]]:
     """allow/deny lists in the gateway's canonical form (EgressPolicy of space.node.egress.policy, which
-    is what the node enforces); an invalid entry is named by its index."""
+    is what the node enforces); an invalid entry is named by its index. Allow entries must not span a
+    public suffix (`*.com`), and an allow CIDR inside a special range must lie inside one of the
+    `approved` private networks of the project (module invariants); deny entries may name anything."""
+    approved_networks = [ipaddress.ip_network(a) for a in approved]
     result: list[list[str]] = []
     for kind, values in (("allow", allow), ("deny", deny)):
         if len(values) > MAX_POLICY_ENTRIES:
@@ -160,6 +302,10 @@ def normalize_policy(
             except ValidationError as exc:
                 why = "; ".join(str(err.get("msg", "invalid")) for err in exc.errors())
                 raise errors.InvalidArgument(f"invalid {where}: {why}", field=where) from exc
+            if kind == "allow" and entry.startswith("*."):
+                _refuse_public_wildcard(entry[2:], value, where)
+            elif kind == "allow" and "/" in entry:
+                _check_allowed_cidr(entry, approved_networks, where)
             if entry not in entries:
                 entries.append(entry)
         result.append(entries)

@@ -39,6 +39,7 @@ from space.controlplane.store.models import (
     Credential,
     CredentialAudit,
     OrgKey,
+    ProjectPrivateNetworks,
     Sandbox,
     SandboxEgress,
     VaultSecret,
@@ -585,6 +586,29 @@ class CredentialStore:
         with self._tx("reading an egress policy") as session:
             row = session.get(SandboxEgress, sandbox_id)
             return _egress(row) if row else None
+
+    # ---- private networks an org admin opened for a project (ADR 0026) --------------------------------
+
+    def get_private_networks(self, project_id: str) -> list[str]:
+        with self._tx("reading a project's private networks") as session:
+            row = session.get(ProjectPrivateNetworks, project_id)
+            return list(row.networks) if row else []
+
+    def set_private_networks(
+        self, project_id: str, networks: Sequence[str], *, actor: str, audit: AuditEntry
+    ) -> list[str]:
+        """Replace the project's approved private networks (validated by the caller); `audit` (its detail
+        completed with the networks) is written in the same transaction."""
+        now = self.now()
+        with self._tx("setting a project's private networks") as session:
+            row = session.get(ProjectPrivateNetworks, project_id, with_for_update=True)
+            if row is None:
+                row = ProjectPrivateNetworks(project_id=project_id)
+                session.add(row)
+            row.networks, row.updated_at, row.updated_by = list(networks), now, actor
+            detail = {**audit.detail, "allowed_private_networks": list(networks)}
+            self._log(session, now, dataclasses.replace(audit, detail=detail))
+            return list(networks)
 
     # ---- tenant keys (BYOK) ---------------------------------------------------------------------------
 

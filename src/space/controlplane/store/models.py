@@ -323,3 +323,15 @@ class OrgKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     rotated_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class ProjectPrivateNetworks(Base):
+    """The private networks an org admin opened for a project's egress allow lists (ADR 0026); no row:
+    none (a tenant's allow list can name no private range)."""
+
+    __tablename__ = "project_private_networks"
+
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("projects.id"), primary_key=True)
+    networks: Mapped[list[str]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_by: Mapped[str] = mapped_column(String(128))

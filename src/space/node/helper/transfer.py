@@ -23,7 +23,8 @@ Invariants:
   again; the image directory is moved in by one rename;
   the bundle files are rewritten every time (config last). What is already complete is kept.
 - A delta is received only onto the base it was made against (its parent UUID is checked first), and
-  nothing is imported for a sandbox whose runtime is alive on this node.
+  nothing is imported for a sandbox whose runtime is alive on this node. Staged streams are opened once
+  and read only through that descriptor; `btrfs.receive` confines and checks them (ADR 0023).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from space.core import errors
 from space.core.settings import SandboxLimits
 from space.node.helper import oci
 from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, SnapshotId, TemplateName
-from space.node.volumes import btrfs, templates
+from space.node.volumes import btrfs, sendstream, templates
 
 if TYPE_CHECKING:
     from space.node.helper.verbs import HelperContext
@@ -156,19 +157,72 @@ def _clone(src: pathlib.Path, dst: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def _open_staged(directory: pathlib.Path, name: str) -> Iterator[BinaryIO]:
-    """A regular file the agent staged, opened without following symlinks."""
+    """A regular file the agent staged, opened once without following symlinks."""
     try:
-        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise errors.NotFound(f"{name} was not staged in {directory.name}", field=name) from exc
+    try:
+        with _open_staged_at(dir_fd, name, name) as f:
+            yield f
+    finally:
+        os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def _open_staged_at(dir_fd: int, name: str, shown: str) -> Iterator[BinaryIO]:
+    """`name` in the directory `dir_fd`: no symlink (O_NOFOLLOW), no FIFO or device (O_NONBLOCK keeps a
+    FIFO from hanging the open, then only a regular file is accepted)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError as exc:
+        raise errors.NotFound(f"{shown} does not exist", field=name) from exc
     except OSError as exc:
-        raise errors.InvalidArgument(f"staged {name} cannot be opened: {exc.strerror}", field=name) from exc
-    # Unbuffered: a buffered reader's seek(0) inside its buffer never moves the fd, and `btrfs receive`
-    # reads from the fd itself.
+        raise errors.InvalidArgument(f"{shown} cannot be opened: {exc.strerror}", field=name) from exc
+    # Unbuffered: the fd itself is what `btrfs.receive` reads (through its own buffer).
     with os.fdopen(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise errors.InvalidArgument(f"staged {name} is not a regular file", field=name)
+            raise errors.InvalidArgument(f"{shown} is not a regular file", field=name)
+        os.set_blocking(f.fileno(), True)
         yield f
+
+
+@contextlib.contextmanager
+def open_beneath(root: pathlib.Path, path: pathlib.Path) -> Iterator[BinaryIO]:
+    """A regular file below `root`, opened once by walking from `root` one component at a time without
+    following any symlink: a directory or file swapped for a link after `path` was checked cannot redirect
+    the open (a check-then-open by path could be raced by whoever owns a directory on the way)."""
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"{path} is not inside {root}", field="path") from exc
+    if not parts or any(part in ("", ".", "..") for part in parts):
+        raise errors.InvalidArgument(f"{path} is not a file inside {root}", field="path")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        dir_fd = os.open(root, flags | os.O_DIRECTORY)
+    except OSError as exc:
+        raise errors.NotFound(f"{root} cannot be opened: {exc.strerror}", field="path") from exc
+    try:
+        for part in parts[:-1]:
+            try:
+                next_fd = os.open(part, flags | os.O_DIRECTORY, dir_fd=dir_fd)
+            except FileNotFoundError as exc:
+                raise errors.NotFound(f"{path} does not exist", field="path") from exc
+            except OSError as exc:
+                raise errors.InvalidArgument(f"{part!r} on the way to {path} is not a plain directory",
+                                             field="path") from exc  # fmt: skip
+            os.close(dir_fd)
+            dir_fd = next_fd
+        with _open_staged_at(dir_fd, parts[-1], str(path)) as f:
+            yield f
+    finally:
+        os.close(dir_fd)
+
+
+def base_identity(ctx: HelperContext) -> str:
+    """The UUID deltas name as their parent when made against this node's template base."""
+    return _base(ctx)[1]
 
 
 def _image_files(image: pathlib.Path) -> list[pathlib.Path]:
@@ -229,8 +283,9 @@ def _base(ctx: HelperContext) -> tuple[pathlib.Path, str]:
 def prepare_agent_dirs(ctx: HelperContext) -> None:
     """The directories the agent keeps its own state in, owned by the agent (which cannot create them under
     the root-owned data directory itself): `objects`, the default local object store of a one-machine node
-    (harmless when another store is used), and `egress`, the egress gateway's CA and policies."""
-    for name in ("objects", "egress"):
+    (harmless when another store is used), `egress`, the egress gateway's CA and policies, and `identity`,
+    the node's RPC token and enrolment identity (space.node.agent.identity)."""
+    for name in ("objects", "egress", "identity"):
         root = ctx.layout.data_dir / name
         if root.is_symlink():
             continue
@@ -261,7 +316,7 @@ def snapshot_export(ctx: HelperContext, params: TransferParams, _progress: Progr
         btrfs.send(disk, f, parent=base)
     timings["send_ms"] = (time.monotonic() - mark) * 1000
     with open(out / DISK_STREAM, "rb") as f:
-        header = btrfs.read_stream_header(f)
+        header = sendstream.read_header(f)
     if header.parent_uuid != identity:
         raise errors.RuntimeFailure(f"delta of {snapshot_id} names parent {header.parent_uuid}, not the base")
     mark = time.monotonic()
@@ -304,22 +359,15 @@ def snapshot_import(ctx: HelperContext, params: ImportParams, _progress: Progres
     timings: dict[str, float] = {}
     if not _received(disk):
         _base_path, identity = _base(ctx)
+        # Only a delta onto this node's base, creating exactly this snapshot, is applied (the parent check
+        # raises NotFound naming both UUIDs; anything malformed or escaping is ArtifactCorrupt).
+        expected = sendstream.Expected.delta(snapshot_id, {identity})
         with _open_staged(staged, DISK_STREAM) as stream:
-            header = btrfs.read_stream_header(stream)
-            if header.kind != "delta" or header.parent_uuid != identity:
-                raise errors.NotFound(
-                    f"the disk of {snapshot_id} was made against base {header.parent_uuid}; this node's "
-                    f"{templates.BASE_NAME} is {identity}", field="base",
-                )  # fmt: skip
-            if header.name != snapshot_id:
-                raise errors.InvalidArgument(f"the disk stream creates {header.name!r}, not {snapshot_id}")
-            stream.seek(0)
             if btrfs.is_subvolume(disk):
                 btrfs.delete_subvolume(disk)  # half-received by a killed import
             disk.parent.mkdir(parents=True, exist_ok=True)
             mark = time.monotonic()
-            # Received in place: a read-only subvolume cannot be moved to another directory afterwards.
-            btrfs.receive(stream, disk.parent)
+            btrfs.receive(stream, disk.parent, expected=expected)
             timings["receive_ms"] = (time.monotonic() - mark) * 1000
         if not _received(disk):
             raise errors.RuntimeFailure(f"receiving the disk of {snapshot_id} left no finished subvolume")

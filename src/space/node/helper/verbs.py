@@ -33,7 +33,7 @@ from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, Snaps
 from space.node.helper.runsc import Runsc
 from space.node.helper.runtime import Runtimes
 from space.node.layout import NodeLayout
-from space.node.volumes import btrfs, filesystem, templates
+from space.node.volumes import btrfs, filesystem, sendstream, templates
 
 Progress = Callable[[str], None]
 SOCKET_WAIT_S = 10.0
@@ -161,21 +161,23 @@ def template_ensure(ctx: HelperContext, params: TemplateParams, progress: Progre
 def template_receive(
     ctx: HelperContext, params: TemplateReceiveParams, _progress: Progress
 ) -> dict[str, Any]:
-    """Install a template from a `btrfs send` stream (how templates travel between nodes)."""
-    stream = ctx.layout.confine(params.stream)
-    if not stream.is_file():
-        raise errors.NotFound(f"stream {params.stream!r} does not exist", field="stream")
+    """Install a template from a `btrfs send -p <base>` stream (how templates travel between nodes).
+
+    The stream is opened once, beneath the data directory without following any symlink, and must be a
+    delta onto this node's template base that creates exactly `params.name` (ADR 0023)."""
+    stream_path = ctx.layout.confine(params.stream)
     dest = ctx.layout.template(params.name)
-    with ctx.lock(f"template:{params.name}"):
-        if dest.exists():
+    with (
+        ctx.lock(f"template:{params.name}"),
+        transfer.open_beneath(ctx.layout.data_dir.resolve(), stream_path) as stream,
+    ):
+        if btrfs.is_subvolume(dest) or dest.exists():
             raise errors.AlreadyExists(f"template {params.name!r} is already on this node")
-        staging = ctx.layout.templates / f".incoming-{params.name}"
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        received = btrfs.receive(stream, staging)
-        received.rename(dest)
-        staging.rmdir()
+        expected = sendstream.Expected.delta(params.name, {transfer.base_identity(ctx)})
+        try:
+            btrfs.receive(stream, ctx.layout.templates, expected=expected)
+        except errors.ArtifactCorrupt as exc:
+            raise errors.InvalidArgument(exc.message, **{**exc.details, "field": "stream"}) from exc
     return {"name": params.name, "path": str(dest)}
 
 

@@ -11,6 +11,11 @@ Invariants:
   InvalidArgument, anything else → RuntimeFailure. Callers never see a bare OSError or CalledProcessError.
 - Quota numbers are only as fresh as the last transaction commit; `qgroup_usage(..., sync=True)` (the
   default) commits first (BTRFS_IOC_SYNC flushes delalloc and commits), so what was just written counts.
+- `btrfs receive` only ever runs with `--chroot` in a fresh, empty, root-only staging directory, fed
+  through a pipe with bytes this process read once and checked (sendstream) against what the caller
+  expects; the subvolume moves to its destination only after staging was found to hold it and nothing else
+  (docs/adr/0023-confined-btrfs-receive.md). A stream that fails a check is a typed ArtifactCorrupt
+  (NotFound when a delta names another parent).
 """
 
 from __future__ import annotations
@@ -20,26 +25,33 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import io
 import os
 import re
+import shutil
 import stat
 import struct
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, cast
 
 from space.core.errors import (
     AlreadyExists,
+    ArtifactCorrupt,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     RuntimeFailure,
     SpaceError,
 )
+from space.node.volumes import sendstream
 
 PathLike = str | os.PathLike[str]
+RECEIVE_READ_BYTES = 1 << 20
+STAGING_PREFIX = ".receive-"  # + helper pid + random: one per receive, beside its destination
 
 BTRFS_SUPER_MAGIC = 0x9123683E
 # Every subvolume's root directory is inode 256 (BTRFS_FIRST_FREE_OBJECTID); each subvolume also has its own
@@ -571,27 +583,156 @@ def send(subvol: PathLike, out: StreamTarget, *, parent: PathLike | None = None)
         _run([*argv, os.fspath(subvol)], "send", subvol, stdout=out)
 
 
-def receive(stream: PathLike | int | BinaryIO, dest_dir: PathLike) -> Path:
-    """Apply a send stream (path, fd or binary file object) under `dest_dir`; return the new subvolume.
+def open_stream(path: PathLike) -> BinaryIO:
+    """Open a send stream once: no symlink as its last component, no FIFO or device (O_NONBLOCK keeps a
+    FIFO from blocking the open), a regular file only. Callers hand the returned file to `receive` and
+    never open the path again."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError as exc:
+        raise NotFound("send stream not found", path=p) from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidArgument("send stream is a symlink", path=p) from exc
+        raise _translate(exc, "open send stream", p) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidArgument("send stream is not a regular file", path=p)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0)
 
-    The received subvolume is read-only and records the sender's UUID as its received UUID.
-    """
-    if not is_btrfs(dest_dir):
-        raise InvalidArgument("receive target is not on btrfs", path=os.fspath(dest_dir))
-    argv = [BTRFS, "receive"]
+
+def _stream_reader(stream: PathLike | int | BinaryIO) -> tuple[BinaryIO, bool]:
+    """(a buffered reader over `stream`, whether this function opened it and must close it)."""
     if isinstance(stream, (str, os.PathLike)):
-        if not os.path.exists(stream):
-            raise NotFound("send stream not found", path=os.fspath(stream))
-        proc = _run([*argv, "-f", os.fspath(stream), os.fspath(dest_dir)], "receive", dest_dir)
-    else:
-        proc = _run([*argv, os.fspath(dest_dir)], "receive", dest_dir, stdin=stream)
-    # btrfs-progs 6.2 reports "At subvol NAME" (full stream) on stderr but "At snapshot NAME" (incremental)
-    # on stdout, so both are read.
-    out = (proc.stdout or b"").decode(errors="replace") + "\n" + proc.stderr.decode(errors="replace")
-    names = re.findall(r"^At (?:subvol|snapshot) (.+)$", out, re.M)
-    if not names:
-        raise RuntimeFailure("receive did not report the subvolume it created", path=os.fspath(dest_dir))
-    return Path(os.path.abspath(dest_dir)) / str(names[-1])
+        raw = cast(io.RawIOBase, open_stream(stream))  # an unbuffered FileIO
+        return cast(BinaryIO, io.BufferedReader(raw, RECEIVE_READ_BYTES)), True
+    if isinstance(stream, io.RawIOBase):  # e.g. an unbuffered file: read its fd through a buffer
+        stream = stream.fileno()
+    if isinstance(stream, int):
+        if not stat.S_ISREG(os.fstat(stream).st_mode):
+            raise InvalidArgument("send stream is not a regular file")
+        return cast(
+            BinaryIO, io.BufferedReader(io.FileIO(stream, "rb", closefd=False), RECEIVE_READ_BYTES)
+        ), True
+    return stream, False
+
+
+def _clear_staging(staging: Path) -> None:
+    """Remove a receive's staging directory and everything in it, whatever a failed stream left there
+    (a half-received subvolume, files that went through a symlink to the chroot's root)."""
+    if not os.path.lexists(staging):
+        return
+    for entry in staging.iterdir():
+        if is_subvolume(entry):
+            delete_subvolume(entry)
+        elif entry.is_dir() and not entry.is_symlink():
+            for inner in _nested_subvolumes(entry):
+                delete_subvolume(inner)
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    staging.rmdir()
+
+
+def _sweep_stale_staging(dest_root: Path) -> None:
+    """Staging directories that a killed helper (another pid) left beside the destinations."""
+    mine = f"{STAGING_PREFIX}{os.getpid()}-"
+    for entry in dest_root.iterdir():
+        if entry.name.startswith(STAGING_PREFIX) and not entry.name.startswith(mine):
+            with contextlib.suppress(SpaceError, OSError):
+                _clear_staging(entry)
+
+
+def receive(stream: PathLike | int | BinaryIO, dest_dir: PathLike, *, expected: sendstream.Expected) -> Path:
+    """Apply a send stream (path, fd or binary file object) as `dest_dir/<expected.name>`; return it.
+
+    The stream is read once, here, and checked command by command (space.node.volumes.sendstream) while
+    it is piped into `btrfs receive -e --chroot` running in a fresh, empty, root-only staging directory
+    beside the destination; a refused command is never forwarded (the receive is killed instead). Then the
+    staging directory must hold exactly the expected subvolume, read-only, with the stream's UUID as its
+    received UUID, and nothing else (anything else was written through a symlink to the chroot's root);
+    only then is the subvolume moved to its destination. Staging is removed in every case.
+
+    The result is read-only and records the sender's UUID as its received UUID.
+    """
+    dest_root = Path(os.path.abspath(dest_dir))
+    if not is_btrfs(dest_root):
+        raise InvalidArgument("receive target is not on btrfs", path=os.fspath(dest_root))
+    reader, owned = _stream_reader(stream)
+    try:
+        checked = sendstream.CheckedStream(reader, expected)
+        header = checked.header
+        dest = dest_root / header.name
+        if os.path.lexists(dest):
+            raise AlreadyExists(f"receive: {dest} already exists", path=str(dest))
+        _sweep_stale_staging(dest_root)
+        staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=dest_root))  # 0700
+        try:
+            _receive_into(checked, staging)
+            received = staging / header.name
+            entries = sorted(entry.name for entry in staging.iterdir())
+            if entries != [header.name] or not is_subvolume(received):
+                raise ArtifactCorrupt(
+                    f"send stream refused: it left {entries[:8]} in staging, not just {header.name!r} "
+                    "(a write went outside its subvolume)", entries=entries[:8],
+                )  # fmt: skip
+            identity = subvolume_identity(received)
+            if not get_readonly(received) or identity.received_uuid != header.uuid:
+                raise ArtifactCorrupt(f"send stream refused: {header.name!r} was not received completely")
+            # A read-only subvolume cannot change directories (its ".." would change: EROFS), so the flag
+            # is lifted for the rename only. The raw ioctl keeps the received UUID (btrfs-progs'
+            # `property set ro false` would clear it).
+            set_readonly(received, False)
+            try:
+                os.rename(received, dest)
+            except OSError as exc:
+                set_readonly(received, True)
+                raise _translate(exc, "receive: move into place", dest) from exc
+            set_readonly(dest, True)
+        finally:
+            _clear_staging(staging)
+        return dest
+    finally:
+        if owned:
+            reader.close()
+
+
+def _receive_into(checked: sendstream.CheckedStream, staging: Path) -> None:
+    argv = [BTRFS, "receive", "-e", "--chroot", os.fspath(staging)]
+    with tempfile.TemporaryFile() as log:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log, stderr=log)
+        except FileNotFoundError as exc:
+            raise RuntimeFailure(f"receive: {BTRFS} is not installed", path=str(staging)) from exc
+        assert proc.stdin is not None
+        refused: BaseException | None = None
+        broken = False
+        try:
+            for chunk in checked.chunks():
+                try:
+                    proc.stdin.write(chunk)
+                except BrokenPipeError:
+                    broken = True  # btrfs gave up on an earlier command; its log says why
+                    break
+        except BaseException as exc:
+            refused = exc
+            proc.kill()
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            rc = proc.wait()
+        if refused is not None:
+            raise refused
+        if rc != 0 or broken:
+            log.seek(0)
+            tail = log.read()[-4000:].decode(errors="replace").strip()
+            tail = "\n".join(line for line in tail.splitlines() if not line.startswith("Chroot to "))
+            raise _translate_progs(tail or f"exit status {rc}", "receive", staging)
 
 
 # --- identities (which subvolume a delta needs as its parent) -----------------------------------------------
@@ -615,54 +756,3 @@ def subvolume_identity(subvol: PathLike) -> SubvolumeIdentity:
     if not uuid or uuid == "-":
         raise RuntimeFailure("subvolume show reported no UUID", path=os.fspath(subvol))
     return SubvolumeIdentity(uuid=uuid, received_uuid=None if received in ("", "-") else received)
-
-
-# A send stream starts with "btrfs-stream\0", a le32 version, then commands: le32 payload length, le16
-# command, le32 crc, then TLV attributes (le16 type, le16 length, data). The first command is SUBVOL (a full
-# stream) or SNAPSHOT (a delta, naming its parent by CLONE_UUID).
-_STREAM_MAGIC = b"btrfs-stream\0"
-_SEND_C_SUBVOL, _SEND_C_SNAPSHOT = 1, 2
-_SEND_A_UUID, _SEND_A_PATH, _SEND_A_CLONE_UUID = 1, 15, 20
-
-
-@dataclass(frozen=True)
-class StreamHeader:
-    kind: Literal["full", "delta"]
-    name: str  # the subvolume the stream creates
-    uuid: str  # the sender's UUID of that subvolume (the receiver records it as its received UUID)
-    parent_uuid: str | None  # a delta: the UUID (or received UUID) its parent must have on the receiver
-
-
-def _format_uuid(raw: bytes) -> str:
-    h = raw.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def read_stream_header(source: BinaryIO) -> StreamHeader:
-    """Parse the first command of a send stream (reads at most a few KiB from `source`)."""
-    head = source.read(len(_STREAM_MAGIC) + 4 + 10)
-    if len(head) < len(_STREAM_MAGIC) + 14 or not head.startswith(_STREAM_MAGIC):
-        raise InvalidArgument("not a btrfs send stream")
-    length, command, _crc = struct.unpack_from("<IHI", head, len(_STREAM_MAGIC) + 4)
-    if command not in (_SEND_C_SUBVOL, _SEND_C_SNAPSHOT) or length > 65536:
-        raise InvalidArgument(f"send stream starts with command {command}, not a subvolume")
-    payload = source.read(length)
-    if len(payload) != length:
-        raise InvalidArgument("send stream is truncated in its first command")
-    attrs: dict[int, bytes] = {}
-    pos = 0
-    while pos + 4 <= length:
-        kind, size = struct.unpack_from("<HH", payload, pos)
-        attrs.setdefault(kind, payload[pos + 4 : pos + 4 + size])
-        pos += 4 + size
-    if _SEND_A_UUID not in attrs or _SEND_A_PATH not in attrs:
-        raise InvalidArgument("send stream's first command has no UUID or path")
-    delta = command == _SEND_C_SNAPSHOT
-    return StreamHeader(
-        kind="delta" if delta else "full",
-        name=attrs[_SEND_A_PATH].decode(errors="replace"),
-        uuid=_format_uuid(attrs[_SEND_A_UUID]),
-        parent_uuid=(
-            _format_uuid(attrs[_SEND_A_CLONE_UUID]) if delta and _SEND_A_CLONE_UUID in attrs else None
-        ),
-    )

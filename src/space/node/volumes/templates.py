@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure, SpaceError
-from space.node.volumes import btrfs
+from space.node.volumes import btrfs, sendstream
 from space.node.volumes.mirror import find_mirror
 
 Progress = Callable[[str], None]
@@ -358,10 +358,8 @@ def ensure_base(
             t0 = time.monotonic()
             progress(f"space: receiving cached base {cache}")
             try:
-                got = btrfs.receive(cache, templates)
-                if got.name != BASE_NAME:
-                    _discard_subvolume(got)
-                    raise RuntimeFailure(f"cached stream holds {got.name}, not {BASE_NAME}")
+                with btrfs.open_stream(cache) as stream:
+                    btrfs.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
             except SpaceError as exc:
                 # A corrupt or foreign cache file: drop it and rebuild from the mirror.
                 progress(f"space: cached base unusable ({exc.message}); rebuilding")
@@ -501,8 +499,8 @@ def base_status(templates: Path, *, cache_dir: Path | None = None) -> dict[str, 
 def _cache_stream_uuid(cache_dir: Path | None) -> str | None:
     cache = (cache_dir or default_cache_dir()) / CACHE_NAME
     try:
-        with open(cache, "rb") as f:
-            return btrfs.read_stream_header(f).uuid
+        with btrfs.open_stream(cache) as f:
+            return sendstream.read_header(f).uuid
     except (OSError, SpaceError):
         return None
 
@@ -522,7 +520,7 @@ def export_base(templates: Path, out: Path, *, cache_dir: Path | None = None) ->
     else:
         shutil.copyfile((cache_dir or default_cache_dir()) / CACHE_NAME, out)
     with open(out, "rb") as f:
-        header = btrfs.read_stream_header(f)
+        header = sendstream.read_header(f)
     if header.kind != "full" or header.name != BASE_NAME or header.uuid != status["identity"]:
         out.unlink(missing_ok=True)
         raise RuntimeFailure(f"the stream of {BASE_NAME} does not carry the base's identity")
@@ -533,11 +531,9 @@ def import_base(
     templates: Path, stream: BinaryIO, *, progress: Progress = default_progress
 ) -> dict[str, Any]:
     """Install the base from an original full stream (downloaded and verified by the caller); idempotent:
-    a complete base already here is kept. Serialised with template builds by the templates lock."""
-    header = btrfs.read_stream_header(stream)
-    stream.seek(0)
-    if header.kind != "full" or header.name != BASE_NAME:
-        raise InvalidArgument(f"stream holds {header.name!r} ({header.kind}), not the base {BASE_NAME}")
+    a complete base already here is kept. Serialised with template builds by the templates lock.
+
+    `stream` is read once, by `btrfs.receive`, which refuses anything but a full stream of BASE_NAME."""
     with _flock(templates / ".lock"):
         status = base_status(templates)
         if status["present"]:
@@ -545,12 +541,10 @@ def import_base(
         (templates / f"{BASE_NAME}.json").unlink(missing_ok=True)
         _discard_subvolume(templates / BASE_NAME)  # half-received by a killed run
         t0 = time.monotonic()
-        got = btrfs.receive(stream, templates)
-        if got.name != BASE_NAME:
-            _discard_subvolume(got)
-            raise RuntimeFailure(f"stream created {got.name}, not {BASE_NAME}")
+        got = btrfs.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
         progress(f"space: base received from object storage in {time.monotonic() - t0:.1f} s")
-        meta = _base_metadata(templates / BASE_NAME, _now(), built_here=False)
+        identity = btrfs.subvolume_identity(got).received_uuid
+        meta = _base_metadata(got, _now(), built_here=False)
         meta["source"] = "objectstore"
         _write_json_atomic(templates / f"{BASE_NAME}.json", meta)
-    return {"identity": header.uuid, "received": True}
+    return {"identity": identity, "received": True}

@@ -1,0 +1,473 @@
+"""A small, strict reader of `btrfs send` streams (format v1, btrfs-progs `send.h`), run before and while
+a stream is applied by `btrfs receive` in the root helper.
+
+Layout: "btrfs-stream\\0", le32 version, then commands: le32 payload length, le16 command, le32 crc32c (over
+the command header with the crc field zeroed, plus the payload; seed 0, no final inversion), then the
+payload as TLV attributes (le16 type, le16 length, value).
+
+What it guarantees about a stream it lets through (everything else is refused with a typed error naming
+what was wrong, before the offending command reaches `btrfs receive`):
+- version 1 only (what `btrfs send` without `--proto` writes), every command at most 64 KiB, known
+  command and attribute numbers, each attribute at most once per command, no byte left over in a command;
+- the first command creates exactly the subvolume the caller expects: SUBVOL (a full stream) only where a
+  full stream is expected, otherwise SNAPSHOT (a delta) whose parent is one of the expected UUIDs; its name
+  is a plain name equal to the expected one; its CRC is checked. No later command creates a subvolume;
+- every path attribute is relative, without empty, "." or ".." components, without NUL; a hard link's
+  target likewise; no path runs through a symlink this stream created (kernel-made streams never do);
+- clones read only from the stream's own subvolume or the expected parent: a clone source is looked up by
+  `btrfs receive` outside its chroot, so any other UUID or path would read another subvolume's data;
+- the stream ends with END and nothing follows it (a second concatenated stream could make a second
+  subvolume from any UUID on the filesystem).
+The CRCs of the commands after the first are checked by `btrfs receive` itself before it applies each one
+(pure-Python CRC32C runs at a few MB/s, too slow for gigabyte checkpoints). Symlinks that the *parent*
+already holds are out of this reader's sight: `btrfs receive --chroot` into an empty staging directory is
+what contains them (see space.node.volumes.btrfs.receive).
+
+No I/O beyond reading the given binary stream; no privileges needed.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO, Literal
+
+from space.core.errors import ArtifactCorrupt, InvalidArgument, NotFound
+
+MAGIC = b"btrfs-stream\0"
+SUPPORTED_VERSIONS = frozenset({1})
+STREAM_HEADER = struct.Struct("<13sI")
+COMMAND_HEADER = struct.Struct("<IHI")
+TLV_HEADER = struct.Struct("<HH")
+MAX_COMMAND_BYTES = 64 * 1024  # v1: "no command is larger than 64KiB" (header included)
+MAX_PATH_BYTES = 4095  # PATH_MAX - 1
+MAX_NAME_BYTES = 255
+
+# Commands (send.h, v1).
+C_SUBVOL, C_SNAPSHOT, C_MKFILE, C_MKDIR, C_MKNOD, C_MKFIFO, C_MKSOCK, C_SYMLINK = range(1, 9)
+C_RENAME, C_LINK, C_UNLINK, C_RMDIR, C_SET_XATTR, C_REMOVE_XATTR, C_WRITE, C_CLONE = range(9, 17)
+C_TRUNCATE, C_CHMOD, C_CHOWN, C_UTIMES, C_END, C_UPDATE_EXTENT = range(17, 23)
+C_MAX_V1 = C_UPDATE_EXTENT
+# Attributes (send.h, v1).
+A_UUID, A_CTRANSID, A_INO, A_SIZE, A_MODE = 1, 2, 3, 4, 5
+A_PATH, A_PATH_TO, A_PATH_LINK, A_FILE_OFFSET, A_DATA = 15, 16, 17, 18, 19
+A_CLONE_UUID, A_CLONE_CTRANSID, A_CLONE_PATH, A_CLONE_OFFSET, A_CLONE_LEN = 20, 21, 22, 23, 24
+A_MAX_V1 = A_CLONE_LEN
+
+COMMAND_NAMES = {
+    C_SUBVOL: "SUBVOL", C_SNAPSHOT: "SNAPSHOT", C_MKFILE: "MKFILE", C_MKDIR: "MKDIR", C_MKNOD: "MKNOD",
+    C_MKFIFO: "MKFIFO", C_MKSOCK: "MKSOCK", C_SYMLINK: "SYMLINK", C_RENAME: "RENAME", C_LINK: "LINK",
+    C_UNLINK: "UNLINK", C_RMDIR: "RMDIR", C_SET_XATTR: "SET_XATTR", C_REMOVE_XATTR: "REMOVE_XATTR",
+    C_WRITE: "WRITE", C_CLONE: "CLONE", C_TRUNCATE: "TRUNCATE", C_CHMOD: "CHMOD", C_CHOWN: "CHOWN",
+    C_UTIMES: "UTIMES", C_END: "END", C_UPDATE_EXTENT: "UPDATE_EXTENT",
+}  # fmt: skip
+
+
+# --- crc32c as btrfs computes it: Castagnoli polynomial (reflected 0x82F63B78), seed 0, no final xor -----
+def _crc_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return tuple(table)
+
+
+_CRC_TABLE = _crc_table()
+
+
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """btrfs' crc32c(seed, data): the raw register update, no pre- or post-inversion."""
+    table = _CRC_TABLE
+    for byte in bytes(data):
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc
+
+
+def command_crc(header_and_payload: bytes | bytearray) -> int:
+    """The crc a command carries: over its header with the crc field zeroed, and its payload."""
+    buf = bytearray(header_and_payload)
+    buf[6:10] = b"\0\0\0\0"
+    return crc32c(buf)
+
+
+# --- what a stream is and what a caller expects -----------------------------------------------------------
+def format_uuid(raw: bytes) -> str:
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    version: int
+    kind: Literal["full", "delta"]
+    name: str  # the subvolume the stream creates (a plain name)
+    uuid: str  # the sender's UUID of it (the receiver records it as the received UUID)
+    ctransid: int
+    parent_uuid: str | None  # a delta: the UUID or received UUID its parent has on the receiver
+    parent_ctransid: int | None
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a caller is prepared to receive: the subvolume's name and, for a delta, its possible parents.
+
+    A parent's ctransid is not compared: the kernel writes the *sender's local* ctransid of the parent,
+    which differs on every node that received the same base (btrfs-progs does not compare it either).
+    """
+
+    name: str
+    kind: Literal["full", "delta"]
+    parent_uuids: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def full(cls, name: str) -> Expected:
+        return cls(name=name, kind="full")
+
+    @classmethod
+    def delta(cls, name: str, parent_uuids: set[str] | frozenset[str]) -> Expected:
+        if not parent_uuids:
+            raise InvalidArgument("a delta needs at least one acceptable parent UUID")
+        return cls(name=name, kind="delta", parent_uuids=frozenset(u.lower() for u in parent_uuids))
+
+
+@dataclass(frozen=True)
+class Command:
+    cmd: int
+    attrs: dict[int, bytes]
+    raw: bytes  # the whole command as read (header + payload), forwarded unchanged
+
+    @property
+    def name(self) -> str:
+        return COMMAND_NAMES.get(self.cmd, str(self.cmd))
+
+
+def _corrupt(message: str, **details: object) -> ArtifactCorrupt:
+    return ArtifactCorrupt(f"send stream refused: {message}", **details)
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+def _read_exact(source: BinaryIO, size: int) -> bytes:
+    chunks: list[bytes] = []
+    missing = size
+    while missing:
+        chunk = source.read(missing)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_stream_start(source: BinaryIO) -> int:
+    """The stream header: magic and a supported version (returned)."""
+    head = _read_exact(source, STREAM_HEADER.size)
+    if len(head) < STREAM_HEADER.size or not head.startswith(MAGIC):
+        raise _corrupt("not a btrfs send stream (bad magic)")
+    version = int(STREAM_HEADER.unpack(head)[1])
+    if version not in SUPPORTED_VERSIONS:
+        raise _corrupt(f"unsupported send stream version {version}", version=version)
+    return version
+
+
+def read_command(source: BinaryIO, *, index: int) -> Command | None:
+    """The next command, its attributes parsed strictly; None at a clean end of input."""
+    head = _read_exact(source, COMMAND_HEADER.size)
+    if not head:
+        return None
+    if len(head) < COMMAND_HEADER.size:
+        raise _corrupt(f"truncated in the header of command {index}", command_index=index)
+    length, cmd, _crc = COMMAND_HEADER.unpack(head)
+    if COMMAND_HEADER.size + length > MAX_COMMAND_BYTES:
+        raise _corrupt(f"command {index} is {length} bytes long (at most 64 KiB)", command_index=index)
+    if not 1 <= cmd <= C_MAX_V1:
+        raise _corrupt(f"command {index} has unknown type {cmd}", command_index=index)
+    payload = _read_exact(source, length)
+    if len(payload) != length:
+        raise _corrupt(f"truncated in command {index} ({COMMAND_NAMES[cmd]})", command_index=index)
+    attrs: dict[int, bytes] = {}
+    pos = 0
+    while pos < length:
+        if length - pos < TLV_HEADER.size:
+            raise _corrupt(f"command {index} ends inside an attribute header", command_index=index)
+        kind, size = TLV_HEADER.unpack_from(payload, pos)
+        pos += TLV_HEADER.size
+        if not 1 <= kind <= A_MAX_V1:
+            raise _corrupt(f"command {index} has unknown attribute {kind}", command_index=index)
+        if kind in attrs:
+            # btrfs-progs keeps the *last* copy: a checker reading the first would be fooled.
+            raise _corrupt(f"command {index} repeats attribute {kind}", command_index=index)
+        if length - pos < size:
+            raise _corrupt(f"attribute {kind} of command {index} overruns it", command_index=index)
+        attrs[kind] = payload[pos : pos + size]
+        pos += size
+    return Command(cmd=cmd, attrs=attrs, raw=head + payload)
+
+
+def _attr(command: Command, kind: int, size: int | None, index: int) -> bytes:
+    value = command.attrs.get(kind)
+    if value is None:
+        raise _corrupt(f"{command.name} (command {index}) lacks attribute {kind}", command_index=index)
+    if size is not None and len(value) != size:
+        raise _corrupt(f"attribute {kind} of {command.name} is {len(value)} bytes, not {size}")
+    return value
+
+
+def _plain_name(raw: bytes, what: str) -> str:
+    if not raw or b"/" in raw or b"\0" in raw or raw in (b".", b"..") or len(raw) > MAX_NAME_BYTES:
+        raise _corrupt(f"{what} {raw[:64]!r} is not a plain name")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise _corrupt(f"{what} {raw[:64]!r} is not UTF-8") from exc
+
+
+def _header_of(first: Command, version: int) -> StreamHeader:
+    if first.cmd not in (C_SUBVOL, C_SNAPSHOT):
+        raise _corrupt(f"the first command is {first.name}, not SUBVOL or SNAPSHOT", command=first.name)
+    crc = COMMAND_HEADER.unpack_from(first.raw)[2]
+    if command_crc(first.raw) != crc:
+        raise _corrupt("the first command's crc32c does not match its content")
+    name = _plain_name(_attr(first, A_PATH, None, 0), "the subvolume name")
+    uuid = _attr(first, A_UUID, 16, 0)
+    if uuid == bytes(16):
+        raise _corrupt("the subvolume has an empty UUID")
+    (ctransid,) = struct.unpack("<Q", _attr(first, A_CTRANSID, 8, 0))
+    delta = first.cmd == C_SNAPSHOT
+    parent_uuid: str | None = None
+    parent_ctransid: int | None = None
+    if delta:
+        parent_uuid = format_uuid(_attr(first, A_CLONE_UUID, 16, 0))
+        (parent_ctransid,) = struct.unpack("<Q", _attr(first, A_CLONE_CTRANSID, 8, 0))
+    return StreamHeader(
+        version=version,
+        kind="delta" if delta else "full",
+        name=name,
+        uuid=format_uuid(uuid),
+        ctransid=int(ctransid),
+        parent_uuid=parent_uuid,
+        parent_ctransid=None if parent_ctransid is None else int(parent_ctransid),
+    )
+
+
+def read_header(source: BinaryIO) -> StreamHeader:
+    """Parse the stream header and its first command (reads at most 64 KiB from `source`)."""
+    version = read_stream_start(source)
+    first = read_command(source, index=0)
+    if first is None:
+        raise _corrupt("the stream has no command")
+    return _header_of(first, version)
+
+
+def check_expected(header: StreamHeader, expected: Expected) -> None:
+    """The first command creates what the caller expects: kind, name, parent."""
+    if header.kind != expected.kind:
+        raise _corrupt(f"a {header.kind} stream where a {expected.kind} one is expected", kind=header.kind)
+    if header.name != expected.name:
+        raise _corrupt(f"the stream creates {header.name!r}, not {expected.name!r}", name=header.name)
+    if header.uuid in expected.parent_uuids:
+        raise _corrupt("the stream's subvolume claims its own parent's UUID", uuid=header.uuid)
+    if expected.kind == "delta" and header.parent_uuid not in expected.parent_uuids:
+        # Typed NotFound: a genuine delta made against another base is a "wrong node" case, not corruption.
+        raise NotFound(
+            f"the delta {header.name!r} was made against parent {header.parent_uuid}, which is not the "
+            f"expected parent ({', '.join(sorted(expected.parent_uuids))})",
+            field="parent", parent_uuid=header.parent_uuid,
+        )  # fmt: skip
+
+
+# --- the whole stream ------------------------------------------------------------------------------------
+def _relative_path(raw: bytes, what: str, index: int, *, allow_root: bool) -> tuple[bytes, ...]:
+    """The components of a path inside the subvolume; refuses anything that could leave it."""
+    if not raw:
+        if allow_root:
+            return ()
+        raise _corrupt(f"{what} of command {index} is empty", command_index=index)
+    if len(raw) > MAX_PATH_BYTES or b"\0" in raw:
+        raise _corrupt(f"{what} of command {index} is too long or holds NUL", command_index=index)
+    if raw.startswith(b"/"):
+        raise _corrupt(f"{what} {raw[:80]!r} of command {index} is absolute", command_index=index)
+    parts = tuple(raw.split(b"/"))
+    for part in parts:
+        if part in (b"", b".", b".."):
+            raise _corrupt(
+                f"{what} {raw[:80]!r} of command {index} has a {part.decode() or 'empty'!r} component",
+                command_index=index,
+            )
+    return parts
+
+
+class _Symlinks:
+    """Paths this stream made symlinks; a later path through one of them would be followed by receive.
+
+    `under` counts the tracked symlinks below each directory prefix, so the frequent renames and unlinks
+    of a stream (every new inode arrives under an orphan name, then is renamed) cost O(depth) unless they
+    really move a directory holding tracked symlinks."""
+
+    def __init__(self) -> None:
+        self.paths: set[tuple[bytes, ...]] = set()
+        self.under: dict[tuple[bytes, ...], int] = {}
+
+    def check(self, parts: tuple[bytes, ...], what: str, index: int) -> None:
+        if not self.paths:
+            return
+        for end in range(1, len(parts)):
+            if parts[:end] in self.paths:
+                shown = b"/".join(parts)[:80]
+                raise _corrupt(f"{what} {shown!r} of command {index} runs through a symlink it made")
+
+    def add(self, parts: tuple[bytes, ...]) -> None:
+        if parts in self.paths:
+            return
+        self.paths.add(parts)
+        for end in range(1, len(parts)):
+            self.under[parts[:end]] = self.under.get(parts[:end], 0) + 1
+
+    def _discard(self, parts: tuple[bytes, ...]) -> None:
+        self.paths.discard(parts)
+        for end in range(1, len(parts)):
+            left = self.under[parts[:end]] - 1
+            if left:
+                self.under[parts[:end]] = left
+            else:
+                del self.under[parts[:end]]
+
+    def _taken(self, parts: tuple[bytes, ...]) -> list[tuple[bytes, ...]]:
+        """Tracked symlinks at or below `parts`, removed from tracking."""
+        found = [parts] if parts in self.paths else []
+        if self.under.get(parts):
+            n = len(parts)
+            found += [p for p in self.paths if len(p) > n and p[:n] == parts]
+        for p in found:
+            self._discard(p)
+        return found
+
+    def rename(self, src: tuple[bytes, ...], dst: tuple[bytes, ...]) -> None:
+        moved = self._taken(src)
+        self._taken(dst)  # whatever `dst` was is replaced
+        for p in moved:
+            self.add(dst + p[len(src) :])
+
+    def remove(self, parts: tuple[bytes, ...]) -> None:
+        self._taken(parts)
+
+
+class StreamChecker:
+    """Checks a stream command by command against what the caller expects (see the module invariants)."""
+
+    def __init__(self, expected: Expected) -> None:
+        self.expected = expected
+        self.header: StreamHeader | None = None
+        self.commands = 0
+        self.ended = False
+        self._symlinks = _Symlinks()
+        self._clone_sources: frozenset[str] = frozenset()
+
+    def first(self, command: Command, version: int) -> StreamHeader:
+        header = _header_of(command, version)
+        check_expected(header, self.expected)
+        self.header = header
+        self._clone_sources = frozenset({header.uuid, *self.expected.parent_uuids})
+        self.commands = 1
+        return header
+
+    def next(self, command: Command) -> None:
+        index = self.commands
+        self.commands += 1
+        if self.header is None:
+            raise _corrupt("commands before the subvolume")
+        if self.ended:
+            raise _corrupt(f"command {index} ({command.name}) follows END", command_index=index)
+        cmd = command.cmd
+        if cmd in (C_SUBVOL, C_SNAPSHOT):
+            raise _corrupt(f"command {index} starts a second subvolume", command_index=index)
+        if cmd == C_END:
+            if command.attrs:
+                raise _corrupt("END carries attributes")
+            self.ended = True
+            return
+        path = self._path(command, A_PATH, index, allow_root=True)
+        if cmd == C_SYMLINK:
+            content = _attr(command, A_PATH_LINK, None, index)
+            if len(content) > MAX_PATH_BYTES or b"\0" in content or not content:
+                raise _corrupt(f"symlink target of command {index} is empty, too long or holds NUL")
+            self._symlinks.add(path)
+        elif cmd == C_LINK:
+            target = self._path(command, A_PATH_LINK, index, allow_root=False)
+            if target in self._symlinks.paths:
+                self._symlinks.add(path)
+        elif cmd == C_RENAME:
+            destination = self._path(command, A_PATH_TO, index, allow_root=False)
+            self._symlinks.rename(path, destination)
+        elif cmd in (C_UNLINK, C_RMDIR):
+            self._symlinks.remove(path)
+        elif cmd == C_CLONE:
+            source = format_uuid(_attr(command, A_CLONE_UUID, 16, index))
+            if source not in self._clone_sources:
+                raise _corrupt(
+                    f"CLONE (command {index}) reads from subvolume {source}, neither this stream's nor "
+                    "its parent", command_index=index,
+                )  # fmt: skip
+            self._path(command, A_CLONE_PATH, index, allow_root=False)
+        for kind in (A_PATH_TO, A_CLONE_PATH):
+            if kind in command.attrs and cmd not in (C_RENAME, C_CLONE):
+                raise _corrupt(f"{command.name} (command {index}) carries path attribute {kind}")
+        if A_PATH_LINK in command.attrs and cmd not in (C_SYMLINK, C_LINK):
+            raise _corrupt(f"{command.name} (command {index}) carries a link target")
+
+    def _path(self, command: Command, kind: int, index: int, *, allow_root: bool) -> tuple[bytes, ...]:
+        what = {A_PATH: "path", A_PATH_TO: "rename target", A_PATH_LINK: "link target"}.get(kind, "path")
+        if kind == A_CLONE_PATH:
+            what = "clone source path"
+        parts = _relative_path(_attr(command, kind, None, index), what, index, allow_root=allow_root)
+        self._symlinks.check(parts, what, index)
+        return parts
+
+    def finish(self) -> StreamHeader:
+        if self.header is None:
+            raise _corrupt("the stream has no command")
+        if not self.ended:
+            raise _corrupt("the stream ends without END (truncated)")
+        return self.header
+
+
+class CheckedStream:
+    """A stream read once, checked command by command while it is handed on.
+
+    The header and first command are read and checked when it is made (before anything is applied);
+    `chunks()` then yields the stream's bytes in batches of whole commands, each batch only after every
+    command in it passed the checks, so a consumer that forwards what it gets never forwards a refused
+    command. The iterator's last step checks the end (END, then nothing).
+    """
+
+    def __init__(self, source: BinaryIO, expected: Expected) -> None:
+        self._source = source
+        self.version = read_stream_start(source)
+        self.checker = StreamChecker(expected)
+        first = read_command(source, index=0)
+        if first is None:
+            raise _corrupt("the stream has no command")
+        self.header = self.checker.first(first, self.version)
+        self._first = first
+
+    def chunks(self, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
+        batch = bytearray(STREAM_HEADER.pack(MAGIC, self.version))
+        batch += self._first.raw
+        while (command := read_command(self._source, index=self.checker.commands)) is not None:
+            self.checker.next(command)
+            batch += command.raw
+            if len(batch) >= chunk_bytes:
+                yield bytes(batch)
+                batch.clear()
+        self.checker.finish()
+        yield bytes(batch)
+
+
+def check_stream(source: BinaryIO, expected: Expected) -> StreamHeader:
+    """Read and check a whole stream without applying it."""
+    checked = CheckedStream(source, expected)
+    for _chunk in checked.chunks():
+        pass
+    return checked.header
