@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +10,6 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from space.core import errors
-from space.node.egress import dns as egress_dns
 from space.node.egress.policy import CompiledPolicy, EgressPolicy, normalize_host, split_authority
 
 NORMALIZED = [
@@ -294,37 +291,4 @@ def test_every_ipv4_spelling_parses_to_the_same_address(value: int, style: str) 
         assert not POLICY.decide_name(normalize_host(spelled)).allowed
 
 
-def test_system_resolver_gives_up_on_a_hung_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A name whose lookup never returns is "no addresses" (refused), not a connection that hangs forever."""
-    monkeypatch.setattr(egress_dns, "RESOLVE_TIMEOUT_S", 0.05)
-
-    async def run() -> list[Any]:
-        async def hung(*_args: Any, **_kwargs: Any) -> Any:
-            await asyncio.sleep(3600)
-
-        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", hung)
-        return await asyncio.wait_for(egress_dns.SystemResolver().resolve("hung.test"), timeout=5)
-
-    assert asyncio.run(run()) == []
-
-
-def test_dns_udp_queries_in_flight_are_capped() -> None:
-    """A sandbox flooding the DNS port cannot make the gateway hold unbounded work: beyond the cap,
-    datagrams are dropped (clients retry), like a busy server's."""
-
-    class HungService:
-        async def answer(self, wire: bytes, source: str) -> bytes | None:
-            await asyncio.sleep(3600)
-            return None
-
-    async def run() -> int:
-        protocol = egress_dns._UdpProtocol(HungService())  # type: ignore[arg-type]
-        for _ in range(egress_dns.MAX_UDP_IN_FLIGHT + 100):
-            protocol.datagram_received(b"query", ("10.0.0.2", 5353))
-        in_flight = len(protocol.tasks)
-        for task in list(protocol.tasks):
-            task.cancel()
-        await asyncio.gather(*protocol.tasks, return_exceptions=True)
-        return in_flight
-
-    assert asyncio.run(run()) == egress_dns.MAX_UDP_IN_FLIGHT
+# The resolver's timeouts and the DNS server's caps: tests/unit/test_egress_dns_limits.py

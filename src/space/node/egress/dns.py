@@ -7,20 +7,29 @@ Invariants:
   dropped; if none is left the answer is REFUSED). The proxy re-resolves and re-checks on connect, so the
   DNS answer is a convenience, never the security boundary.
 - Queries from a source address no sandbox is registered for are REFUSED.
-- At most MAX_UDP_IN_FLIGHT UDP queries are answered at once; more are dropped, so a flood cannot grow
-  memory without bound.
+- Bounded work (ADR 0026): one source address (one sandbox) has at most `per_source` queries being
+  answered at once, UDP and TCP together, and all sources together at most `total`; a UDP query beyond
+  either cap is dropped (clients retry, like with a busy server), a TCP one answered SERVFAIL at once.
+  TCP DNS connections go through the gateway's connection wrapper, so they count in its per-source
+  connection cap, and one is closed after TCP_IDLE_S without a query.
+- Names are resolved asynchronously (dnspython's asyncio resolver: no thread of any shared executor is
+  ever held by a lookup), with at most RESOLVE_TIMEOUT_S for the whole lookup (A and AAAA together) and
+  at most MAX_RESOLVES_IN_FLIGHT upstream lookups at once for the whole gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import socket
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, cast
 
+import dns.asyncresolver
 import dns.exception
 import dns.flags
 import dns.message
@@ -36,10 +45,14 @@ from space.node.egress.policy import CompiledPolicy, IPAddress, normalize_host
 
 ANSWER_TTL = 30
 MAX_TCP_MESSAGE = 65535
-# Above glibc's default worst case for one name (3 nameservers x 2 attempts x 5 s): only a hung resolver
-# is cut short.
-RESOLVE_TIMEOUT_S = 35.0
-MAX_UDP_IN_FLIGHT = 512  # queries being answered at once, for all sandboxes together
+# One lookup (A and AAAA at once, all nameservers and retries) ends within this: a sandbox waiting on a
+# slow upstream resolver holds its query slot for at most this long.
+RESOLVE_TIMEOUT_S = 2.0
+RESOLVE_ATTEMPT_S = 1.0  # per nameserver attempt
+MAX_RESOLVES_IN_FLIGHT = 128  # upstream lookups at once, whole gateway
+MAX_QUERIES_PER_SOURCE = 32  # queries being answered at once for one sandbox (UDP + TCP)
+MAX_UDP_IN_FLIGHT = 512  # queries being answered at once, for all sandboxes together (UDP + TCP)
+TCP_IDLE_S = 10.0  # a TCP DNS connection with no (complete) query for this long is closed
 
 
 def is_local_address(address: IPAddress) -> bool:
@@ -61,22 +74,67 @@ class Resolver(Protocol):
 
 
 class SystemResolver:
-    """getaddrinfo in the event loop's thread pool (the node's own resolver configuration)."""
+    """Asynchronous lookups (dnspython's asyncio resolver) against the node's nameservers
+    (/etc/resolv.conf) or the given ones: A and AAAA at once, the whole lookup within RESOLVE_TIMEOUT_S,
+    at most MAX_RESOLVES_IN_FLIGHT lookups at once (the rest wait their turn within their own timeout).
+    No thread pool is involved, so a hung or flooded upstream resolver cannot starve anything else of the
+    node agent's process. (/etc/hosts is not read: sandboxes reach the Internet, not the node's names.)"""
+
+    def __init__(
+        self,
+        nameservers: Sequence[str] | None = None,
+        *,
+        port: int = 53,
+        timeout_s: float | None = None,
+        max_in_flight: int = MAX_RESOLVES_IN_FLIGHT,
+    ) -> None:
+        self._nameservers = list(nameservers) if nameservers is not None else None
+        self._port = port
+        self._timeout_s = timeout_s
+        self._resolver: dns.asyncresolver.Resolver | None = None
+        self._slots = asyncio.Semaphore(max_in_flight)
+
+    def _configured(self) -> dns.asyncresolver.Resolver:
+        if self._resolver is None:
+            if self._nameservers is None:
+                resolver = dns.asyncresolver.Resolver(configure=True)  # reads /etc/resolv.conf once
+            else:
+                resolver = dns.asyncresolver.Resolver(configure=False)
+                resolver.nameservers = list(self._nameservers)
+                resolver.port = self._port
+            resolver.timeout = RESOLVE_ATTEMPT_S
+            resolver.cache = None
+            self._resolver = resolver
+        return self._resolver
 
     async def resolve(self, host: str) -> list[IPAddress]:
-        loop = asyncio.get_running_loop()
+        limit = self._timeout_s if self._timeout_s is not None else RESOLVE_TIMEOUT_S
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), timeout=RESOLVE_TIMEOUT_S
-            )
-        except (socket.gaierror, TimeoutError):  # a resolver that does not answer: no addresses
+            async with asyncio.timeout(limit):
+                async with self._slots:
+                    resolver = self._configured()
+                    kinds = ("A", "AAAA")
+                    answers = await asyncio.gather(
+                        *(self._one(resolver, host, kind, limit) for kind in kinds)
+                    )
+        except TimeoutError:  # a resolver that does not answer in time: no addresses
             return []
         found: list[IPAddress] = []
-        for _family, _type, _proto, _canon, sockaddr in infos:
-            address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
-            if address not in found:
-                found.append(address)
+        for addresses in answers:
+            for address in addresses:
+                if address not in found:
+                    found.append(address)
         return found
+
+    @staticmethod
+    async def _one(
+        resolver: dns.asyncresolver.Resolver, host: str, kind: str, limit: float
+    ) -> list[IPAddress]:
+        try:
+            answer = await resolver.resolve(host, kind, search=False, lifetime=limit)
+        except dns.exception.DNSException:  # NXDOMAIN, no answer, no nameserver, timeout
+            return []
+        return [ipaddress.ip_address(str(rdata.address).split("%")[0]) for rdata in answer]
 
 
 class StaticResolver:
@@ -158,9 +216,42 @@ class DnsService:
         return response.to_wire()
 
 
+@dataclass
+class QueryLimits:
+    """Queries being answered at once: per source address (one sandbox) and in total (module invariants)."""
+
+    per_source: int = MAX_QUERIES_PER_SOURCE
+    total: int = MAX_UDP_IN_FLIGHT
+
+
+class InFlight:
+    """Counts the queries being answered, per source and in total, against QueryLimits."""
+
+    def __init__(self, limits: QueryLimits) -> None:
+        self.limits = limits
+        self.by_source: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        self.dropped = 0  # queries refused by a cap (UDP dropped, TCP answered SERVFAIL)
+
+    def acquire(self, source: str) -> bool:
+        if self.total >= self.limits.total or self.by_source[source] >= self.limits.per_source:
+            self.dropped += 1
+            return False
+        self.total += 1
+        self.by_source[source] += 1
+        return True
+
+    def release(self, source: str) -> None:
+        self.total -= 1
+        self.by_source[source] -= 1
+        if self.by_source[source] <= 0:
+            del self.by_source[source]
+
+
 class _UdpProtocol(asyncio.DatagramProtocol):
-    def __init__(self, service: DnsService) -> None:
+    def __init__(self, service: DnsService, in_flight: InFlight | None = None) -> None:
         self.service = service
+        self.in_flight = in_flight or InFlight(QueryLimits())
         self.transport: asyncio.DatagramTransport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -168,14 +259,18 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         self.transport = cast(asyncio.DatagramTransport, transport)
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
-        if len(self.tasks) >= MAX_UDP_IN_FLIGHT:
+        source = _source(addr)
+        if not self.in_flight.acquire(source):
             return  # a flood: dropped like a busy server would (UDP clients retry); memory stays bounded
-        task = asyncio.ensure_future(self._reply(data, addr))
+        task = asyncio.ensure_future(self._reply(data, addr, source))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _reply(self, data: bytes, addr: tuple[str | object, int]) -> None:
-        answer = await self.service.answer(data, _source(addr))
+    async def _reply(self, data: bytes, addr: tuple[str | object, int], source: str) -> None:
+        try:
+            answer = await self.service.answer(data, source)
+        finally:
+            self.in_flight.release(source)
         if answer is not None and self.transport is not None and not self.transport.is_closing():
             if len(answer) > 512:
                 truncated = dns.message.from_wire(answer)
@@ -192,11 +287,36 @@ def _source(addr: object) -> str:
     return host
 
 
-class DnsServer:
-    """UDP and TCP DNS listeners on one port."""
+ConnectionWrapper = Callable[
+    [Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]],
+    Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+]
 
-    def __init__(self, service: DnsService) -> None:
+
+def _servfail(wire: bytes) -> bytes | None:
+    try:
+        query = dns.message.from_wire(wire)
+    except (dns.exception.DNSException, ValueError):
+        return None
+    response = dns.message.make_response(query)
+    response.set_rcode(dns.rcode.SERVFAIL)
+    return response.to_wire()
+
+
+class DnsServer:
+    """UDP and TCP DNS listeners on one port. `wrap_tcp`: the gateway's connection wrapper (its per-source
+    connection cap and accounting) put around every TCP connection."""
+
+    def __init__(
+        self,
+        service: DnsService,
+        *,
+        limits: QueryLimits | None = None,
+        wrap_tcp: ConnectionWrapper | None = None,
+    ) -> None:
         self.service = service
+        self.in_flight = InFlight(limits or QueryLimits())
+        self._wrap_tcp = wrap_tcp
         self._udp: asyncio.DatagramTransport | None = None
         self._udp_protocol: _UdpProtocol | None = None
         self._tcp: asyncio.Server | None = None
@@ -204,10 +324,11 @@ class DnsServer:
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self._tcp = await asyncio.start_server(self._handle_tcp, host, port)
+        handler = self._wrap_tcp(self._handle_tcp) if self._wrap_tcp is not None else self._handle_tcp
+        self._tcp = await asyncio.start_server(handler, host, port)
         self.port = int(self._tcp.sockets[0].getsockname()[1])
         transport, protocol = await loop.create_datagram_endpoint(
-            lambda: _UdpProtocol(self.service), local_addr=(host, self.port)
+            lambda: _UdpProtocol(self.service, self.in_flight), local_addr=(host, self.port)
         )
         self._udp, self._udp_protocol = transport, protocol
         return self.port
@@ -216,10 +337,16 @@ class DnsServer:
         source = _source(writer.get_extra_info("peername"))
         try:
             while True:
-                head = await asyncio.wait_for(reader.readexactly(2), timeout=30)
+                head = await asyncio.wait_for(reader.readexactly(2), timeout=TCP_IDLE_S)
                 (length,) = struct.unpack("!H", head)
-                wire = await asyncio.wait_for(reader.readexactly(length), timeout=30)
-                answer = await self.service.answer(wire, source)
+                wire = await asyncio.wait_for(reader.readexactly(length), timeout=TCP_IDLE_S)
+                if self.in_flight.acquire(source):
+                    try:
+                        answer = await self.service.answer(wire, source)
+                    finally:
+                        self.in_flight.release(source)
+                else:
+                    answer = _servfail(wire)  # over a cap: answered at once, nothing held
                 if answer is None:
                     break
                 writer.write(struct.pack("!H", len(answer)) + answer)

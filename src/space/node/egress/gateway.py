@@ -8,6 +8,8 @@ Invariants:
 - No policy means no egress.
 - `set_policy`/`forget` may be called from another thread: the maps change at once, closing connections is
   handed to the gateway's loop.
+- Every TCP connection a source opens (proxy, transparent listeners, DNS over TCP) counts against
+  `max_connections_per_source`; DNS queries are capped per source and in total (space.node.egress.dns).
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import h11
 
 from space.core import errors
 from space.node.egress.credentials import CredentialSource
-from space.node.egress.dns import DnsServer, DnsService, Resolver, SystemResolver
+from space.node.egress.dns import (
+    MAX_QUERIES_PER_SOURCE,
+    MAX_UDP_IN_FLIGHT,
+    DnsServer,
+    DnsService,
+    QueryLimits,
+    Resolver,
+    SystemResolver,
+)
 from space.node.egress.policy import CompiledPolicy, EgressPolicy, IPNetwork
 from space.node.egress.proxy import AuditCallback, GatewayContext, Handlers, SandboxEntry, _plain_ip
 from space.node.egress.tls import CertificateAuthority, upstream_context
@@ -60,14 +70,17 @@ class EgressGateway:
         operator_allowed_networks: Sequence[IPNetwork] = (),
         transparent_default_ports: Mapping[str, int] | None = None,
         max_connections_per_source: int = 512,
+        dns_queries_per_source: int = MAX_QUERIES_PER_SOURCE,
+        dns_queries_total: int = MAX_UDP_IN_FLIGHT,
     ) -> None:
         """`listen_ports` (default: all 0 = any free port); `trust_store`: PEM file/directory the upstream
         certificates are verified against (default: the system store); `operator_allowed_networks`: ranges
         the operator (never a tenant policy) opens although they are normally unreachable, e.g. loopback for
         a benchmark; `transparent_default_ports`: upstream ports for redirected traffic when the original
         destination port cannot be read ({"http": 80, "tls": 443}); `max_connections_per_source`: client
-        connections one source address may hold at once (more are closed at once: one sandbox cannot use up
-        the gateway's file descriptors)."""
+        connections one source address may hold at once, TCP DNS connections included (more are closed at
+        once: one sandbox cannot use up the gateway's file descriptors); `dns_queries_per_source`,
+        `dns_queries_total`: DNS queries being answered at once for one source and for all (UDP + TCP)."""
         self.ca = CertificateAuthority(ca_dir)
         self.listen_host = listen_host
         self._wanted_ports = {name: int((listen_ports or {}).get(name, 0)) for name in PORT_NAMES}
@@ -83,7 +96,11 @@ class EgressGateway:
             self.ctx.default_ports.update(transparent_default_ports)
         self._handlers = Handlers(self.ctx)
         self._servers: list[asyncio.Server] = []
-        self._dns = DnsServer(DnsService(self._dns_lookup, self.ctx.resolver, self._dns_audit))
+        self._dns = DnsServer(
+            DnsService(self._dns_lookup, self.ctx.resolver, self._dns_audit),
+            limits=QueryLimits(per_source=dns_queries_per_source, total=dns_queries_total),
+            wrap_tcp=self._wrap,
+        )
         self._ports: dict[str, int] = {}
         self._connections: set[asyncio.Task[None]] = set()
         self._per_source: collections.Counter[str] = collections.Counter()

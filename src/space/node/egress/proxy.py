@@ -16,6 +16,7 @@ Invariants:
   before the sandbox sees it.
 - An idle upstream connection is reused only for the same sandbox, host, port and checked address, and only
   after the new request itself was decided.
+- A spliced tunnel that moved no byte in either direction for `tunnel_idle_timeout` is closed.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class GatewayContext:
     limiter: RateLimiter = field(default_factory=RateLimiter)
     connect_timeout: float = 10.0
     idle_timeout: float = 300.0
+    tunnel_idle_timeout: float = 300.0  # a spliced tunnel silent both ways this long is closed
     hello_timeout: float = 10.0
     default_ports: dict[str, int] = field(default_factory=lambda: {"http": 80, "tls": 443})
     pool: dict[tuple[str, str, int, bool, str], list[_Upstream]] = field(default_factory=dict)
@@ -288,12 +290,38 @@ async def _connect(
     raise errors.Unavailable(f"cannot connect upstream on port {port}: {last}")
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+class _Activity:
+    """When a spliced tunnel last moved a byte in either direction (loop time)."""
+
+    def __init__(self) -> None:
+        self.last = asyncio.get_running_loop().time()
+
+    def touch(self) -> None:
+        self.last = asyncio.get_running_loop().time()
+
+
+async def _close_when_idle(activity: _Activity, idle_s: float, close: Callable[[], None]) -> None:
+    """Close a spliced tunnel once neither direction moved a byte for `idle_s`: a sandbox cannot keep
+    thousands of silent tunnels (file descriptors, upstream sockets) open forever."""
+    loop = asyncio.get_running_loop()
+    while True:
+        remaining = activity.last + idle_s - loop.time()
+        if remaining <= 0:
+            close()
+            return
+        await asyncio.sleep(remaining)
+
+
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, activity: _Activity | None = None
+) -> None:
     try:
         while True:
             data = await reader.read(READ_SIZE)
             if not data:
                 break
+            if activity is not None:
+                activity.touch()
             writer.write(data)
             await writer.drain()
         if writer.can_write_eof() and not writer.is_closing():
@@ -968,14 +996,20 @@ class Handlers:
                         return
                     first = seen.raw
             if first:
+                activity.touch()
                 up_writer.write(first)
                 await up_writer.drain()
-            await _pipe(reader, up_writer)
+            await _pipe(reader, up_writer, activity)
 
+        activity = _Activity()
+        watchdog = asyncio.ensure_future(_close_when_idle(activity, self.ctx.tunnel_idle_timeout, close))
         track = self.ctx.track(sandbox_id, ActiveConnection(destination, address, close))
         try:
-            await asyncio.gather(client_to_upstream(), _pipe(up_reader, writer), return_exceptions=True)
+            await asyncio.gather(
+                client_to_upstream(), _pipe(up_reader, writer, activity), return_exceptions=True
+            )
         finally:
+            watchdog.cancel()
             self.ctx.untrack(track)
             close()
 
