@@ -34,6 +34,7 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
 from space.core.lifecycle import State
+from space.node.agent.identity import default_rpc_token_file
 from space.node.local import LocalNode, ensure_local_store
 from space.objectstore.base import open_store
 from space.sdk import NotFound, Sandbox, Space
@@ -74,9 +75,9 @@ class TwoNodes:
 
     def holding(self, sandbox_id: str) -> dict[str, str]:
         """node name -> state of its copy, from each node agent's own listing."""
-        token = (self.root / "node.token").read_text().strip()
         found = {}
         for node in self.nodes:
+            token = default_rpc_token_file(node.data_dir).read_text().strip()  # its own (ADR 0021)
             answer = httpx.get(
                 f"{node.url}/node/v1/sandboxes", params={"guest": "false"},
                 headers={"Authorization": f"Bearer {token}"}, timeout=10,
@@ -129,7 +130,7 @@ def two_nodes() -> Iterator[TwoNodes]:
             local.start_helper()
             port = c.free_port()
             argv = [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(data_dir),
-                    "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file),
+                    "--listen", f"127.0.0.1:{port}", "--bootstrap-token-file", str(token_file),
                     "--control-plane", cp.url, "--store-url", store_url,
                     "--log-level", "warning"]  # fmt: skip
             if uid:

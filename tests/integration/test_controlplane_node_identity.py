@@ -1,7 +1,7 @@
-"""Per-node identities (ADR 0019) through the real API and node processes of a fake-driver cluster of its
-own (it registers extra nodes, which other modules' cluster must not see): registration issues a secret
-per node and per registration; heartbeats, credential fetches and audit posts accept only the identity of
-the node named in the path, from its latest registration; the cluster's bootstrap token only registers."""
+"""Per-node identities (ADR 0019, 0021) through the real API and node processes of a fake-driver cluster of
+its own (it registers extra nodes, which other modules' cluster must not see): enrolment issues a secret per
+node, kept by the node across restarts; heartbeats, re-registrations, credential fetches and audit posts
+accept only the identity of the node named in the path; the cluster's bootstrap token only enrols."""
 
 from __future__ import annotations
 
@@ -109,9 +109,13 @@ def test_register_heartbeat_fetch_and_audit_as_the_node(cluster: c.Cluster, sand
                  "host": "api.example.com", "at": time.time()}  # fmt: skip
         answer = ni.audit(cluster, node, identity, [event])
         assert answer.status_code == 200 and answer.json() == {"accepted": 1, "rejected": 0}, answer.text
-    # as_node waited until the node registered again: the identity the test held is dead now.
-    refused(ni.fetch(cluster, node, sandbox["id"], identity))
-    refused(ni.heartbeat(cluster, node, identity))
+    # The identity is the node's for good (ADR 0021): the node itself keeps heartbeating with it.
+    before = cluster.node_record().last_heartbeat_at  # type: ignore[union-attr]
+    c.wait_for(
+        lambda: cluster.node_record().last_heartbeat_at > before,  # type: ignore[union-attr]
+        timeout=10, what="the node's own heartbeats with the same identity",
+    )  # fmt: skip
+    assert cluster.node.identity == (node, identity)
 
 
 def test_a_nodes_identity_gets_nothing_of_another_nodes_sandboxes(
@@ -136,33 +140,36 @@ def test_a_nodes_identity_gets_nothing_of_another_nodes_sandboxes(
     assert not [e for e in entries if e["actor"] == f"node:{other}"], entries
 
 
-def test_registering_again_rotates_the_identity(cluster: c.Cluster) -> None:
+def test_a_held_url_is_not_enrolled_again_and_reregistering_keeps_the_identity(cluster: c.Cluster) -> None:
     url = f"http://127.0.0.1:1/{secrets.token_hex(4)}"
     node, first = ni.register(cluster, url)
     cluster.store.set_node_status(node, "draining")
     assert ni.heartbeat(cluster, node, first).status_code == 200
-    again, second = ni.register(cluster, url)
+    # The bootstrap token enrols new nodes only: the url is taken (ADR 0021).
+    answer = ni.enrol(cluster, url)
+    assert answer.status_code == 409 and answer.json()["error"]["code"] == "already_exists", answer.text
+    # Its node re-registers with its identity, keeps id and identity.
+    answer = ni.reregister(cluster, node, first, url)
+    assert answer.status_code == 200 and answer.json() == {"node_id": node}, answer.text
     cluster.store.set_node_status(node, "draining")
-    assert again == node and second != first
-    refused(ni.heartbeat(cluster, node, first))
-    refused(ni.fetch(cluster, node, "sbx-x", first))
-    assert ni.heartbeat(cluster, node, second).status_code == 200
-    # The identity is stored hashed only: neither secret appears in the nodes table.
+    assert ni.heartbeat(cluster, node, first).status_code == 200
+    refused(ni.reregister(cluster, node, cluster.node.token, url))  # the bootstrap token is no identity
+    # The identity is stored hashed only: it does not appear in the nodes table.
     with cluster.store.engine.connect() as db:
         rows = db.exec_driver_sql("SELECT * FROM nodes").all()
-    dumped = repr(rows)
-    assert first not in dumped and second not in dumped
+    assert first not in repr(rows)
 
 
-def test_a_restarted_node_registers_again_with_a_new_identity(cluster: c.Cluster) -> None:
+def test_a_restarted_node_keeps_its_id_and_identity(cluster: c.Cluster) -> None:
     with ni.as_node(cluster) as (node, held):
-        pass  # the identity of one registration of this node
-    refused(ni.heartbeat(cluster, node, held))
+        pass
     before = cluster.node_record().last_heartbeat_at  # type: ignore[union-attr]
     cluster.node.stop()
-    cluster.node.start()  # its new process holds no identity: it registers with the bootstrap token
+    cluster.node.start()  # its new process re-registers with the identity in its data directory
     c.wait_for(
         lambda: cluster.node_ready() and cluster.node_record().last_heartbeat_at > before,  # type: ignore[union-attr]
         timeout=30, what="the restarted node heartbeating again",
     )  # fmt: skip
     assert [n.id for n in cluster.store.list_nodes("ready")] == [node]
+    assert cluster.node.identity == (node, held)
+    assert ni.heartbeat(cluster, node, held).status_code == 200

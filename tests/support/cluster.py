@@ -14,6 +14,7 @@ Everything the tests wait for is polled with a deadline (`wait_for`); nothing sl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import secrets
@@ -37,8 +38,10 @@ from space.controlplane.store.migrate import migrate
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core.lifecycle import IN_PROGRESS_STATES, State
+from space.node.agent.identity import default_identity_file, default_rpc_token_file
 from space.sdk import Space
 from tests.support.host import cgroups_under, loop_devices_for, mounts_under, processes_mentioning
+from tests.support.node_capability import NodeAuth
 
 T = TypeVar("T")
 
@@ -200,10 +203,10 @@ class FakeNode(Service):
     ) -> None:
         self.port = free_port()
         self.data_dir = data_dir
-        self.token = token_file.read_text().strip()
+        self.token = token_file.read_text().strip()  # the cluster's bootstrap token: enrols, nothing else
         argv = [sys.executable, "-m", "space.node.agent.server", "--driver", "fake",
                 "--data-dir", str(data_dir), "--listen", f"127.0.0.1:{self.port}",
-                "--token-file", str(token_file), "--control-plane", control_plane,
+                "--bootstrap-token-file", str(token_file), "--control-plane", control_plane,
                 "--log-level", "warning"]  # fmt: skip
         if store_url is not None:
             argv += ["--store-url", store_url]
@@ -213,10 +216,20 @@ class FakeNode(Service):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def rpc_token(self) -> str:
+        """The node's own RPC token (made by the node at its first start; ADR 0021)."""
+        return default_rpc_token_file(self.data_dir).read_text().strip()
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        """(node id, identity) the node persisted at its enrolment."""
+        data = json.loads(default_identity_file(self.data_dir).read_text())
+        return str(data["node_id"]), str(data["identity"])
+
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(
-            f"{self.url}/node/v1{path}", headers={"Authorization": f"Bearer {self.token}"}, timeout=10, **kw
-        )
+        # NodeAuth: the token, and a capability for the sandbox the path names (as the control plane sends)
+        return httpx.get(f"{self.url}/node/v1{path}", auth=NodeAuth(self.rpc_token), timeout=10, **kw)
 
     def sandboxes(self) -> dict[str, dict[str, Any]]:
         """What the node runs: id -> observed (from GET /node/v1/sandboxes?guest=false)."""

@@ -57,8 +57,9 @@ class AgentProcess:
         self.store_url = store_url
         self.port = free_port()
         self.token = secrets.token_urlsafe(16)
-        self.token_file = log_dir / f"{name}.token"
+        self.token_file = log_dir / f"{name}.token"  # the agent's own RPC token (ADR 0021)
         self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -72,7 +73,7 @@ class AgentProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.layout.data_dir),
-                 "--listen", f"127.0.0.1:{self.port}", "--token-file", str(self.token_file),
+                 "--listen", f"127.0.0.1:{self.port}", "--rpc-token-file", str(self.token_file),
                  "--no-prepare", "--store-url", self.store_url, "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
             )  # fmt: skip

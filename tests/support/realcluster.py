@@ -48,6 +48,7 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
 from space.core.lifecycle import State
+from space.node.agent.identity import default_rpc_token_file
 from space.node.helper.network import node_tag
 from space.node.layout import NodeLayout
 from space.node.local import LocalNode, ensure_local_store
@@ -86,7 +87,11 @@ class ClusterNode:
     local: LocalNode
     agent: c.Service
     port: int
-    token: str
+
+    @property
+    def token(self) -> str:
+        """The node's own RPC token (made by the agent at its first start; ADR 0021)."""
+        return default_rpc_token_file(self.data_dir).read_text().strip()
 
     @property
     def url(self) -> str:
@@ -304,7 +309,7 @@ class TwoNodeCluster:
 
 
 # -- set-up and teardown -------------------------------------------------------------------------------------
-def _make_node(root: pathlib.Path, name: str, token: str, token_file: pathlib.Path, cp_url: str,
+def _make_node(root: pathlib.Path, name: str, token_file: pathlib.Path, cp_url: str,
                store_url: str, uid: int, gid: int) -> ClusterNode:  # fmt: skip
     data_dir = root / f"node-{name}"
     data_dir.mkdir()
@@ -316,13 +321,13 @@ def _make_node(root: pathlib.Path, name: str, token: str, token_file: pathlib.Pa
     )
     port = c.free_port()
     argv = [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(data_dir),
-            "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file), "--control-plane", cp_url,
-            "--store-url", store_url, "--log-level", "info"]  # fmt: skip
+            "--listen", f"127.0.0.1:{port}", "--bootstrap-token-file", str(token_file),
+            "--control-plane", cp_url, "--store-url", store_url, "--log-level", "info"]  # fmt: skip
     if uid:
         argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *argv]
     agent = c.Service(f"agent-{name}", argv, root / f"agent-{name}.log")
     agent.extra_env = {"HOME": "/"}
-    return ClusterNode(name, local, agent, port, token)
+    return ClusterNode(name, local, agent, port)
 
 
 def _force_clean(data_dir: pathlib.Path) -> dict[str, list[str]]:
@@ -446,9 +451,8 @@ def start_two_nodes() -> Iterator[TwoNodeCluster]:
     uid, gid = _agent_ids()
     root = pathlib.Path(tempfile.mkdtemp(prefix="space-test-multinode-", dir="/var/tmp"))
     root.chmod(0o755)
-    token = secrets.token_urlsafe(32)
     token_file = root / "node.token"
-    token_file.write_text(token + "\n")
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
     token_file.chmod(0o600)
     os.chown(token_file, uid, gid)
     store_url = (root / "objects").as_uri()
@@ -458,7 +462,7 @@ def start_two_nodes() -> Iterator[TwoNodeCluster]:
     db: Store | None = None
     made: TwoNodeCluster | None = None
     cp = c.ControlPlane(cp_dir, token_file, database_url=None, name="controlplane", store_url=store_url)
-    nodes = [_make_node(root, name, token, token_file, cp.url, store_url, uid, gid) for name in NODE_NAMES]
+    nodes = [_make_node(root, name, token_file, cp.url, store_url, uid, gid) for name in NODE_NAMES]
     try:
         db, _org, project_id, admin_key = c.bootstrap(sqlite_url(cp_dir))
         cp.start()

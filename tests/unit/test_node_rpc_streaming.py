@@ -22,6 +22,7 @@ import pytest
 
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
+from space.node.agent.identity import NodeIdentity
 from space.node.agent.registration import report_to_control_plane
 from space.node.agent.server import NodeService
 from space.node.drivers.fake import FakeDriver
@@ -53,11 +54,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
     data_dir = tmp_path_factory.mktemp("node-proc")
     token_file = data_dir / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     port = free_port()
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "space.node.agent.server", "--driver", "fake", "--data-dir", str(data_dir),
-         "--listen", f"127.0.0.1:{port}", "--token-file", str(token_file),
+         "--listen", f"127.0.0.1:{port}", "--rpc-token-file", str(token_file),
          "--control-plane", "http://127.0.0.1:9", "--log-level", "warning"],
         stdout=log, stderr=log,
     )  # fmt: skip
@@ -165,7 +167,7 @@ def test_abandoned_download_and_upload_leave_no_open_calls(
 def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pathlib.Path) -> None:
     seen: list[tuple[str, dict[str, Any], str]] = []
     failures = {"register": 1, "heartbeat": 1}
-    issued: list[str] = []  # the per-node identity of each registration, newest last
+    issued: list[str] = []  # the per-node identity of each enrolment
 
     def control_plane(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -176,11 +178,13 @@ def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pa
                 return httpx.Response(503)
             issued.append(f"identity-{len(issued)}")
             return httpx.Response(201, json={"node_id": "node-x", "identity": issued[-1]})
+        if request.headers.get("authorization") != f"Bearer {issued[-1]}":
+            return httpx.Response(401)  # only the enrolment's identity is good
+        if request.url.path == "/v1/nodes/node-x/register":
+            return httpx.Response(200, json={"node_id": "node-x"})
         if failures["heartbeat"]:
             failures["heartbeat"] -= 1
             return httpx.Response(404)  # "unknown node": the agent registers again
-        if request.headers.get("authorization") != f"Bearer {issued[-1]}":
-            return httpx.Response(401)  # only the latest registration's identity is good
         return httpx.Response(200, json={})
 
     async def scenario() -> None:
@@ -188,6 +192,7 @@ def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pa
         await agent.prepare()
         handle = await agent.create()
         service = NodeService(agent)
+        service.identity = NodeIdentity.load(tmp_path / "identity" / "node.json")
         service.touch(handle.sandbox_id)  # as a data-plane request would
         task = asyncio.create_task(
             report_to_control_plane(
@@ -208,19 +213,24 @@ def test_registration_and_heartbeats_survive_control_plane_failures(tmp_path: pa
         beats = [body for path, body, _ in seen if path == "/v1/nodes/node-x/heartbeat"]
         assert len(beats) >= 3
         assert [path for path, _, _ in seen[:4]] == [
-            "/v1/nodes/register", "/v1/nodes/register", "/v1/nodes/node-x/heartbeat", "/v1/nodes/register",
+            "/v1/nodes/register", "/v1/nodes/register", "/v1/nodes/node-x/heartbeat",
+            "/v1/nodes/node-x/register",
         ]  # fmt: skip
         register = seen[0][1]
         assert (register["url"], register["token"], register["templates"]) == (
             "http://node:7070", "rpc-token", ["python"],
         )  # fmt: skip
         assert register["capacity"]["cpus"] >= 1 and register["driver"] == "fake"
-        # The bootstrap token only registers; heartbeats carry the identity of the latest registration.
-        assert {auth for path, _, auth in seen if path.endswith("/register")} == {"Bearer boot-token"}
-        beat_auth = [auth for path, _, auth in seen if path.endswith("/heartbeat")]
-        assert beat_auth[0] == "Bearer identity-0" and set(beat_auth[1:]) == {"Bearer identity-1"}
-        assert len(issued) == 2 and service.identity.node_id == "node-x"
+        # The bootstrap token only enrols (once); re-registration and heartbeats carry the identity.
+        assert [auth for path, _, auth in seen if path == "/v1/nodes/register"] == ["Bearer boot-token"] * 2
+        assert {auth for path, _, auth in seen if path != "/v1/nodes/register"} == {"Bearer identity-0"}
+        assert seen[3][1]["token"] == "rpc-token"  # re-registration carries the RPC token again
+        assert len(issued) == 1 and service.identity.node_id == "node-x"
         assert service.identity.secret == issued[-1] and service.node_id == "node-x"
+        # Persisted (0600) for the next start of the agent.
+        persisted = tmp_path / "identity" / "node.json"
+        assert persisted.stat().st_mode & 0o777 == 0o600
+        assert NodeIdentity.load(persisted) == service.identity
         last = beats[-1]
         assert last["node_id"] == "node-x" and last["sandbox_count"] == 1
         assert last["capacity"]["cpus"] >= 1 and last["used"]["memory_mb"] == 512

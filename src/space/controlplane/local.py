@@ -149,7 +149,9 @@ class LocalCluster:
         self._spawn(
             "agent",
             [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
-             "--listen", f"127.0.0.1:{self.node_port}", "--token-file", str(self.data_dir / "node.token"),
+             "--listen", f"127.0.0.1:{self.node_port}",
+             # Enrols the node once; its own RPC token and identity are kept in DATA_DIR/identity (ADR 0021).
+             "--bootstrap-token-file", str(self.data_dir / "node.token"),
              "--control-plane", self.url, "--store-url", store_url, *egress_args],  # prepares (warm starts)
             user=(uid, gid),
         )  # fmt: skip

@@ -1,9 +1,16 @@
-"""Node-facing routes of the control plane: registration (bootstrap token) and heartbeats (per-node identity).
+"""Node-facing routes of the control plane: enrolment, re-registration and heartbeats (ADR 0019, 0021).
 
 Invariants:
-- The bootstrap token registers nodes and does nothing else; every other node-facing call authenticates
-  with the identity issued to THAT node (ADR 0019).
-- Crash reports and stale copies reported by a node only ever touch sandboxes recorded on that node.
+- Enrolment (`POST /v1/nodes/register`) takes the cluster's bootstrap token or an enrolment token (one use
+  consumed per enrolment) and makes a NEW node only: a url that a node already holds is a 409, so nobody
+  takes another node's place, identity or sandboxes with a bootstrap token.
+- Re-registration (`POST /v1/nodes/{id}/register`) and every other node-facing call authenticate with the
+  identity issued to THAT node at its enrolment; the bootstrap token does nothing there.
+- Every registration carries the node's own RPC token, which is stored only sealed (space.controlplane.nodes)
+  and is the only token the control plane presents to that node.
+- The caller is authenticated before its body is read.
+- Crash reports, activity and stale copies reported by a node only ever touch sandboxes recorded on that
+  node.
 """
 
 from __future__ import annotations
@@ -13,13 +20,14 @@ import hmac
 import json
 from datetime import UTC, datetime
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Header, Request
 
 from space.controlplane.api.app import Services
 from space.controlplane.reconciler.loop import is_orphan_copy
 from space.controlplane.store.store import Store, new_node_identity
-from space.core import errors
+from space.core import errors, ids
 from space.core.lifecycle import State
 
 
@@ -64,10 +72,12 @@ async def _stale_copies(services: Services, node_id: str, reported: list[str]) -
             return
 
 
-def _capacity(raw: dict[str, Any]) -> dict[str, Any]:
-    memory_mb = int(raw.get("memory_mb", 0))
-    capacity: dict[str, Any] = {"cpus": float(raw.get("cpus", 0)), "memory_mb": memory_mb}
-    capacity["sandboxes"] = max(1, memory_mb // 64)
+def _capacity(raw: Any) -> dict[str, Any]:
+    try:
+        memory_mb, cpus = int(raw.get("memory_mb", 0)), float(raw.get("cpus", 0))
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+        raise errors.InvalidArgument(f"capacity: {exc}", field="capacity") from exc
+    capacity = {"cpus": cpus, "memory_mb": memory_mb, "sandboxes": max(1, memory_mb // 64)}
     for field in ("disk_mb", "disk_free_mb", "disk_reserve_mb"):  # scheduler.py's disk admission
         value = raw.get(field)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -76,10 +86,36 @@ def _capacity(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- node registration ---------------------------------------------------------------------------------------
+MIN_RPC_TOKEN_LENGTH = 16
+MAX_RPC_TOKEN_LENGTH = 256
+
+
+def _bearer(authorization: str | None) -> str:
+    return (authorization or "").removeprefix("Bearer ").strip()
+
+
+def _registration(body: dict[str, Any]) -> tuple[str, str]:
+    """(url, rpc token) of a registration body, checked: the control plane will call that url with that
+    token, so it must be a plain http(s) base url and a token of sane length."""
+    url, token = body.get("url"), body.get("token")
+    if not isinstance(url, str) or not 0 < len(url) <= 512:
+        raise errors.InvalidArgument("url: expected 1 to 512 characters", field="url")
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"} or not parts.hostname or parts.username or parts.password \
+            or parts.query or parts.fragment:  # fmt: skip
+        raise errors.InvalidArgument("url must be http(s)://host[:port][/path]", field="url")
+    if not isinstance(token, str) or not MIN_RPC_TOKEN_LENGTH <= len(token) <= MAX_RPC_TOKEN_LENGTH:
+        raise errors.InvalidArgument(
+            f"token (the node's RPC token): {MIN_RPC_TOKEN_LENGTH} to {MAX_RPC_TOKEN_LENGTH} characters",
+            field="token",
+        )
+    return url, token
+
+
 async def authenticate_node(store: Store, node_id: str, authorization: str | None) -> None:
-    """Node-facing routes other than registration: `Authorization: Bearer <identity>` must be the secret
-    issued at THIS node's latest registration (ADR 0019), else 401 (the node then registers again)."""
-    presented = (authorization or "").removeprefix("Bearer ").strip()
+    """Node-facing routes other than enrolment: `Authorization: Bearer <identity>` must be the secret
+    issued at THIS node's enrolment (ADR 0019, 0021), else 401 (the node then registers again)."""
+    presented = _bearer(authorization)
     if not presented:
         raise errors.Unauthenticated("missing node identity")
     if await asyncio.to_thread(store.authenticate_node, node_id, presented) is None:
@@ -89,27 +125,52 @@ async def authenticate_node(store: Store, node_id: str, authorization: str | Non
 def router(services: Services) -> APIRouter:
     r = APIRouter(include_in_schema=False)
     store = services.store
+    cluster_token = services.node_token.encode()
 
-    def check_node_token(authorization: str | None) -> None:
-        """The cluster's bootstrap token: good for registering, nothing else (ADR 0019)."""
-        presented = (authorization or "").removeprefix("Bearer ").strip()
-        if not presented or not hmac.compare_digest(presented, services.node_token):
+    async def enrolment_credential(authorization: str | None) -> str | None:
+        """None for the cluster's (multi-use) bootstrap token, else the enrolment token presented; 401 if
+        it is neither (checked before the body is read; enrol_node takes the use atomically)."""
+        presented = _bearer(authorization)
+        if presented and hmac.compare_digest(presented.encode(), cluster_token):
+            return None
+        usable: bool = bool(presented) and await asyncio.to_thread(store.enrolment_token_usable, presented)
+        if not usable:
             raise errors.Unauthenticated("bad node token")
+        return presented
 
     @r.post("/register")
-    async def register(
+    async def enrol(
         request: Request, authorization: Annotated[str | None, Header()] = None
     ) -> dict[str, Any]:
-        check_node_token(authorization)
+        enrolment = await enrolment_credential(authorization)
         body = await _json_object(request)
-        # A fresh identity per registration: answered once, stored hashed; the previous one stops working.
+        url, rpc_token = _registration(body)
+        node_id = ids.new_node_id()
+        # The identity is answered once and stored hashed; the node keeps it and re-registers with it.
         identity = new_node_identity()
-        node = await asyncio.to_thread(
-            store.register_node, str(body.get("url", "")), str(body.get("token", "")),
+        await asyncio.to_thread(
+            store.enrol_node, node_id, url, identity=identity,
+            rpc_token_sealed=services.nodes.tokens.seal(node_id, rpc_token),
             capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
-            identity=identity,
+            enrolment_token=enrolment,
         )  # fmt: skip
-        return {"node_id": node.id, "identity": identity}
+        return {"node_id": node_id, "identity": identity}
+
+    @r.post("/{node_id}/register")
+    async def reregister(
+        node_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
+    ) -> dict[str, Any]:
+        await authenticate_node(store, node_id, authorization)
+        body = await _json_object(request)
+        url, rpc_token = _registration(body)
+        node = await asyncio.to_thread(
+            store.reregister_node, node_id, _bearer(authorization), url,
+            rpc_token_sealed=services.nodes.tokens.seal(node_id, rpc_token),
+            capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
+        )  # fmt: skip
+        if node is None:
+            raise errors.Unauthenticated(f"bad identity for node {node_id}")
+        return {"node_id": node.id}
 
     @r.post("/{node_id}/heartbeat")
     async def heartbeat(

@@ -114,6 +114,9 @@ class Node(Base):
     token_hash: Mapped[str] = mapped_column(String(64))
     # SHA-256 of the per-node secret issued at registration (ADR 0019); NULL: must register again.
     identity_hash: Mapped[str | None] = mapped_column(String(64))
+    # The node's own RPC token, AES-GCM sealed by the control plane (space.controlplane.nodes, ADR 0021):
+    # the control plane must present it, so it cannot be a digest. NULL: the node must register again.
+    rpc_token_sealed: Mapped[bytes | None] = mapped_column(LargeBinary)
     capacity: Mapped[dict[str, Any]] = mapped_column(JSON)
     used: Mapped[dict[str, Any]] = mapped_column(JSON)
     templates: Mapped[list[str]] = mapped_column(JSON)
@@ -121,6 +124,21 @@ class Node(Base):
     status: Mapped[str] = mapped_column(String(16))
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class EnrolmentToken(Base):
+    """A token that enrols new nodes (ADR 0021): only its SHA-256 is kept; each enrolment uses one of
+    `max_uses`, atomically, and an expired or used-up token enrols nothing."""
+
+    __tablename__ = "enrolment_tokens"
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    max_uses: Mapped[int] = mapped_column(Integer)
+    uses: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Sandbox(Base):

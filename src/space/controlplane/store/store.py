@@ -14,7 +14,8 @@ Invariants:
   is free or expired, selecting them with `FOR UPDATE SKIP LOCKED` on PostgreSQL and inside a
   BEGIN IMMEDIATE transaction on SQLite, so two claimers never hold the same sandbox at the same time.
   A lease is an optimisation, not a correctness fence: the CAS on (state, generation) still decides.
-- Secrets (API keys, node tokens) are stored only as SHA-256 hex digests.
+- Secrets (API keys, node identities, enrolment tokens) are stored only as SHA-256 hex digests; a node's
+  RPC token, which the control plane must present, only sealed by the caller (ADR 0021).
 - An idempotency record is created by INSERT under the (scope, key) primary key: of concurrent requests
   with one key exactly one gets "new"; the rest see "in_progress" or, once finished, "replay".
 - Time comes from the injected clock (aware UTC), so several replicas compare leases and deadlines with
@@ -41,6 +42,7 @@ from space.controlplane.store.errors import translate_db_errors
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.models import (
     ApiKey,
+    EnrolmentToken,
     IdempotencyRecord,
     Node,
     Org,
@@ -63,7 +65,14 @@ from space.controlplane.store.records import (
     SnapshotState,
 )
 from space.core import ids, lifecycle
-from space.core.errors import AlreadyExists, Conflict, InvalidArgument, InvalidState, NotFound
+from space.core.errors import (
+    AlreadyExists,
+    Conflict,
+    InvalidArgument,
+    InvalidState,
+    NotFound,
+    Unauthenticated,
+)
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
 
@@ -869,11 +878,15 @@ class Store:
         templates: Sequence[str] = (),
         labels: Mapping[str, str] | None = None,
         identity: str | None = None,
+        rpc_token_sealed: bytes | None = None,
     ) -> NodeRecord:
         """Register a node, idempotent by url: a node that registers again (after a restart) keeps its
         id and becomes ready; its token, capacity, templates and labels are replaced. `identity` is the
         per-node secret the caller issued for this registration (only its hash is kept); it replaces the
-        previous one, so an identity from an earlier registration stops working (None: none works)."""
+        previous one, so an identity from an earlier registration stops working (None: none works).
+
+        Trusted and unchecked (operators' tools, tests): the node-facing API enrols with `enrol_node` and
+        re-registers with `reregister_node`, which never let one node take another's url (ADR 0021)."""
         url = _text(url, "url", 512)
         token = _text(token, "token", _MAX_SECRET_LENGTH)
         if identity is not None:
@@ -888,6 +901,7 @@ class Store:
                         session.add(row)
                     row.token_hash = hash_secret(token)
                     row.identity_hash = hash_secret(identity) if identity is not None else None
+                    row.rpc_token_sealed = rpc_token_sealed
                     row.capacity = dict(capacity or {})
                     row.templates = list(templates)
                     row.labels = dict(labels or {})
@@ -910,6 +924,137 @@ class Store:
             if row is None or row.identity_hash is None or not hmac.compare_digest(row.identity_hash, digest):
                 return None
             return _node(row)
+
+    def node_endpoint(self, node_id: str) -> tuple[str, bytes | None] | None:
+        """(url, sealed RPC token) of a node, for the node pool only (ADR 0021); None if not registered."""
+        with self._tx("reading a node's endpoint") as session:
+            row = session.get(Node, node_id)
+            return (row.url, row.rpc_token_sealed) if row is not None else None
+
+    def _url_holder(self, session: Session, url: str) -> Node | None:
+        return session.scalars(select(Node).where(Node.url == url).with_for_update()).one_or_none()
+
+    def enrol_node(
+        self,
+        node_id: str,
+        url: str,
+        *,
+        identity: str,
+        rpc_token_sealed: bytes,
+        capacity: Mapping[str, Any] | None = None,
+        templates: Sequence[str] = (),
+        labels: Mapping[str, str] | None = None,
+        enrolment_token: str | None = None,
+    ) -> NodeRecord:
+        """A NEW node (ADR 0021): `url` must not be held by any node (AlreadyExists: the node that holds it
+        re-registers with its identity, `reregister_node`; nobody takes it over with a bootstrap token).
+        With `enrolment_token`, one use of it is consumed in the same transaction (Unauthenticated if it is
+        unknown, expired or used up), so a refused enrolment uses nothing. The identity is kept hashed."""
+        ids.parse_node_id(node_id)
+        url = _text(url, "url", 512)
+        identity = _text(identity, "identity", _MAX_SECRET_LENGTH)
+        now = self.now()
+        with self._tx(f"enrolling node {url}") as session:
+            if enrolment_token is not None:
+                used = session.execute(
+                    update(EnrolmentToken)
+                    .where(*self._usable_enrolment(enrolment_token, now))
+                    .values(uses=EnrolmentToken.uses + 1, last_used_at=now)
+                    .execution_options(synchronize_session=False)
+                )
+                if _rowcount(used) != 1:
+                    raise Unauthenticated("bad node token")
+            holder = self._url_holder(session, url)
+            if holder is not None:
+                raise AlreadyExists(
+                    f"{url} is registered to node {holder.id}: that node re-registers with its identity",
+                    field="url",
+                )
+            # token_hash (ADR 0009) is superseded by rpc_token_sealed: nothing checks it any more.
+            row = Node(id=node_id, url=url, registered_at=now, used={}, token_hash="")
+            row.identity_hash = hash_secret(identity)
+            row.rpc_token_sealed = bytes(rpc_token_sealed)
+            row.capacity = dict(capacity or {})
+            row.templates = list(templates)
+            row.labels = dict(labels or {})
+            row.status = "ready"
+            row.last_heartbeat_at = now
+            session.add(row)
+            session.flush()
+            return _node(row)
+
+    def reregister_node(
+        self,
+        node_id: str,
+        identity: str,
+        url: str,
+        *,
+        rpc_token_sealed: bytes,
+        capacity: Mapping[str, Any] | None = None,
+        templates: Sequence[str] = (),
+    ) -> NodeRecord | None:
+        """An EXISTING node registers again (a restart, a new address): it must present the identity of
+        its enrolment (None if it does not: the caller answers 401). It keeps its id and identity and
+        becomes ready; its url, RPC token, capacity and templates are replaced. A url held by another node
+        is AlreadyExists."""
+        url = _text(url, "url", 512)
+        if not isinstance(identity, str) or not identity or len(identity) > _MAX_SECRET_LENGTH:
+            return None
+        digest = hash_secret(identity)
+        now = self.now()
+        with self._tx(f"re-registering node {node_id}") as session:
+            row = session.get(Node, node_id, with_for_update=True)
+            if row is None or row.identity_hash is None or not hmac.compare_digest(row.identity_hash, digest):
+                return None
+            if row.url != url:
+                holder = self._url_holder(session, url)
+                if holder is not None:
+                    raise AlreadyExists(f"{url} is registered to node {holder.id}", field="url")
+                row.url = url
+            row.rpc_token_sealed = bytes(rpc_token_sealed)
+            row.capacity = dict(capacity or {})
+            row.templates = list(templates)
+            row.status = "ready" if row.status == "lost" else row.status
+            row.last_heartbeat_at = now
+            session.flush()
+            return _node(row)
+
+    @staticmethod
+    def _usable_enrolment(secret: str, now: datetime) -> list[ColumnElement[bool]]:
+        return [
+            EnrolmentToken.token_hash == hash_secret(secret),
+            EnrolmentToken.uses < EnrolmentToken.max_uses,
+            or_(EnrolmentToken.expires_at.is_(None), EnrolmentToken.expires_at > now),
+        ]
+
+    def create_enrolment_token(self, *, uses: int = 1, ttl_s: float | None = None) -> tuple[str, str]:
+        """(id, secret) of a new enrolment token good for `uses` enrolments (within `ttl_s` seconds if
+        given). The secret is answered once; only its SHA-256 is kept."""
+        if not isinstance(uses, int) or not 1 <= uses <= 10_000:
+            raise InvalidArgument("uses must be 1 to 10000", field="uses")
+        now = self.now()
+        expires = now + _seconds(ttl_s, "ttl_s") if ttl_s is not None else None
+        secret = "enrol_" + secrets.token_urlsafe(30)
+        token_id = "enrol-" + secrets.token_hex(10)
+        with self._tx("creating an enrolment token") as session:
+            session.add(
+                EnrolmentToken(
+                    id=token_id, token_hash=hash_secret(secret), max_uses=uses, uses=0, expires_at=expires,
+                    created_at=now, last_used_at=None,
+                )
+            )  # fmt: skip
+        return token_id, secret
+
+    def enrolment_token_usable(self, secret: str) -> bool:
+        """Whether `secret` is an enrolment token with a use left (a check before a request body is read;
+        the use itself is taken by enrol_node)."""
+        if not isinstance(secret, str) or not secret or len(secret) > _MAX_SECRET_LENGTH:
+            return False
+        with self._tx("checking an enrolment token") as session:
+            found = session.scalars(
+                select(EnrolmentToken.id).where(*self._usable_enrolment(secret, self.now()))
+            ).first()
+            return found is not None
 
     def get_node(self, node_id: str) -> NodeRecord | None:
         with self._tx("reading a node") as session:

@@ -1,7 +1,8 @@
 """The node agent's RPC service: lifecycle verbs for the reconciler and the data plane for the gateway.
 
-    python -m space.node.agent.server --data-dir D --listen 127.0.0.1:PORT --token-file F \
-        [--control-plane URL] [--advertise-url URL] [--driver runsc|fake] [--no-prepare]
+    python -m space.node.agent.server --data-dir D --listen 127.0.0.1:PORT [--rpc-token-file F] \
+        [--control-plane URL [--bootstrap-token-file F] [--advertise-url URL]] [--driver runsc|fake] \
+        [--no-prepare]
 
 Invariants:
 - Every request (HTTP and WebSocket, known route or not) carries `Authorization: Bearer <node token>`,
@@ -65,7 +66,13 @@ from space.node.agent.egress_wiring import EgressRequest, EgressSettings, Egress
 from space.node.agent.egress_wiring import install as egress_install
 from space.node.agent.egress_wiring import load_settings as load_egress_settings
 from space.node.agent.guest import GuestSession
-from space.node.agent.identity import NodeIdentity
+from space.node.agent.identity import (
+    NodeIdentity,
+    default_identity_file,
+    default_rpc_token_file,
+    load_or_create_rpc_token,
+    read_private,
+)
 from space.node.drivers.base import RuntimeState, SandboxSpec
 from space.objectstore.base import ObjectStore
 from space.protocol import Channel, FrameType
@@ -1246,8 +1253,10 @@ class _Server(uvicorn.Server):
 async def serve(
     data_dir: pathlib.Path,
     listen: tuple[str, int],
-    token: str,
     *,
+    rpc_token_file: pathlib.Path | None = None,
+    bootstrap_token_file: pathlib.Path | None = None,
+    identity_file: pathlib.Path | None = None,
     control_plane: str | None = None,
     advertise_url: str | None = None,
     driver: str = "runsc",
@@ -1259,7 +1268,11 @@ async def serve(
 ) -> None:
     """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
     node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
-    default: state in DATA_DIR/egress, fixed ports, the system resolver and trust store)."""
+    default: state in DATA_DIR/egress, fixed ports, the system resolver and trust store).
+
+    The RPC accepts only this node's own token (`rpc_token_file`, default DATA_DIR/identity/rpc.token, made
+    at the first start); the bootstrap token (`bootstrap_token_file`) only enrols a node that has no
+    identity (`identity_file`, default DATA_DIR/identity/node.json) the control plane accepts (ADR 0021)."""
     try:
         agent = _build_agent(data_dir, driver, store_url)
     except errors.Unavailable as exc:
@@ -1269,8 +1282,17 @@ async def serve(
         agent = _build_agent(data_dir, driver, None)
     if prepare:
         await agent.prepare(tuple(templates), progress=lambda line: log.info("prepare: %s", line))
-    app = create_app(agent, token, templates=templates)
+    # After prepare: on a runsc node the helper's node.prepare made the identity directory for this user.
+    rpc_token = load_or_create_rpc_token(rpc_token_file or default_rpc_token_file(data_dir))
+    app = create_app(agent, rpc_token, templates=templates)
     service: NodeService = app.state.service
+    bootstrap_token: str | None = None
+    if control_plane:
+        service.identity = NodeIdentity.load(identity_file or default_identity_file(data_dir))
+        if bootstrap_token_file is not None:
+            bootstrap_token = read_private(bootstrap_token_file) or None
+        if not service.identity.enrolled and bootstrap_token is None:
+            log.warning("this node has no identity yet and no --bootstrap-token-file: it cannot enrol")
     # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
     service.egress = await egress_install(
         agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
@@ -1289,7 +1311,7 @@ async def serve(
 
         url = advertise_url or f"http://{host}:{port}"
         reporter = asyncio.create_task(
-            report_to_control_plane(app.state.service, control_plane, token, url, token)
+            report_to_control_plane(service, control_plane, bootstrap_token, url, rpc_token)
         )
     try:
         await server.serve()
@@ -1307,8 +1329,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--listen", type=_parse_listen, default=("127.0.0.1", 7070), help="HOST:PORT")
-    parser.add_argument("--token-file", type=pathlib.Path, required=True,
-                        help="the node token: required on every RPC, and used to register")  # fmt: skip
+    parser.add_argument(
+        "--rpc-token-file", type=pathlib.Path,
+        help="this node's own RPC secret, required on every RPC call (mode 0600); created with a random "
+        "token if absent (default DATA_DIR/identity/rpc.token); sent to the control plane at registration",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bootstrap-token-file", type=pathlib.Path,
+        help="the cluster's bootstrap token or a single-use enrolment token (mode 0600): used only to enrol "
+        "a node without an identity; never accepted on the RPC",
+    )  # fmt: skip
+    parser.add_argument(
+        "--identity-file", type=pathlib.Path,
+        help="where the node keeps its node id and identity (default DATA_DIR/identity/node.json)",
+    )
     parser.add_argument("--control-plane", help="base URL of the control plane to register with")
     parser.add_argument(
         "--advertise-url", help="the URL the control plane should call (default http://LISTEN)"
@@ -1332,19 +1366,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    token = args.token_file.read_text().strip()
-    if not token:
-        parser.error(f"{args.token_file} is empty")
+    data_dir = args.data_dir.resolve()
+    from space.node.rlimits import raise_fd_limit  # descriptors per sandbox channel, stream and connection
+
+    raise_fd_limit()
     # uvicorn handles SIGINT/SIGTERM inside serve(); SIGPIPE must not kill us when a client vanishes.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     asyncio.run(
         serve(
-            args.data_dir.resolve(), args.listen, token,
+            data_dir, args.listen, rpc_token_file=args.rpc_token_file,
+            bootstrap_token_file=args.bootstrap_token_file, identity_file=args.identity_file,
             control_plane=args.control_plane, advertise_url=args.advertise_url, driver=args.driver,
             templates=tuple(t for t in args.templates.split(",") if t), prepare=not args.no_prepare,
             log_level=args.log_level,
-            store_url=args.store_url or default_store_url(args.data_dir.resolve()),
-            egress=load_egress_settings(args.data_dir.resolve() / "egress", args.egress_config),
+            store_url=args.store_url or default_store_url(data_dir),
+            egress=load_egress_settings(data_dir / "egress", args.egress_config),
         )
     )  # fmt: skip
 
