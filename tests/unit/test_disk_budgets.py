@@ -28,7 +28,7 @@ GiB = 1 << 30
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
 
-# -- the storage_mb limit -------------------------------------------------------------------------------------
+# -- the storage_mb limit ------------------------------------------------------------------------------------
 def test_storage_budget_defaults_to_twice_the_disk_and_is_bounded() -> None:
     assert SandboxLimits().storage_mb == 2 * SandboxLimits().disk_mb
     assert parse_limits({"disk_mb": 100}).storage_mb == 200
@@ -95,7 +95,7 @@ def test_statuses_are_507_on_both_maps() -> None:
     assert api_status(errors.ResourceExhausted("rate")) == 429  # rate limiting keeps 429
 
 
-# -- snapshot policy minimums ------------------------------------------------------------------------------
+# -- snapshot policy minimums --------------------------------------------------------------------------------
 def test_policy_minimum_intervals_are_enforced_with_clear_messages() -> None:
     retention.SnapshotPolicy(disk_every_s=60, full_every_s=300)
     with pytest.raises(pydantic.ValidationError) as caught:
@@ -122,7 +122,7 @@ def test_operator_can_lower_the_minimums(monkeypatch: pytest.MonkeyPatch) -> Non
         retention.set_minimum_intervals(0, 1)
 
 
-# -- prune to fit ----------------------------------------------------------------------------------------------
+# -- prune to fit --------------------------------------------------------------------------------------------
 def sized(name: str, minute: int, mib: int, prunable: bool = True) -> retention.Sized:
     return retention.Sized(name, T0 + timedelta(minutes=minute), mib * MiB, prunable)
 
@@ -230,7 +230,7 @@ def test_below_the_reserve_creates_and_checkpoints_are_refused(
     assert measured == {"total_bytes": 10 * GiB, "free_bytes": 4 * GiB, "reserve_bytes": GiB // 2}
 
 
-# -- scheduler admission --------------------------------------------------------------------------------------
+# -- scheduler admission -------------------------------------------------------------------------------------
 def node(node_id: str, *, disk_mb: int | None, free_mb: int | None = None, reserve_mb: int = 0) -> NodeRecord:
     capacity: dict[str, Any] = {"cpus": 8.0, "memory_mb": 65536, "sandboxes": 1000}
     if disk_mb is not None:
@@ -276,7 +276,9 @@ def test_the_scheduler_prefers_a_node_with_room_and_skips_one_below_its_reserve(
 
 
 def test_a_disk_no_node_can_hold_is_refused_at_once() -> None:
-    store = FakeStore([node("n1", disk_mb=10_000, reserve_mb=500), node("n2", disk_mb=20_000, reserve_mb=1000)])
+    store = FakeStore(
+        [node("n1", disk_mb=10_000, reserve_mb=500), node("n2", disk_mb=20_000, reserve_mb=1000)]
+    )
     scheduler.check_admissible(store, SandboxLimits(disk_mb=19_000))  # type: ignore[arg-type]
     with pytest.raises(errors.StorageExhausted) as caught:
         scheduler.check_admissible(store, SandboxLimits(disk_mb=19_001))  # type: ignore[arg-type]

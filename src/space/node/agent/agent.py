@@ -333,9 +333,9 @@ class NodeAgent:
                     event="snapshot",
                 )  # fmt: skip
             what = f"disk snapshot of {handle.sandbox_id}"
-            await self._check_growth(handle, what, needed_bytes=0)
             if handle.state == State.RUNNING:
-                await handle.session.sync()
+                await handle.session.sync()  # first: what the guest still buffers counts too
+            await self._check_growth(handle, what)
             record = SnapshotRecord(new_snapshot_id(), "disk", time.time())
             await self.driver.disk_snapshot(sandbox_id, record.snapshot_id)
             handle.snapshots[record.snapshot_id] = record
@@ -348,7 +348,12 @@ class NodeAgent:
         async with handle.lock:
             what = f"full checkpoint of {handle.sandbox_id}"
             if handle.state == State.RUNNING:
-                await self._check_growth(handle, what, needed_bytes=self._image_estimate(handle))
+                await self._check_growth(
+                    handle,
+                    what,
+                    budget_bytes=self._last_image(handle),
+                    reserve_bytes=self._image_bound(handle),
+                )
             record = SnapshotRecord(new_snapshot_id(), "full", time.time())
 
             async def effect() -> None:
@@ -814,24 +819,31 @@ class NodeAgent:
         usage = await self.driver.storage_usage(handle.sandbox_id) or {}
         return {**usage, "budget_bytes": handle.spec.limits.storage_mb * disk.MiB}
 
-    def _image_estimate(self, handle: SandboxHandle) -> int:
-        """What a new checkpoint image will take: the newest one's size, else the memory limit (the image
-        holds the sandbox's memory; the measurement afterwards is what counts)."""
+    @staticmethod
+    def _last_image(handle: SandboxHandle) -> int:
+        """The newest checkpoint image's size: what the next one will likely take (0: none yet)."""
         fulls = [r for r in handle.snapshots.values() if r.kind == "full" and r.image_bytes]
-        if fulls:
-            return max(fulls, key=lambda r: r.created_at).image_bytes
-        return handle.spec.limits.memory_mb * disk.MiB
+        return max(fulls, key=lambda r: r.created_at).image_bytes if fulls else 0
 
-    async def _check_growth(self, handle: SandboxHandle, what: str, *, needed_bytes: int) -> None:
-        """Before a snapshot or checkpoint: count, budget and reserve (StorageExhausted naming them)."""
+    def _image_bound(self, handle: SandboxHandle) -> int:
+        """What a checkpoint image may take at most, as far as the node's reserve is concerned: it holds
+        the sandbox's memory, so its limit (or a larger image seen before)."""
+        return max(self._last_image(handle), handle.spec.limits.memory_mb * disk.MiB)
+
+    async def _check_growth(
+        self, handle: SandboxHandle, what: str, *, budget_bytes: int = 0, reserve_bytes: int = 0
+    ) -> None:
+        """Before a snapshot or checkpoint: count, budget and reserve (StorageExhausted naming them). The
+        budget is checked with the likely size (the measurement afterwards is the bound), the node's
+        reserve with the largest possible one (the node must never run out)."""
         disk.check_snapshot_count(handle.sandbox_id, len(handle.snapshots))
         usage = await self.driver.storage_usage(handle.sandbox_id)
         if usage is not None:
             disk.check_budget(
-                handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=needed_bytes,
+                handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=budget_bytes,
                 budget_bytes=handle.spec.limits.storage_mb * disk.MiB, what=what,
             )  # fmt: skip
-        await self.check_reserve(what, needed_bytes=needed_bytes)
+        await self.check_reserve(what, needed_bytes=reserve_bytes)
 
     async def _settle_growth(self, handle: SandboxHandle, snapshot_id: str, what: str) -> None:
         """After: a snapshot that took the sandbox over its budget or the node into its reserve is deleted
