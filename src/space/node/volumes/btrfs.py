@@ -732,7 +732,19 @@ def _receive_into(checked: sendstream.CheckedStream, staging: Path) -> None:
             log.seek(0)
             tail = log.read()[-4000:].decode(errors="replace").strip()
             tail = "\n".join(line for line in tail.splitlines() if not line.startswith("Chroot to "))
-            raise _translate_progs(tail or f"exit status {rc}", "receive", staging)
+            raise _translate_receive_failure(tail or f"exit status {rc}", staging)
+
+
+def _translate_receive_failure(stderr: str, staging: Path) -> SpaceError:
+    """btrfs receive stopped on a stream that passed the checks: a missing parent (NotFound, another node's
+    base), a full disk (ResourceExhausted), or a stream that cannot be applied as it claims (a path that
+    does not exist, e.g. through a parent's symlink, a bad crc later on): ArtifactCorrupt."""
+    low = stderr.lower()
+    if "cannot find parent subvolume" in low:
+        return NotFound(f"receive: the stream's parent is not on this filesystem: {stderr}", field="parent")
+    if "no space left" in low or "quota exceeded" in low or "disk quota" in low:
+        return ResourceExhausted(f"receive: no space left: {stderr}", path=str(staging))
+    return ArtifactCorrupt(f"send stream refused: btrfs receive could not apply it: {stderr}")
 
 
 # --- identities (which subvolume a delta needs as its parent) -----------------------------------------------
