@@ -269,6 +269,9 @@ def create_app(
     from space.controlplane.api import credentials as credentials_api  # issue 5 (imports this module)
 
     app.include_router(credentials_api.install(services, data_dir))
+    from space.controlplane.api import limits  # (imports this module) outermost: before any body is read
+
+    app.add_middleware(limits.RequestLimits, services=services)
     return app
 
 

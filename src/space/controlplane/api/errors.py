@@ -4,11 +4,15 @@ Invariants:
 - Every error leaving the API is `{"error": {"code", "message", "details"}}` with a stable code.
 - The status of each error class is decided here and nowhere else.
 - Unexpected exceptions become a 500 `internal` whose message names no internals; they are logged.
+- An error whose details carry `retry_after_s` (e.g. a rate limit, 429) is answered with a `Retry-After`
+  header of that many whole seconds (at least 1): the client knows when trying again can succeed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,8 +58,20 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
     return {"error": {"code": code, "message": message, "details": details or {}}}
 
 
-def error_response(exc: errors.SpaceError) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message, exc.details), status_code=status_for(exc))
+def retry_after_header(exc: errors.SpaceError) -> dict[str, str]:
+    """`Retry-After` for an error that says when to retry (details["retry_after_s"]), else nothing."""
+    raw = exc.details.get("retry_after_s")
+    if not isinstance(raw, int | float) or isinstance(raw, bool) or math.isnan(raw):
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(min(float(raw), 86400.0))))}
+
+
+def error_response(exc: errors.SpaceError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(exc.code, exc.message, exc.details),
+        status_code=status_for(exc),
+        headers={**retry_after_header(exc), **(headers or {})},
+    )
 
 
 def install(app: FastAPI) -> None:

@@ -1,0 +1,349 @@
+"""Request limits of the public API, applied before any route runs (a pure ASGI middleware, ADR 0025).
+
+Invariants:
+- A public request (/v1/..., except the node-facing /v1/nodes/...) is authenticated from its headers before
+  one byte of its body is read: no key, an unknown or revoked key is a 401 at once, with `Connection: close`
+  (the body is never read). Node-facing routes authenticate nodes themselves and get only the size limit.
+- Every body is bounded before it is parsed: a Content-Length over the route's limit is a 413 at once; a
+  chunked body is counted while it streams in and cut at the limit (413 if nothing was answered yet).
+  JSON routes get a small limit, file uploads and process stdin the large one.
+- Per API key, a token bucket of requests (429 `resource_exhausted` with `Retry-After` when empty) and a cap
+  on concurrent long-lived operations (exec, process output and stdin, file downloads and uploads, watch,
+  PTY). A slot is held until the response has been sent whole (or the client went away).
+- A long-lived response whose client does not take a chunk for `send_stall_s` is cut: a reader that stopped
+  reading does not hold a node connection for ever.
+- Data-plane requests run with `node_pools.traffic_owner` set to their key id, so every node call they make
+  goes through that node's tenant-fair data pool (controlplane/node_pools.py), never the control pool.
+- The limits live in this process: N replicas behind a balancer let a key do up to N times as much.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from space.controlplane.api import errors as api_errors
+from space.controlplane.api.app import MAX_UPLOAD_BYTES, Services, authenticate
+from space.controlplane.node_pools import traffic_owner
+from space.core import errors
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "SPACE_API_"
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """Each field can be set from the environment as SPACE_API_<FIELD NAME IN CAPITALS>."""
+
+    json_body_bytes: int = 1 << 20  # bodies of JSON routes (exec requests, creates, ...)
+    upload_body_bytes: int = MAX_UPLOAD_BYTES  # file uploads, process stdin
+    node_body_bytes: int = 4 << 20  # node-facing routes (heartbeats, audit batches)
+    requests_per_s: float = 100.0  # sustained requests per key
+    request_burst: int = 200  # requests a key may make at once after a quiet spell
+    streams_per_key: int = 32  # concurrent long-lived operations per key
+    send_stall_s: float = 300.0  # a client that takes no chunk of a stream for this long is cut off
+    max_tracked_keys: int = 100_000  # buckets kept in memory (idle ones are dropped first)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> LimitSettings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            raw = environ.get(ENV_PREFIX + spec.name.upper())
+            if raw is None or not raw.strip():
+                continue
+            kind = int if spec.type in ("int", int) else float
+            try:
+                value = kind(raw)
+            except ValueError as exc:
+                raise errors.InvalidArgument(
+                    f"{ENV_PREFIX}{spec.name.upper()}={raw!r} is not a number"
+                ) from exc
+            if value <= 0:
+                raise errors.InvalidArgument(f"{ENV_PREFIX}{spec.name.upper()} must be positive")
+            values[spec.name] = value
+        return cls(**values)
+
+
+# -- route classes -------------------------------------------------------------------------------------------
+_SANDBOX = r"/v1/sandboxes/[^/]+"
+# (method, path) of the operations that hold a connection open for as long as the client (or the command)
+# likes: these count against a key's concurrent-stream cap.
+_LONG_LIVED = [
+    ("POST", re.compile(rf"{_SANDBOX}/exec")),
+    ("GET", re.compile(rf"{_SANDBOX}/processes/[^/]+/output")),
+    ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin")),
+    ("GET", re.compile(rf"{_SANDBOX}/files")),
+    ("PUT", re.compile(rf"{_SANDBOX}/files")),
+    ("GET", re.compile(rf"{_SANDBOX}/files/watch")),
+    ("WEBSOCKET", re.compile(rf"{_SANDBOX}/pty")),
+]
+_UPLOADS = [
+    ("PUT", re.compile(rf"{_SANDBOX}/files")),
+    ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin")),
+]
+_DATA_PLANE = re.compile(rf"{_SANDBOX}/(exec|pty|files|processes)(/.*)?")
+
+
+def _matches(table: list[tuple[str, re.Pattern[str]]], method: str, path: str) -> bool:
+    return any(m == method and pattern.fullmatch(path) for m, pattern in table)
+
+
+def is_node_facing(path: str) -> bool:
+    return path == "/v1/nodes" or path.startswith("/v1/nodes/")
+
+
+def is_public(path: str) -> bool:
+    return (path == "/v1" or path.startswith("/v1/")) and not is_node_facing(path)
+
+
+def is_long_lived(method: str, path: str) -> bool:
+    return _matches(_LONG_LIVED, method, path)
+
+
+def is_data_plane(path: str) -> bool:
+    return _DATA_PLANE.fullmatch(path) is not None
+
+
+def body_limit(settings: LimitSettings, method: str, path: str) -> int:
+    if is_node_facing(path):
+        return settings.node_body_bytes
+    if _matches(_UPLOADS, method, path):
+        return settings.upload_body_bytes
+    return settings.json_body_bytes
+
+
+# -- per-key state -------------------------------------------------------------------------------------------
+class TokenBuckets:
+    """A token bucket per key: `rate` tokens a second up to `burst`; each request takes one."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_keys = max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+
+    def take(self, key: str, now: float | None = None) -> float:
+        """0.0 if the request may go now, else the seconds until a token will be there."""
+        now = time.monotonic() if now is None else now
+        tokens, at = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens >= 1.0:
+            tokens -= 1.0
+            wait = 0.0
+        else:
+            wait = (1.0 - tokens) / self.rate
+        self._buckets[key] = (tokens, now)  # re-inserted: the dict's order is least recently used first
+        while len(self._buckets) > self.max_keys:
+            del self._buckets[next(iter(self._buckets))]  # a dropped bucket starts full again: harmless
+        return wait
+
+
+class StreamSlots:
+    """Concurrent long-lived operations per key (single event loop: no lock needed)."""
+
+    def __init__(self, per_key: int) -> None:
+        self.per_key = per_key
+        self._open: dict[str, int] = {}
+
+    def acquire(self, key: str) -> bool:
+        count = self._open.get(key, 0)
+        if count >= self.per_key:
+            return False
+        self._open[key] = count + 1
+        return True
+
+    def release(self, key: str) -> None:
+        count = self._open.get(key, 0) - 1
+        if count <= 0:
+            self._open.pop(key, None)
+        else:
+            self._open[key] = count
+
+    def open(self, key: str) -> int:
+        return self._open.get(key, 0)
+
+
+class _BodyTooLarge(Exception):
+    """Raised by the counting `receive` when a streamed body passes its limit."""
+
+
+class _ClientStalled(Exception):
+    """A client took no chunk of a long-lived response for `send_stall_s`."""
+
+
+# -- the middleware ------------------------------------------------------------------------------------------
+class RequestLimits:
+    def __init__(self, app: ASGIApp, services: Services, settings: LimitSettings | None = None) -> None:
+        self.app = app
+        self.services = services
+        self.settings = settings or LimitSettings.from_env()
+        self.buckets = TokenBuckets(
+            self.settings.requests_per_s, self.settings.request_burst, self.settings.max_tracked_keys
+        )
+        self.streams = StreamSlots(self.settings.streams_per_key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        method = "WEBSOCKET" if scope["type"] == "websocket" else str(scope["method"]).upper()
+        limit = body_limit(self.settings, method, path)
+        headers = _headers(scope)
+        key_id: str | None = None
+        if is_public(path):
+            try:
+                who = await authenticate(
+                    self.services, headers.get("authorization"), headers.get("x-space-project")
+                )
+            except errors.SpaceError as exc:
+                await self._refuse(scope, receive, send, exc)
+                return
+            key_id = who.key.id
+            wait = self.buckets.take(key_id)
+            if wait > 0:
+                await self._refuse(scope, receive, send, _rate_limited(wait, self.settings))
+                return
+        length = headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            await self._refuse(scope, receive, send, _too_large(limit, int(length)))
+            return
+        long_lived = key_id is not None and is_long_lived(method, path)
+        if long_lived:
+            assert key_id is not None
+            if not self.streams.acquire(key_id):
+                await self._refuse(scope, receive, send, _too_many_streams(self.settings.streams_per_key))
+                return
+        owner = traffic_owner.set(key_id) if key_id is not None and is_data_plane(path) else None
+        try:
+            if scope["type"] == "http":
+                await self._bounded(
+                    scope, receive, send, limit, stall_s=self.settings.send_stall_s if long_lived else None
+                )
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            if owner is not None:
+                traffic_owner.reset(owner)
+            if long_lived:
+                assert key_id is not None
+                self.streams.release(key_id)
+
+    async def _bounded(
+        self, scope: Scope, receive: Receive, send: Send, limit: int, *, stall_s: float | None
+    ) -> None:
+        """Run the app with its body counted and cut at `limit`, and (for streams) its sends timed."""
+        received = 0
+        tripped = stalled = started = replaced = False
+
+        async def counted_receive() -> Message:
+            nonlocal received, tripped
+            if tripped:
+                raise _BodyTooLarge()
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    tripped = True
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started, replaced, stalled
+            if replaced or stalled:
+                return
+            if message["type"] == "http.response.start":
+                if tripped:
+                    # Whatever the app made of a body cut short (a parse error, a 500), the answer is 413.
+                    replaced = True
+                    await _send_error(send, _too_large(limit, None), close=True)
+                    return
+                started = True
+            if stall_s is not None and message["type"] == "http.response.body":
+                try:
+                    async with asyncio.timeout(stall_s):
+                        await send(message)
+                except TimeoutError:
+                    stalled = True
+                    raise _ClientStalled() from None
+                return
+            await send(message)
+
+        # The flags, not the exception types, decide: frameworks may wrap what the app raised (a body
+        # parse error becomes a 400, a task group makes an exception group).
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except Exception as exc:
+            if stalled:
+                # The server closes the connection when the app returns without finishing the response.
+                log.warning("cut off a client that took no data for %.0f s: %s", stall_s, scope["path"])
+                return
+            if started and stall_s is not None and isinstance(exc, errors.SpaceError):
+                # A stream that broke off upstream (e.g. the node was quiet past the idle timeout): the
+                # client sees an unfinished response; nothing else to tell it.
+                log.info("stream %s ended: %s", scope["path"], exc.message)
+                return
+            if not tripped or started or replaced:
+                raise
+            replaced = True
+            await _send_error(send, _too_large(limit, None), close=True)
+        if tripped and not started and not replaced:
+            await _send_error(send, _too_large(limit, None), close=True)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, exc: errors.SpaceError) -> None:
+        if scope["type"] == "websocket":
+            # Refused before the handshake completes: the client sees the real status and error body.
+            await WebSocket(scope, receive, send).send_denial_response(api_errors.error_response(exc))
+            return
+        await _send_error(send, exc, close=True)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for name, value in scope.get("headers", []):
+        found.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return found
+
+
+async def _send_error(send: Send, exc: errors.SpaceError, *, close: bool) -> None:
+    """The standard error answer; `close`: the connection is closed after it, so an unread body never is."""
+    response = api_errors.error_response(exc, {"Connection": "close"} if close else None)
+    await send(
+        {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+def _rate_limited(wait_s: float, settings: LimitSettings) -> errors.ResourceExhausted:
+    return errors.ResourceExhausted(
+        f"too many requests for this API key (limit {settings.requests_per_s:g}/s, burst"
+        f" {settings.request_burst}): retry after {math.ceil(wait_s)} s",
+        limit="requests_per_s",
+        retry_after_s=math.ceil(wait_s),
+    )
+
+
+def _too_many_streams(per_key: int) -> errors.ResourceExhausted:
+    return errors.ResourceExhausted(
+        f"this API key already has {per_key} streams open (exec, output, watch, downloads, uploads, PTY);"
+        " close one first",
+        limit="streams_per_key",
+        retry_after_s=1,
+    )
+
+
+def _too_large(limit: int, length: int | None) -> errors.TooLarge:
+    what = f"a body of {length} bytes" if length is not None else "the body"
+    return errors.TooLarge(f"{what} exceeds this route's limit of {limit} bytes", limit_bytes=limit)

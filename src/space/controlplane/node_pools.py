@@ -1,0 +1,228 @@
+"""Connection pools of the control plane to one node: control traffic and data traffic apart (ADR 0025).
+
+Invariants:
+- Control traffic (the reconciler, lifecycle calls of the API, egress pushes) and data traffic (the
+  data-plane relay of tenants) never share a connection pool: no number of tenant streams can make a
+  lifecycle call wait for a connection. A call is data traffic exactly when `traffic_owner` is set (the
+  API's limits middleware sets it to the key id for data-plane requests; NodePool.client picks the pool).
+- In the data pool, one owner (API key) has at most `data_per_owner` calls in flight to one node; a call
+  that cannot get a slot (or a pooled connection) within `data_wait_s` fails with ResourceExhausted (429,
+  Retry-After) instead of waiting for ever.
+- No node answer is waited for without bound: a data call whose node sends no byte for `data_idle_s` is
+  closed (httpx read timeout: between any two reads, headers included), a control call is answered whole
+  within `control_total_s`, and a JSON answer larger than the pool's cap is refused (TooLarge) before it
+  is held in memory whole (the gateway relays JSON answers whole).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import httpx
+
+from space.core import errors
+
+ENV_PREFIX = "SPACE_NODE_POOL_"
+
+#: The owner (API key id) of the data-plane request being served; None for control traffic.
+traffic_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_owner", default=None)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Each field can be set from the environment as SPACE_NODE_POOL_<FIELD NAME IN CAPITALS>."""
+
+    control_connections: int = 64  # per node, for the reconciler and lifecycle calls
+    control_total_s: float = 900.0  # a control call (request and whole answer) ends within this
+    control_max_json_bytes: int = 64 << 20
+    data_connections: int = 512  # per node, shared by every tenant
+    data_per_owner: int = 48  # calls in flight per API key per node (above the API's per-key stream cap)
+    data_wait_s: float = 10.0  # longest wait for a slot or a pooled connection before a 429
+    data_idle_s: float = 3600.0  # a data call whose node sends nothing for this long is closed
+    data_max_json_bytes: int = 8 << 20  # a JSON answer the gateway relays whole
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            var = ENV_PREFIX + spec.name.upper()
+            raw = environ.get(var)
+            if raw is None or not raw.strip():
+                continue
+            kind = int if spec.type in ("int", int) else float
+            try:
+                value = kind(raw)
+            except ValueError as exc:
+                raise errors.InvalidArgument(f"{var}={raw!r} is not a number") from exc
+            if value <= 0:
+                raise errors.InvalidArgument(f"{var} must be positive")
+            values[spec.name] = value
+        return cls(**values)
+
+    def control_transport(self) -> BoundedTransport:
+        return BoundedTransport(
+            connections=self.control_connections,
+            total_s=self.control_total_s,
+            max_json_bytes=self.control_max_json_bytes,
+        )
+
+    def data_transport(self) -> BoundedTransport:
+        return BoundedTransport(
+            connections=self.data_connections,
+            per_owner=self.data_per_owner,
+            wait_s=self.data_wait_s,
+            idle_s=self.data_idle_s,
+            max_json_bytes=self.data_max_json_bytes,
+        )
+
+
+class BoundedTransport(httpx.AsyncBaseTransport):
+    """A connection pool with the bounds of the module invariants (one per node and traffic class)."""
+
+    def __init__(
+        self,
+        *,
+        connections: int,
+        max_json_bytes: int,
+        per_owner: int | None = None,
+        wait_s: float | None = None,
+        idle_s: float | None = None,
+        total_s: float | None = None,
+        inner: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._inner = inner or httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=min(connections, 32))
+        )
+        self.per_owner = per_owner
+        self.wait_s = wait_s
+        self.idle_s = idle_s
+        self.total_s = total_s
+        self.max_json_bytes = max_json_bytes
+        self._owners: dict[str, tuple[asyncio.Semaphore, int]] = {}  # owner -> (slots, holders + waiters)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = dict(request.extensions.get("timeout") or {})
+        if self.wait_s is not None:
+            timeouts["pool"] = _least(timeouts.get("pool"), self.wait_s)
+        if self.idle_s is not None:
+            timeouts["read"] = _least(timeouts.get("read"), self.idle_s)
+        request.extensions = {**request.extensions, "timeout": timeouts}
+        deadline = None if self.total_s is None else asyncio.get_running_loop().time() + self.total_s
+        release = await self._slot(traffic_owner.get())
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self._inner.handle_async_request(request)
+        except TimeoutError:
+            release()
+            raise httpx.ReadTimeout(f"no answer within {self.total_s} s", request=request) from None
+        except httpx.PoolTimeout as exc:
+            release()
+            raise errors.ResourceExhausted(
+                "no free connection to the node right now; retry", retry_after_s=1
+            ) from exc
+        except BaseException:
+            release()
+            raise
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        json_cap = self.max_json_bytes if _is_json(response.headers.get("content-type", "")) else None
+        response.stream = _BoundedStream(response.stream, request, deadline, json_cap, release)
+        return response
+
+    async def _slot(self, owner: str | None) -> Callable[[], None]:
+        if owner is None or self.per_owner is None:
+            return lambda: None
+        slots, users = self._owners.get(owner) or (asyncio.Semaphore(self.per_owner), 0)
+        self._owners[owner] = (slots, users + 1)
+
+        def leave() -> None:
+            current, count = self._owners[owner]
+            if count <= 1:
+                del self._owners[owner]
+            else:
+                self._owners[owner] = (current, count - 1)
+
+        try:
+            await asyncio.wait_for(slots.acquire(), self.wait_s)
+        except TimeoutError:
+            leave()
+            raise errors.ResourceExhausted(
+                f"this API key already has {self.per_owner} calls in flight to this node; retry",
+                retry_after_s=1,
+            ) from None
+        except BaseException:
+            leave()
+            raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release()
+                leave()
+
+        return release
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _BoundedStream(httpx.AsyncByteStream):
+    """A response body read within the call's deadline, JSON answers capped; the owner's slot is freed
+    when it is closed."""
+
+    def __init__(
+        self,
+        inner: httpx.AsyncByteStream,
+        request: httpx.Request,
+        deadline: float | None,
+        max_bytes: int | None,
+        on_close: Callable[[], None],
+    ) -> None:
+        self._inner = inner
+        self._request = request
+        self._deadline = deadline
+        self._max_bytes = max_bytes
+        self._on_close = on_close
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks = self._inner.__aiter__()
+        total = 0
+        while True:
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise httpx.ReadTimeout(
+                    "the node's answer did not end in time", request=self._request
+                ) from None
+            total += len(chunk)
+            if self._max_bytes is not None and total > self._max_bytes:
+                raise errors.TooLarge(
+                    f"the node's JSON answer exceeds {self._max_bytes} bytes, more than the gateway holds:"
+                    " ask for less (a narrower listing, a streamed exec)",
+                    limit_bytes=self._max_bytes,
+                )
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self._on_close()
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type.split(";", maxsplit=1)[0].strip().lower() == "application/json"
+
+
+def _least(current: float | None, bound: float) -> float:
+    return bound if current is None else min(current, bound)
