@@ -33,6 +33,7 @@ from space.controlplane.api import errors as api_errors
 from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.retention import purge_expired
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
@@ -299,6 +300,7 @@ async def _housekeeping(services: Services) -> None:
         every(2.0, services.snapshots.collect, "removing deleted snapshots"),
         every(300.0, services.snapshots.sweep_objects, "removing artifacts nothing refers to"),
         every(1.0, lambda: report_lost_node_crashes(services.reconciler), "recovering lost nodes' sandboxes"),
+        every(600.0, lambda: purge_expired(services.store), "deleting expired idempotency and audit rows"),
     )
 
 

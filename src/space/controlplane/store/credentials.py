@@ -488,6 +488,29 @@ class CredentialStore:
             rows = session.scalars(query.order_by(CredentialAudit.id).limit(limit))
             return [_audit(row) for row in rows]
 
+    def purge_audit(self, older_than_s: float, *, limit: int = 1000) -> int:
+        """Delete audit entries older than `older_than_s` among the `limit` oldest (by id), in one short
+        transaction; the number deleted (== limit: there may be more). Entries are written in time
+        order, so the oldest ids are the oldest entries; walking the primary key keeps every batch
+        bounded without an index on `at` (an entry stamped a little out of order by another replica's
+        clock waits at most that skew longer)."""
+        if older_than_s <= 0:
+            raise InvalidArgument("older_than_s must be positive", field="older_than_s")
+        cutoff = self.now() - timedelta(seconds=older_than_s)
+        oldest = (
+            select(CredentialAudit.id, CredentialAudit.at).order_by(CredentialAudit.id).limit(max(1, limit))
+        )
+        with self._tx("purging the credential audit log") as session:
+            expired = []
+            for entry_id, at in session.execute(oldest):
+                if at >= cutoff:
+                    break
+                expired.append(entry_id)
+            if not expired:
+                return 0
+            statement = delete(CredentialAudit).where(CredentialAudit.id.in_(expired))
+            return int(session.execute(statement).rowcount)  # type: ignore[attr-defined]
+
     def list_sandbox_audit(self, sandbox_id: str, limit: int = 100) -> list[AuditRecord]:
         with self._tx("reading the credential audit log") as session:
             query = select(CredentialAudit).where(CredentialAudit.sandbox_id == sandbox_id)

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, cast, get_args
 
-from sqlalchemy import ColumnElement, Engine, and_, case, delete, func, or_, select, text, update
+from sqlalchemy import ColumnElement, Engine, and_, case, delete, func, or_, select, text, tuple_, update
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -1363,11 +1363,25 @@ class Store:
         with self._tx("abandoning an idempotent request") as session:
             return _rowcount(session.execute(statement)) == 1
 
-    def purge_idempotency(self, older_than_s: float) -> int:
-        """Delete idempotency records older than `older_than_s` (keys are replayable that long)."""
+    def purge_idempotency(self, older_than_s: float, *, limit: int = 1000) -> int:
+        """Delete at most `limit` idempotency records older than `older_than_s` (keys are replayable that
+        long), oldest first; the number deleted (== limit: there may be more). One short transaction: a
+        large backlog is worked off in batches without holding locks for long."""
         cutoff = self.now() - _seconds(older_than_s, "older_than_s")
-        statement = delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff)
+        oldest = (
+            select(IdempotencyRecord.scope, IdempotencyRecord.key)
+            .where(IdempotencyRecord.created_at < cutoff)
+            .order_by(IdempotencyRecord.created_at)
+            .limit(max(1, limit))
+        )
         with self._tx("purging idempotency records") as session:
+            keys = [tuple(row) for row in session.execute(oldest)]
+            if not keys:
+                return 0
+            statement = delete(IdempotencyRecord).where(
+                tuple_(IdempotencyRecord.scope, IdempotencyRecord.key).in_(keys),
+                IdempotencyRecord.created_at < cutoff,  # refreshed meanwhile (a live request): kept
+            )
             return _rowcount(session.execute(statement))
 
     # ---- crash reports, snapshot policy ---------------------------------------------------------------
