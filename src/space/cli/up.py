@@ -1,7 +1,9 @@
 """`space up` / `space down`: the whole installation on this machine, in the foreground or detached.
 
 `space up` prints `SPACE_URL=…` and `SPACE_API_KEY=…` lines and writes the CLI config file, so every other
-command works right after it with nothing exported. `space down` stops what `space up` started (sandboxes
+command works right after it with nothing exported. The key goes to the terminal of whoever ran `space up`
+only: the detached supervisor, whose output is `space.log`, never prints it (ADR 0022), and every file
+`space up` creates is owner-only (umask 077). `space down` stops what `space up` started (sandboxes
 stay on disk and are adopted by the next `space up`); `space down --purge` removes everything.
 """
 
@@ -22,6 +24,7 @@ from rich.console import Console
 
 from space.controlplane.local import LocalCluster
 from space.core import errors
+from space.node import filemodes
 from space.sdk.config import write_config_file
 
 DEFAULT_DATA_DIR = pathlib.Path("/var/lib/space")
@@ -39,8 +42,9 @@ def _announce(cluster: LocalCluster) -> None:
     stderr.print(f"[dim]config written to {config}; `space down` stops SPACE[/dim]")
 
 
-def _supervise(data_dir: pathlib.Path, port: int) -> int:
-    """Run SPACE in this process until SIGTERM/SIGINT."""
+def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> int:
+    """Run SPACE in this process until SIGTERM/SIGINT. `announce=False` (the detached supervisor, whose
+    output is a log file): say where SPACE listens, never the key."""
     cluster = LocalCluster(data_dir, port=port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -53,7 +57,10 @@ def _supervise(data_dir: pathlib.Path, port: int) -> int:
         cluster.stop(purge=False)
         return 1
     _state_file(data_dir).write_text(json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port}))
-    _announce(cluster)
+    if announce:
+        _announce(cluster)
+    else:
+        typer.echo(f"SPACE ready at {cluster.url} (the admin key is in {data_dir / 'admin.key'})")
     sys.stdout.flush()
     try:
         while not stop.wait(1.0):
@@ -77,8 +84,12 @@ def up(
     ] = DEFAULT_DATA_DIR,
     port: Annotated[int, typer.Option("--port", help="port of the API on 127.0.0.1")] = 8470,
     detach: Annotated[bool, typer.Option("--detach", help="return once SPACE is ready")] = False,
+    supervisor: Annotated[
+        bool, typer.Option("--supervisor", hidden=True, help="the detached supervisor: output is a log")
+    ] = False,
 ) -> None:
     """Start the control plane, the node agent and the root helper on this machine."""
+    filemodes.set_owner_only_umask()
     data_dir = data_dir.resolve()
     state = _state_file(data_dir)
     if state.exists():
@@ -92,14 +103,17 @@ def up(
         state.unlink()
     (data_dir / "purge-request").unlink(missing_ok=True)
     if not detach:
-        raise typer.Exit(_supervise(data_dir, port))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    log = open(data_dir / "space.log", "ab")  # noqa: SIM115 - handed to the child
-    child = subprocess.Popen(
-        [sys.executable, "-m", "space.cli.main", "up", "--data-dir", str(data_dir), "--port", str(port)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-    )  # fmt: skip
-    log.close()
+        raise typer.Exit(_supervise(data_dir, port, announce=not supervisor))
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log = filemodes.open_private_log(data_dir / "space.log")
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "space.cli.main", "up", "--data-dir", str(data_dir), "--port", str(port),
+             "--supervisor"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        os.close(log)
     with stderr.status("starting SPACE (log: " + str(data_dir / "space.log") + ")"):
         while not state.exists():
             if child.poll() is not None:
@@ -116,6 +130,7 @@ def down(
     purge: Annotated[bool, typer.Option("--purge", help="also destroy every sandbox and the data")] = False,
 ) -> None:
     """Stop what `space up` started."""
+    filemodes.set_owner_only_umask()
     data_dir = data_dir.resolve()
     state = _state_file(data_dir)
     if not state.exists():

@@ -6,6 +6,10 @@ Used by `space up`, the end-to-end tests and the API benchmark.
 Invariants:
 - Secrets live in the data directory with mode 0600: the cluster node token (readable by the agent's user)
   and the bootstrap admin key (root only). The admin key is created once and reused by later starts.
+- Nothing in the data directory is readable by other local users (ADR 0022): the directory is 0710
+  root:<agent group> (the agent reaches its own paths by name, no one but root lists it), every process
+  started here runs with umask 077, logs, the database (and its WAL) and the btrfs image are 0600, and
+  what an older run left with wider modes is tightened at start. No secret is ever written to a log.
 - `stop(purge=True)` leaves nothing: every sandbox destroyed, the btrfs image unmounted, every process gone.
 - Start-up is idempotent: a data directory from an earlier run (sandboxes included) is adopted.
 """
@@ -27,15 +31,24 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from space.controlplane.store.engine import sqlite_url
+from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.settings import NodeSettings
+from space.node import filemodes
 from space.node.local import LocalNode, ensure_local_store
 
 AGENT_USER = "space"
 READY_TIMEOUT_S = 600.0
+#: Files of the data directory itself (besides logs) that must be owner-only; an older run may have
+#: created them with the default umask.
+PRIVATE_FILES = (
+    "admin.key", "node.token", "up.json", "purge-request", "btrfs.img",
+    *(SQLITE_FILENAME + suffix for suffix in ("", "-wal", "-shm", "-journal")),
+)  # fmt: skip
+#: Directories of the data directory whose whole content is private to its owner (root or the agent).
+PRIVATE_TREES = ("keys", "objects", "egress")
 Progress = Callable[[str], None]
 
 
@@ -83,17 +96,20 @@ class LocalCluster:
         return entry.pw_uid, entry.pw_gid
 
     def _spawn(self, name: str, argv: list[str], *, user: tuple[int, int] | None = None) -> None:
-        log = open(self.data_dir / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+        log = filemodes.open_private_log(self.data_dir / f"{name}.log")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
         src = pathlib.Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = str(src)
         if user is not None and user[0] != 0:
             argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
             env["HOME"] = "/"
-        self.processes[name] = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
-        )
-        log.close()
+        try:
+            self.processes[name] = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+                umask=filemodes.OWNER_ONLY_UMASK,
+            )  # fmt: skip
+        finally:
+            os.close(log)
 
     def bootstrap_admin_key(self) -> str:
         """The org admin key of this installation: created with the org and its default project once."""
@@ -113,9 +129,9 @@ class LocalCluster:
     def start(self, progress: Progress = lambda _line: None) -> None:
         if os.geteuid() != 0:
             raise errors.PermissionDenied("`space up` starts the node's root helper: run it as root")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.data_dir, 0o755)  # noqa: S103 - the agent user must reach its sockets in here
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         uid, gid = self._agent_uid()
+        secure_data_dir(self.data_dir, gid)
         node_token = _secret_file(
             self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid
         )
@@ -131,6 +147,7 @@ class LocalCluster:
         self.processes["helper"] = self.node.helper_process
         _prepare_node(self.node, progress)
         progress("migrating the database")
+        filemodes.create_private_file(self.data_dir / SQLITE_FILENAME)  # its WAL copies its mode
         migrate(sqlite_url(self.data_dir))
         self.api_key = self.bootstrap_admin_key()
         # One object store for the control plane and the node (suspend/restore, uploads, templates): a
@@ -199,6 +216,24 @@ class LocalCluster:
             asyncio.run(self.node.stop(purge=purge))
         elif purge:
             raise errors.InvalidArgument("nothing to purge: this cluster was not started here")
+
+
+def secure_data_dir(data_dir: pathlib.Path, agent_gid: int) -> None:
+    """Make `data_dir` private (ADR 0022) and tighten what an older run created with default modes.
+
+    0710 root:<agent group>: the unprivileged agent must reach the paths it is handed (the helper's and
+    the holders' sockets, its token, its own `objects`/`egress` directories, staging) but has no reason to
+    list the directory; every other local user can neither list nor enter it. An agent running as root
+    (no `space` user) leaves no one to let in: 0700.
+    """
+    os.chown(data_dir, 0, agent_gid)
+    os.chmod(data_dir, 0o710 if agent_gid else 0o700)
+    for name in PRIVATE_FILES:
+        filemodes.restrict(data_dir / name)
+    for log in data_dir.glob("*.log"):
+        filemodes.restrict(log)
+    for name in PRIVATE_TREES:
+        filemodes.restrict_tree(data_dir / name)
 
 
 def _prepare_node(node: LocalNode, progress: Progress) -> None:

@@ -19,6 +19,7 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.core import errors, retention
+from space.node.filemodes import set_owner_only_umask
 
 
 def build_store(database_url: str) -> Store:
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    set_owner_only_umask()  # the database, its WAL, key files: owner-only (ADR 0022)
     try:
         disk_s, full_s = (int(part) for part in args.snapshot_min_intervals.split(","))
         retention.set_minimum_intervals(disk_s, full_s)

@@ -8,6 +8,9 @@ directory (btrfs image, runsc root, sockets, holders) and must be given its own 
 share one object store (`store_url`).
 
 Invariants:
+- The helper runs with umask 077, its log is 0600, and it gets only the environment it needs
+  (`HELPER_ENV`), never the caller's whole environment: runsc and the holders inherit it, and a
+  sandbox's runtime processes should not carry, say, an exported SPACE_API_KEY (ADR 0022).
 - `stop(purge=True)` leaves nothing behind: every sandbox destroyed (runtimes, holders, cgroups,
   subvolumes), the btrfs image unmounted and its loop device detached, the helper process gone.
 """
@@ -24,6 +27,7 @@ import time
 
 from space.core import errors
 from space.core.settings import NodeSettings
+from space.node import filemodes
 from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
 from space.node.drivers.base import Progress
@@ -32,6 +36,12 @@ from space.node.layout import NodeLayout
 from space.objectstore.base import open_store
 
 HELPER_START_TIMEOUT_S = 30.0
+#: What the helper takes from its starter's environment: where to find programs and Python code, the
+#: locale, and an HTTP proxy for debootstrap's mirror (template builds). Nothing else, secrets included.
+HELPER_ENV = (
+    "PATH", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "LANG", "LC_ALL", "TMPDIR",
+    "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+)  # fmt: skip
 
 
 def connect_agent(
@@ -85,17 +95,22 @@ class LocalNode:
         sock = self.layout.helper_socket
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
-        log = open(self.layout.data_dir / "helper.log", "ab")  # noqa: SIM115 - handed to the child
-        env = dict(os.environ)
-        if self.rootfs_cache is not None:
-            env["SPACE_ROOTFS_CACHE"] = str(self.rootfs_cache)
-        self.helper_process = subprocess.Popen(
-            [sys.executable, "-m", "space.node.helper.server", "--data-dir", str(self.layout.data_dir),
-             "--agent-user", self.agent_user, "--platform", self.platform, "--runsc", self.runsc,
-             "--network", self.network, "--cgroup-parent", self.cgroup_parent],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
-        )  # fmt: skip
-        log.close()
+        log = filemodes.open_private_log(self.layout.data_dir / "helper.log")
+        env = {name: os.environ[name] for name in HELPER_ENV if name in os.environ}
+        env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        rootfs_cache = self.rootfs_cache or os.environ.get("SPACE_ROOTFS_CACHE")
+        if rootfs_cache is not None:
+            env["SPACE_ROOTFS_CACHE"] = str(rootfs_cache)
+        try:
+            self.helper_process = subprocess.Popen(
+                [sys.executable, "-m", "space.node.helper.server", "--data-dir", str(self.layout.data_dir),
+                 "--agent-user", self.agent_user, "--platform", self.platform, "--runsc", self.runsc,
+                 "--network", self.network, "--cgroup-parent", self.cgroup_parent],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
+                umask=filemodes.OWNER_ONLY_UMASK,
+            )  # fmt: skip
+        finally:
+            os.close(log)
         deadline = time.monotonic() + HELPER_START_TIMEOUT_S
         while not sock.exists():
             if self.helper_process.poll() is not None:

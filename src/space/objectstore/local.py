@@ -7,7 +7,9 @@ Invariants:
   leaves either the old object or none, plus at most a temporary file that `list` never reports (its name
   contains "~", which no key may contain) and that the next `put` of that key does not depend on;
   `delete_prefix` removes such files along with the objects under the prefix.
-- Files are created 0600 and directories 0700: only the owning user (the node agent) reads objects.
+- Files are created 0600 (mkstemp, kept by the rename) and directories 0700: only the owning user (the node
+  agent) reads objects; a root directory this user owns is made 0700 when the store is opened, even if an
+  older run or an operator created it with a wider mode.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class LocalDirectoryStore(ObjectStore):
         self.url = root.as_uri()
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = root.stat()
+            if info.st_uid == os.geteuid() and info.st_mode & 0o077:
+                root.chmod(info.st_mode & 0o700)
         except OSError as exc:
             raise errors.Unavailable(f"cannot create object store directory {root}: {exc}") from exc
 

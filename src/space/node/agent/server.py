@@ -1363,6 +1363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "space.node.agent.egress_wiring.load_settings",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    os.umask(0o077)  # the agent's object-store parts, CA key, policies: its own only (ADR 0022)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -239,7 +239,7 @@ def _wait_for_assignment() -> list[str] | None:
     if not line:
         return None  # the helper went away before using this spare
     job = json.loads(line)
-    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # runsc's messages: root only
     os.dup2(log_fd, 2)
     os.close(log_fd)
     devnull = os.open(os.devnull, os.O_RDONLY)

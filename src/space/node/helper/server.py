@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from space.core import errors
 from space.core.settings import NodeSettings
+from space.node.filemodes import set_owner_only_umask
 from space.node.helper.network import SandboxNetworks
 from space.node.helper.runsc import Runsc
 from space.node.helper.verbs import VERBS, HelperContext
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("space-node-helper must run as root", file=sys.stderr)
         return 2
+    # Before anything is created: what the helper, runsc and the holders write is root's only (ADR 0022).
+    set_owner_only_umask()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
     layout = NodeLayout(args.data_dir.resolve())
     layout.data_dir.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,13 @@ Invariants:
 - Layout under the root (created by `ensure_layout`): templates/, sandboxes/<id>/rootfs (writable snapshot),
   snapshots/<sandbox>/<snapshot id> (read-only), cache/.
 - Concurrent callers on one data dir are serialized by an flock on `<data_dir>/.btrfs.lock`.
+- The loop mount is `nosuid,nodev` (ADR 0022): a set-uid file or a device node that a sandbox, a template or
+  a crafted stream puts on the filesystem means nothing to the host. A mount from an older run without
+  them is remounted with them. Building a template base, which needs working device nodes inside its
+  chroot, gets them on a bind mount of that one directory in a private mount namespace
+  (`with_device_nodes`).
+- The image is 0600, checkpoint images (`checkpoints/`, `templates/.warm/`) are root's only (directories
+  0700, files 0600), whatever an older run left: they hold every sandbox's files and memory.
 - Commands run as argv lists (never a shell); failures become RuntimeFailure/InvalidArgument `from` the cause.
 """
 
@@ -21,6 +28,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -35,8 +43,9 @@ MOUNT_NAME = "fs"
 LAYOUT = ("templates", "sandboxes", "snapshots", "cache")
 DEFAULT_IMAGE_SIZE_GB = 64
 # noatime: reads must not dirty metadata, or every read in a sandbox would un-share metadata blocks with
-# its template and grow snapshot deltas.
-MOUNT_OPTIONS = "loop,noatime"
+# its template and grow snapshot deltas. nosuid,nodev: see the module invariants.
+MOUNT_OPTIONS = "loop,noatime,nosuid,nodev"
+HARDENING_OPTIONS = ("nosuid", "nodev")
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,66 @@ def mount_source(mountpoint: Path) -> tuple[str, str] | None:
     return found
 
 
+def mount_options(mountpoint: Path) -> set[str] | None:
+    """The options of the topmost mount exactly at `mountpoint` (None if nothing is mounted there)."""
+    target = os.path.realpath(mountpoint)
+    found: set[str] | None = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4 and _unescape_mount_field(parts[1]) == target:
+                found = set(parts[3].split(","))
+    return found
+
+
+def _harden_mount(root: Path) -> None:
+    """Remount `root` (a mount SPACE made) with nosuid,nodev if an older run mounted it without them."""
+    options = mount_options(root) or set()
+    if not set(HARDENING_OPTIONS) <= options:
+        _run(["mount", "-o", "remount," + ",".join(HARDENING_OPTIONS), str(root)], "remount nosuid,nodev")
+
+
+def with_device_nodes(directory: Path, argv: list[str]) -> list[str]:
+    """`argv`, run so that device nodes in `directory` work (debootstrap makes /dev/null & co. in its
+    target, and its chroot scripts use them): in a private mount namespace of its own, where `directory` is
+    bind-mounted on itself with `dev`. Nothing of that is visible outside, and it all goes with the process;
+    the node's filesystem stays `nodev` for everyone else."""
+    script = 'mount --bind "$1" "$1" && mount -o remount,bind,dev,nosuid "$1" && shift && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "space-devices",
+            os.fspath(directory), *argv]  # fmt: skip
+
+
+def restrict_images(root: Path) -> None:
+    """Checkpoint images under the btrfs root: directories 0700, files 0600 (see the module invariants).
+
+    Only the image directories themselves (`checkpoints/<sandbox>/<snapshot>/*`, `templates/.warm/<name>/`
+    and its `image/`), never a root filesystem beside them: those files are the guest's, with its modes."""
+    checkpoints = root / "checkpoints"
+    images = [checkpoints, *_subdirs(checkpoints)]
+    images += [snap for sandbox in _subdirs(checkpoints) for snap in _subdirs(sandbox)]
+    warm = root / "templates" / ".warm"
+    images += [warm, *_subdirs(warm), *(w / "image" for w in _subdirs(warm))]
+    for directory in images:
+        if directory.is_symlink() or not directory.is_dir():
+            continue
+        _owner_only(directory)
+        for entry in directory.iterdir():
+            if not entry.is_symlink() and entry.is_file():
+                _owner_only(entry)
+
+
+def _subdirs(directory: Path) -> list[Path]:
+    if directory.is_symlink() or not directory.is_dir():
+        return []
+    return [d for d in directory.iterdir() if not d.is_symlink() and d.is_dir()]
+
+
+def _owner_only(path: Path) -> None:
+    mode = stat.S_IMODE(os.lstat(path).st_mode)
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
+
+
 def loop_devices_for(image: Path) -> list[str]:
     """Loop devices currently backed by `image` (`losetup -j`)."""
     if not image.exists():
@@ -113,8 +182,9 @@ def _make_image(image: Path, size_gb: int) -> None:
     tmp = image.with_name(image.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:
-        # Sparse: the image takes host space only as btrfs writes to it.
-        with open(tmp, "wb") as f:
+        # Sparse: the image takes host space only as btrfs writes to it. 0600: it holds every sandbox.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.truncate(size_gb * (1 << 30))
         _run(["mkfs.btrfs", "-q", "-L", "space-node", str(tmp)], "mkfs.btrfs")
         os.rename(tmp, image)
@@ -161,6 +231,8 @@ def ensure_btrfs(
             if fstype != "btrfs":
                 raise InvalidArgument(f"{root} is mounted but is {fstype}, not btrfs", path=str(root))
             loop = source if source.startswith("/dev/loop") else None
+            if loop is not None:
+                _harden_mount(root)
             fs = BtrfsFs(data, root, image if image.exists() else None, loop)
         elif image.exists() or not btrfs.is_btrfs(data):
             if not image.exists():
@@ -183,6 +255,9 @@ def ensure_btrfs(
             fs = BtrfsFs(data, root, None, None)
         try:
             ensure_layout(fs.root)
+            if fs.image is not None:
+                os.chmod(fs.image, 0o600)  # an older run made it with the default umask
+            restrict_images(fs.root)
         except OSError as exc:
             raise RuntimeFailure(f"cannot create the layout under {fs.root}: {exc}") from exc
         want_quota = quota if quota is not None else fs.image is not None

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure, SpaceError
-from space.node.volumes import btrfs, sendstream
+from space.node.volumes import btrfs, filesystem, sendstream
 from space.node.volumes.mirror import find_mirror
 
 Progress = Callable[[str], None]
@@ -57,6 +57,10 @@ CACHE_NAME = f"{SUITE}-{VARIANT}-python-{BASE_VERSION}.btrfs-stream"
 DEFAULT_CACHE_DIR = Path("/var/cache/space/rootfs")
 TEMPLATE_NAMES = ("python",)
 METADATA_FORMAT = 1
+#: A root filesystem's files are the guest's and get a Debian system's modes, not the owner-only umask that
+#: the helper itself runs with (ADR 0022): what this module writes into one is given its mode explicitly,
+#: and what it runs on one (debootstrap, chroot) runs with this umask.
+ROOTFS_UMASK = 0o022
 
 GUEST_LIB = "/opt/space/lib"  # inside the template
 GUEST_PYTHON = "/usr/bin/python3"
@@ -237,6 +241,8 @@ def _debootstrap(target: Path, mirror: str, progress: Progress) -> None:
         str(target),
         mirror,
     ]
+    # The node's filesystem is mounted nodev; debootstrap's chroot scripts need /dev/null & co.
+    argv = filesystem.with_device_nodes(target, argv)
     env = {
         "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "LC_ALL": "C",
@@ -246,8 +252,9 @@ def _debootstrap(target: Path, mirror: str, progress: Progress) -> None:
     tail: deque[str] = deque(maxlen=40)
     try:
         proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
-        )
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1,
+            umask=ROOTFS_UMASK,
+        )  # fmt: skip
     except FileNotFoundError as exc:
         raise RuntimeFailure("debootstrap is not installed") from exc
     assert proc.stdout is not None
@@ -268,6 +275,8 @@ def _customize_base(root: Path) -> None:
     )
     # Empty: the sandbox's DNS is decided at run time (egress gateway), never inherited from the host.
     (root / "etc/resolv.conf").write_text("")
+    for name in ("etc/hostname", "etc/hosts", "etc/resolv.conf"):
+        os.chmod(root / name, 0o644)
     _run(
         [
             "chroot",
@@ -282,6 +291,7 @@ def _customize_base(root: Path) -> None:
             USER_NAME,
         ],
         "useradd in template",
+        umask=ROOTFS_UMASK,
     )
     work = root / "work"
     work.mkdir(exist_ok=True)
@@ -319,6 +329,7 @@ def _build_base_into_cache(templates: Path, cache: Path, mirror: str | None, pro
     base = templates / BASE_NAME
     _discard_subvolume(base)
     btrfs.create_subvolume(base)
+    os.chmod(base, 0o755)  # noqa: S103 - the guest's "/" (a new subvolume's root takes the helper's umask)
     t0 = time.monotonic()
     _debootstrap(base, mirror or find_mirror(), progress)
     _customize_base(base)
@@ -385,6 +396,7 @@ def _install_guest_code(root: Path, space_src: Path) -> int:
         dst = pkg / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
+        os.chmod(dst, 0o644)
         size += len(data)
     for d in [lib, *(p for p in lib.rglob("*") if p.is_dir())]:
         os.chmod(d, 0o755)  # noqa: S103 - world-readable code, writable by root only
@@ -393,6 +405,7 @@ def _install_guest_code(root: Path, space_src: Path) -> int:
     _run(
         ["chroot", str(root), GUEST_PYTHON, "-I", "-m", "compileall", "-q", "-j", "0", GUEST_LIB],
         "compileall in template",
+        umask=ROOTFS_UMASK,  # __pycache__ directories readable by the guest's users
     )
     return size
 
