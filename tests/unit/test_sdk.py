@@ -676,14 +676,57 @@ def test_validation_error_is_invalid_argument(sp: Space, server: FakeServer) -> 
     assert info.value.code == "validation_error" and info.value.details["fields"] == ["name"]
 
 
-def test_rate_limited(sp: Space, server: FakeServer) -> None:
+def rate_limited(retry_after: str | None = "7") -> httpx.Response:
     answer = error_response(429, "resource_exhausted", "slow down")
-    answer.headers["Retry-After"] = "7"
-    server.on("GET", "/v1/sandboxes", answer)
+    if retry_after is not None:
+        answer.headers["Retry-After"] = retry_after
+    return answer
+
+
+@pytest.fixture
+def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    waits: list[float] = []
+    monkeypatch.setattr("space.sdk._http.time.sleep", waits.append)
+    return waits
+
+
+def test_rate_limited_is_retried_after_the_time_the_server_names(
+    sp: Space, server: FakeServer, slept: list[float]
+) -> None:
+    ok = httpx.Response(200, json={"sandboxes": []})
+    server.on("GET", "/v1/sandboxes", rate_limited(), rate_limited(), ok)
+    assert sp.sandboxes.list() == []
+    assert slept == [7.0, 7.0] and len(server.requests) == 3
+
+
+def test_rate_limited_gives_up_after_max_retries(sp: Space, server: FakeServer, slept: list[float]) -> None:
+    server.on("GET", "/v1/sandboxes", rate_limited())
     with pytest.raises(RateLimited) as info:
         sp.sandboxes.list()
     assert info.value.retry_after == 7.0
-    assert len(server.requests) == 1
+    assert len(server.requests) == 4 and slept == [7.0] * 3
+
+
+def test_rate_limited_mutation_is_retried_with_the_same_idempotency_key(
+    sp: Space, server: FakeServer, slept: list[float]
+) -> None:
+    server.on("POST", "/v1/sandboxes", rate_limited("1"), httpx.Response(201, json=sandbox_json()))
+    sp.sandboxes.create()
+    assert slept == [1.0] and len(server.requests) == 2
+    assert len({request.headers["Idempotency-Key"] for request in server.requests}) == 1
+
+
+def test_429_without_retry_after_or_with_a_one_shot_body_is_not_retried(
+    sp: Space, server: FakeServer, slept: list[float]
+) -> None:
+    server.on("GET", "/v1/sandboxes", rate_limited(None))
+    with pytest.raises(RateLimited):
+        sp.sandboxes.list()  # a quota or a full disk: waiting does not help
+    sb = make_sandbox(sp, server)
+    server.on("PUT", "/v1/sandboxes/sb-1/files", rate_limited())
+    with pytest.raises(RateLimited):
+        sb.files.write("/work/x", iter([b"a", b"b"]))  # the stream cannot be sent again
+    assert slept == [] and len(server.requests) == 3
 
 
 def test_error_bodies_of_other_shapes() -> None:

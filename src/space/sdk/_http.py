@@ -5,6 +5,8 @@ Invariants:
 - Every other method carries an `Idempotency-Key` (the caller's, or one generated per logical call and
   reused by its retries), and is retried on transport errors only when its body can be sent again (bytes or
   JSON, never a one-shot stream).
+- A 429 with `Retry-After` (a rate or stream limit, refused before anything happened) is retried for any
+  method whose body can be sent again, after the time the server named (at most 30 s a wait).
 - A streamed upload body is passed to httpx as an iterator and sent chunk by chunk, never joined.
 - Nothing above this module sees an httpx exception: status >= 400 becomes a typed SpaceError, a transport
   failure a TransportError (also while iterating a streamed answer).
@@ -81,8 +83,17 @@ class _Base:
     def retry_transport(self, method: str, replayable: bool, attempt: int) -> bool:
         return attempt < self.max_retries and (method == "GET" or replayable)
 
-    def retry_status(self, method: str, status: int, attempt: int) -> bool:
-        return attempt < self.max_retries and method == "GET" and status in RETRY_STATUSES
+    def retry_status(
+        self, method: str, status: int, attempt: int, response: httpx.Response, replayable: bool
+    ) -> bool:
+        if attempt >= self.max_retries:
+            return False
+        if status == 429 and "retry-after" in response.headers:
+            # Refused by a limit before the request did anything: any method may be sent again, if its
+            # body can be (mutations carry an Idempotency-Key anyway). A 429 without Retry-After (a
+            # quota, a full disk) does not pass by waiting.
+            return replayable
+        return method == "GET" and status in RETRY_STATUSES
 
     def transport_error(self, exc: httpx.HTTPError, method: str, path: str) -> TransportError:
         what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
@@ -162,7 +173,7 @@ class SyncHTTP(_Base):
                 raise self.transport_error(exc, method, path) from exc
             finally:
                 response.close()
-            if self.retry_status(method, response.status_code, attempt):
+            if self.retry_status(method, response.status_code, attempt, response, replayable):
                 time.sleep(self.delay(attempt, response))
                 attempt += 1
                 continue
@@ -256,7 +267,7 @@ class AsyncHTTP(_Base):
                 raise self.transport_error(exc, method, path) from exc
             finally:
                 await response.aclose()
-            if self.retry_status(method, response.status_code, attempt):
+            if self.retry_status(method, response.status_code, attempt, response, replayable):
                 await asyncio.sleep(self.delay(attempt, response))
                 attempt += 1
                 continue
