@@ -20,6 +20,7 @@ from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.core import errors, retention
 from space.node.filemodes import set_owner_only_umask
+from space.node.rlimits import raise_fd_limit
 
 
 def build_store(database_url: str) -> Store:
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s controlplane %(levelname)s %(message)s"
     )
+    raise_fd_limit()  # every relayed stream holds a client and a node connection
     url = args.database_url or sqlite_url(args.data_dir)
     store = build_store(url)
     app = create_app(

@@ -1371,6 +1371,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from space.node.rlimits import raise_fd_limit  # descriptors per sandbox channel, stream and connection
 
     raise_fd_limit()
+    from space.node.rlimits import raise_fd_limit  # descriptors per sandbox channel, stream and connection
+
+    raise_fd_limit()
     # uvicorn handles SIGINT/SIGTERM inside serve(); SIGPIPE must not kill us when a client vanishes.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     asyncio.run(

@@ -38,6 +38,7 @@ from space.node.helper.network import SandboxNetworks
 from space.node.helper.runsc import Runsc
 from space.node.helper.verbs import VERBS, HelperContext
 from space.node.layout import NodeLayout
+from space.node.rlimits import raise_fd_limit
 
 log = logging.getLogger("space.node.helper")
 MAX_REQUEST = 64 * 1024
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before anything is created: what the helper, runsc and the holders write is root's only (ADR 0022).
     set_owner_only_umask()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
+    raise_fd_limit()  # one holder connection and descriptors per sandbox
     layout = NodeLayout(args.data_dir.resolve())
     layout.data_dir.mkdir(parents=True, exist_ok=True)
     owner = _resolve_uid(args.agent_user)
