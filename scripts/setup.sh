@@ -22,20 +22,51 @@ fi
 
 # runsc: Debian 13's build (has --net-disconnect-ok and a working checkpoint), fetched from the same
 # mirror the machine already uses, through a private sources list so the host's suites stay untouched.
-if ! runsc --version 2>/dev/null | grep -q "20240729"; then
+# The download goes into a root-only directory (mktemp -d: 0700) that nobody else can write to between the
+# download and `dpkg -i`; apt runs its download methods as root for it (APT::Sandbox::User=root) rather than
+# the directory being opened to its `_apt` user. apt checks the index's signature (signed-by) and the
+# package's hash against it; the hash is checked once more here before root installs the package.
+fetch_runsc() {
+  local mirror work apt_opts uri_line want got deb
   mirror=$(python3 "$ROOT/scripts/apt_mirror.py")
   echo "setup: fetching runsc from Debian 13 (trixie) at $mirror"
-  tmp=$(mktemp -d)
-  mkdir -p "$tmp/lists/partial" "$tmp/archives/partial"
-  chmod -R a+rwX "$tmp"  # apt's download user must be able to write there
-  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" > "$tmp/sources.list"
-  apt_opts=(-o Dir::Etc::SourceList="$tmp/sources.list" -o Dir::Etc::SourceParts=/dev/null
-            -o Dir::State::Lists="$tmp/lists" -o Dir::Cache::Archives="$tmp/archives"
-            -o APT::Get::List-Cleanup=0)
+  mkdir -p /var/cache/space-setup
+  chmod 0700 /var/cache/space-setup
+  work=$(mktemp -d /var/cache/space-setup/runsc.XXXXXXXX)
+  RUNSC_WORK=$work
+  trap 'rm -rf "${RUNSC_WORK:-}"' EXIT
+  mkdir -p "$work/lists/partial" "$work/archives/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror trixie main" > "$work/sources.list"
+  apt_opts=(-o Dir::Etc::SourceList="$work/sources.list" -o Dir::Etc::SourceParts=/dev/null
+            -o Dir::State::Lists="$work/lists" -o Dir::Cache::Archives="$work/archives"
+            -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
   apt-get "${apt_opts[@]}" update -qq
-  (cd "$tmp" && apt-get "${apt_opts[@]}" download runsc -qq)
-  dpkg -i "$tmp"/runsc_*.deb >/dev/null
-  rm -rf "$tmp"
+  # 'URI' FILE SIZE SHA256:HASH, from the signature-checked index
+  uri_line=$(cd "$work" && apt-get "${apt_opts[@]}" download --print-uris runsc -qq | head -n 1)
+  deb=$(echo "$uri_line" | awk '{print $2}')
+  want=$(echo "$uri_line" | awk '{print $4}' | sed -n 's/^SHA256://p')
+  case "$deb" in runsc_*.deb) ;; *) echo "setup: unexpected runsc download: $uri_line" >&2; exit 1 ;; esac
+  if [ -z "$want" ]; then echo "setup: the index gives no SHA256 for runsc" >&2; exit 1; fi
+  (cd "$work" && apt-get "${apt_opts[@]}" download runsc -qq)
+  got=$(sha256sum "$work/$deb" | cut -d' ' -f1)
+  if [ "$got" != "$want" ]; then
+    echo "setup: $deb does not match the signed index (sha256 $got, expected $want)" >&2
+    exit 1
+  fi
+  if [ "${SPACE_SETUP_DOWNLOAD_ONLY:-}" = 1 ]; then  # download and verify only (to try this block)
+    echo "setup: $deb matches the signed index (sha256 $got)"
+  else
+    dpkg -i "$work/$deb" >/dev/null
+  fi
+  rm -rf "$work"
+  trap - EXIT
+}
+if [ "${SPACE_SETUP_DOWNLOAD_ONLY:-}" = 1 ]; then
+  fetch_runsc
+  exit 0
+fi
+if ! runsc --version 2>/dev/null | grep -q "20240729"; then
+  fetch_runsc
 fi
 
 # The unprivileged node agent runs from this virtual environment, so it is built on Debian's own python3

@@ -125,8 +125,12 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
      "not_found"),
     ("bad exec body (relayed)", "POST", "/v1/sandboxes/{running}/exec", {"json": {"cmd": 5}}, 422,
      "validation_error"),
-    ("unknown process (relayed)", "POST", "/v1/sandboxes/{running}/processes/nope/signal",
+    ("unknown process (relayed)", "POST", "/v1/sandboxes/{running}/processes/0123456789abcdef/signal",
      {"json": {"signal": "SIGTERM"}}, 404, "not_found"),
+    ("malformed process id", "POST", "/v1/sandboxes/{running}/processes/nope/signal",
+     {"json": {"signal": "SIGTERM"}}, 400, "invalid_argument"),
+    ("bad query type (typed route)", "GET", "/v1/sandboxes/{running}/files?path=a&offset=-1", {}, 422,
+     "validation_error"),
 ]  # fmt: skip
 
 

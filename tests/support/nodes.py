@@ -25,6 +25,7 @@ from space.node.layout import NodeLayout
 from space.node.local import LocalNode
 from space.node.rpc_client import NodeClient
 from space.objectstore.base import ObjectStore, open_store
+from tests.support.node_capability import NodeAuth
 
 
 @dataclass
@@ -92,8 +93,8 @@ class AgentProcess:
             time.sleep(0.05)
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.token}"}
-        return httpx.post(f"{self.url}/node/v1{path}", json=body, headers=headers, timeout=timeout)
+        # NodeAuth: the token, and a capability for the sandbox the call names (as the control plane sends)
+        return httpx.post(f"{self.url}/node/v1{path}", json=body, auth=NodeAuth(self.token), timeout=timeout)
 
     def client(self) -> NodeClient:
         return NodeClient(self.url, self.token)

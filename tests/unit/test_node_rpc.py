@@ -25,6 +25,7 @@ from space.node.agent.server import create_app
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from tests.support.loop import BackgroundLoop
+from tests.support.node_capability import NodeAuth
 
 T = TypeVar("T")
 TOKEN = "test-node-token-0123456789"
@@ -71,7 +72,7 @@ def rpc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rpc]:
         return NodeClient(url, TOKEN)
 
     client = loop.run(make_client())
-    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    http = httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=30)
     try:
         yield Rpc(loop, agent, url, client, http)
     finally:

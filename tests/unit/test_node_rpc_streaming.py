@@ -26,6 +26,7 @@ from space.node.agent.identity import NodeIdentity
 from space.node.agent.registration import report_to_control_plane
 from space.node.agent.server import NodeService
 from space.node.drivers.fake import FakeDriver
+from tests.support.node_capability import NodeAuth
 
 MiB = 1 << 20
 TOKEN = "streaming-test-token"
@@ -95,7 +96,7 @@ def test_50_mib_up_and_down_without_holding_the_file(server: tuple[subprocess.Po
     proc, url = server
     size = 50 * MiB
     chunk = os.urandom(MiB)
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
+    with httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=120) as http:
         sandbox_id = new_sandbox_id()
         assert http.put(f"/node/v1/sandboxes/{sandbox_id}", json={}).status_code == 201
         files = f"/node/v1/sandboxes/{sandbox_id}/files"
@@ -140,8 +141,7 @@ def test_abandoned_download_and_upload_leave_no_open_calls(
     server: tuple[subprocess.Popen[bytes], str],
 ) -> None:
     _, url = server
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
+    with httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=60) as http:
         sandbox_id = new_sandbox_id()
         http.put(f"/node/v1/sandboxes/{sandbox_id}", json={})
         files = f"/node/v1/sandboxes/{sandbox_id}/files"

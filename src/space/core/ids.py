@@ -13,7 +13,9 @@ Invariants:
   log lines: they never contain `/`, `.`, whitespace, NUL or upper case.
 - The `*_PATTERN` strings are unanchored and carry no flags, so the node helper (or any other component)
   can apply them with `re.fullmatch` verbatim; `re.ASCII`-independent because every class is explicit.
-- Process ids are not here: they are chosen by the in-sandbox daemon and only mean something inside it.
+- Process ids are chosen by the in-sandbox daemon (`os.urandom(8).hex()` in space.guest.processes) and only
+  mean something inside it; they are validated here all the same (`parse_process_id`), so a process id in a
+  public path can never carry a `/`, a dot or an encoding to the node.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ API_KEY_ID_PATTERN: Final = API_KEY_ID_PREFIX + ID_BODY_PATTERN
 TEMPLATE_NAME_PATTERN: Final = "[a-z][a-z0-9-]{0,62}"
 TEMPLATE_NAME_MAX_LENGTH: Final = 63
 
+#: What the guest daemon makes: 8 random bytes as lowercase hex.
+PROCESS_ID_PATTERN: Final = "[0-9a-f]{16}"
+PROCESS_ID_LENGTH: Final = 16
+
 SandboxId = NewType("SandboxId", str)
 SnapshotId = NewType("SnapshotId", str)
 NodeId = NewType("NodeId", str)
@@ -57,6 +63,7 @@ ProjectId = NewType("ProjectId", str)
 OrgId = NewType("OrgId", str)
 ApiKeyId = NewType("ApiKeyId", str)
 TemplateName = NewType("TemplateName", str)
+ProcessId = NewType("ProcessId", str)
 
 # How much of a rejected value an error message may quote: enough to recognise it, never a whole
 # megabyte pasted into a log line.
@@ -89,6 +96,7 @@ ID_KINDS: Final[tuple[IdKind, ...]] = (SANDBOX, SNAPSHOT, NODE, PROJECT, ORG, AP
 
 _COMPILED: Final[dict[str, re.Pattern[str]]] = {k.prefix: re.compile(k.pattern) for k in ID_KINDS}
 _TEMPLATE_RE: Final = re.compile(TEMPLATE_NAME_PATTERN)
+_PROCESS_RE: Final = re.compile(PROCESS_ID_PATTERN)
 
 
 def _quote(value: object) -> str:
@@ -197,3 +205,13 @@ def parse_template_name(value: object, *, field: str = "template") -> TemplateNa
             field=field,
         )
     return TemplateName(value)
+
+
+def parse_process_id(value: object, *, field: str = "process_id") -> ProcessId:
+    """Return `value` if it is a process id as the guest daemon makes them (16 lowercase hex digits)."""
+    if not isinstance(value, str) or len(value) != PROCESS_ID_LENGTH or _PROCESS_RE.fullmatch(value) is None:
+        raise InvalidArgument(
+            f"invalid {field}: expected {PROCESS_ID_LENGTH} lowercase hex digits, got {_quote(value)}",
+            field=field,
+        )
+    return ProcessId(value)

@@ -8,7 +8,11 @@ Invariants:
   iterator of chunks; NDJSON answers come back as an async iterator of dicts, and an error line at the end
   of a stream raises the typed error it carries.
 - `proxy_stream` is for the gateway: it relays a request body and hands back the response body as an
-  iterator of raw chunks, so a public request can be passed through without holding it in memory.
+  iterator of raw chunks, so a public request can be passed through without holding it in memory. Its node
+  path is built here from the sandbox id and fixed or validated segments, each quoted as ONE segment.
+- Every call scoped to a sandbox carries a capability for that sandbox (space.core.capability, keyed by
+  this client's node token, DEFAULT_TTL_S), minted from the `sandbox_id` the caller passes explicitly (the
+  id of the record it authorized), never from a path; the node refuses it for any other sandbox.
 - The lifecycle calls are as idempotent as the node makes them (see space.node.agent.server): retrying one
   after a timeout or a crash is always safe; `fork` and `create_snapshot` take an idempotency key (or, for
   fork, the children's ids) to make their retries safe too.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,6 +33,8 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from space.core import errors
+from space.core.capability import CAPABILITY_HEADER, mint
+from space.core.ids import parse_sandbox_id
 from space.core.settings import SandboxLimits
 from space.node.agent import rpc_models as rm
 from space.node.agent.guest import command_params
@@ -43,6 +50,15 @@ Body = bytes | AsyncIterable[bytes]
 def _seg(value: str) -> str:
     """One path segment: ids are validated by the node, but nothing here may add a '/' or a '?'."""
     return quote(value, safe="")
+
+
+def _sandbox_path(sandbox_id: str, *segments: str) -> str:
+    """`/sandboxes/<id>/<segment>...`, every piece quoted as one segment (no '/', '?', '%' or dot segment
+    can change which route or sandbox the node sees)."""
+    pieces = [parse_sandbox_id(sandbox_id), *segments]
+    if any(piece in {"", ".", ".."} for piece in pieces):
+        raise errors.InvalidArgument("a node path segment may not be empty, '.' or '..'", field="path")
+    return "/sandboxes/" + "/".join(_seg(piece) for piece in pieces)
 
 
 @contextlib.contextmanager
@@ -145,9 +161,13 @@ class NodeClient:
         content: Body | None = None,
         headers: Mapping[str, str] | None = None,
         timeout: httpx.Timeout | None = None,
+        sandbox_id: str | None = None,
     ) -> Any:
         with _translated(f"{method} {path}"):
-            kwargs: dict[str, Any] = {"params": _params(params), "headers": dict(headers or {})}
+            kwargs: dict[str, Any] = {
+                "params": _params(params),
+                "headers": self._headers(headers, sandbox_id),
+            }
             if json_body is not None:
                 kwargs["json"] = json_body
             if content is not None:
@@ -161,12 +181,19 @@ class NodeClient:
             return response.json()
 
     async def _lines(
-        self, method: str, path: str, *, params: Mapping[str, Any] | None = None, json_body: Any = None
+        self,
+        method: str,
+        path: str,
+        *,
+        sandbox_id: str,
+        params: Mapping[str, Any] | None = None,
+        json_body: Any = None,
     ) -> AsyncIterator[dict[str, Any]]:
         with _translated(f"{method} {path}"):
             async with self._http.stream(
-                method, path, params=_params(params), json=json_body, timeout=STREAM_TIMEOUT
-            ) as response:
+                method, path, params=_params(params), json=json_body, timeout=STREAM_TIMEOUT,
+                headers=self._headers(None, sandbox_id),
+            ) as response:  # fmt: skip
                 await _raise_for_error(response)
                 async for line in response.aiter_lines():
                     if not line.strip():
@@ -175,6 +202,16 @@ class NodeClient:
                     if item.get("type") == "error" and isinstance(item.get("error"), dict):
                         raise errors.error_from_dict(item["error"])
                     yield item
+
+    def capability(self, sandbox_id: str) -> dict[str, str]:
+        """The header that lets one call act on `sandbox_id` (and on no other sandbox) on this node."""
+        return {CAPABILITY_HEADER: mint(self._token, sandbox_id, now=time.time())}
+
+    def _headers(self, headers: Mapping[str, str] | None, sandbox_id: str | None) -> dict[str, str]:
+        merged = {k: v for k, v in (headers or {}).items() if k.lower() != CAPABILITY_HEADER.lower()}
+        if sandbox_id is not None:
+            merged.update(self.capability(sandbox_id))
+        return merged
 
     # -- node ------------------------------------------------------------------------------------------------
     async def info(self) -> rm.NodeInfo:
@@ -186,7 +223,9 @@ class NodeClient:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     async def get_sandbox(self, sandbox_id: str) -> rm.SandboxObserved:
-        return rm.SandboxObserved.model_validate(await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}"))
+        return rm.SandboxObserved.model_validate(
+            await self._request("GET", _sandbox_path(sandbox_id), sandbox_id=sandbox_id)
+        )
 
     async def create_sandbox(
         self,
@@ -205,14 +244,14 @@ class NodeClient:
             body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
         if egress is not None:
             body["egress"] = dict(egress)
-        path = f"/sandboxes/{_seg(sandbox_id)}"
+        path = _sandbox_path(sandbox_id)
         with _translated(f"PUT {path}"):
-            response = await self._http.put(path, json=body)
+            response = await self._http.put(path, json=body, headers=self._headers(None, sandbox_id))
             await _raise_for_error(response)
         return rm.SandboxObserved.model_validate(response.json()), response.status_code == 201
 
     async def action(self, sandbox_id: str, action: rm.LifecycleAction) -> rm.SandboxObserved:
-        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/{action}")
+        answer = await self._request("POST", _sandbox_path(sandbox_id, action), sandbox_id=sandbox_id)
         return rm.SandboxObserved.model_validate(answer)
 
     async def pause(self, sandbox_id: str) -> rm.SandboxObserved:
@@ -228,23 +267,26 @@ class NodeClient:
         return await self.action(sandbox_id, "start")
 
     async def delete_sandbox(self, sandbox_id: str) -> rm.DeleteResult:
-        return rm.DeleteResult.model_validate(await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}"))
+        return rm.DeleteResult.model_validate(
+            await self._request("DELETE", _sandbox_path(sandbox_id), sandbox_id=sandbox_id)
+        )
 
     async def create_snapshot(
         self, sandbox_id: str, *, full: bool = False, idempotency_key: str | None = None
     ) -> rm.SnapshotInfo:
         answer = await self._request(
-            "POST", f"/sandboxes/{_seg(sandbox_id)}/snapshots", json_body={"full": full},
-            headers=_idempotency(idempotency_key),
+            "POST", _sandbox_path(sandbox_id, "snapshots"), json_body={"full": full},
+            headers=_idempotency(idempotency_key), sandbox_id=sandbox_id,
         )  # fmt: skip
         return rm.SnapshotInfo.model_validate(answer)
 
     async def list_snapshots(self, sandbox_id: str) -> list[rm.SnapshotInfo]:
-        answer = await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}/snapshots")
+        answer = await self._request("GET", _sandbox_path(sandbox_id, "snapshots"), sandbox_id=sandbox_id)
         return rm.SnapshotList.model_validate(answer).snapshots
 
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
-        await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}/snapshots/{_seg(snapshot_id)}")
+        path = _sandbox_path(sandbox_id, "snapshots", snapshot_id)
+        await self._request("DELETE", path, sandbox_id=sandbox_id)
 
     async def set_egress(
         self, sandbox_id: str, policy: Mapping[str, Any], credentials: Sequence[str] = ()
@@ -252,12 +294,16 @@ class NodeClient:
         """Apply a changed egress policy ({"allow", "deny", "version"}) and the names of the credentials now
         bound to the sandbox (their values the node fetches from the control plane itself)."""
         body = {"policy": dict(policy), "credentials": list(credentials)}
-        answer = await self._request("PUT", f"/sandboxes/{_seg(sandbox_id)}/egress", json_body=body)
+        path = _sandbox_path(sandbox_id, "egress")
+        answer = await self._request("PUT", path, json_body=body, sandbox_id=sandbox_id)
         return dict(answer)
 
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> rm.SandboxObserved:
         answer = await self._request(
-            "POST", f"/sandboxes/{_seg(sandbox_id)}/rollback", json_body={"snapshot_id": snapshot_id}
+            "POST",
+            _sandbox_path(sandbox_id, "rollback"),
+            json_body={"snapshot_id": snapshot_id},
+            sandbox_id=sandbox_id,
         )
         return rm.SandboxObserved.model_validate(answer)
 
@@ -277,9 +323,10 @@ class NodeClient:
             body["child_ids"] = list(child_ids)
         answer = await self._request(
             "POST",
-            f"/sandboxes/{_seg(sandbox_id)}/fork",
+            _sandbox_path(sandbox_id, "fork"),
             json_body=body,
             headers=_idempotency(idempotency_key),
+            sandbox_id=sandbox_id,
         )
         return rm.SandboxList.model_validate(answer).sandboxes
 
@@ -297,7 +344,8 @@ class NodeClient:
         until `delete_sandbox`. Repeating it (same snapshot id) after a timeout returns the same result."""
         body = {"store_url": store_url, "prefix": prefix, "snapshot_id": snapshot_id,
                 "data_key": _data_key_body(data_key)}  # fmt: skip
-        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/suspend", json_body=body)
+        path = _sandbox_path(sandbox_id, "suspend")
+        answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
         return rm.TransferResult.model_validate(answer)
 
     async def upload_snapshot(
@@ -310,8 +358,9 @@ class NodeClient:
         data_key: DataKeyLike | None = None,
     ) -> rm.TransferResult:
         body = {"store_url": store_url, "prefix": prefix, "data_key": _data_key_body(data_key)}
-        path = f"/sandboxes/{_seg(sandbox_id)}/snapshots/{_seg(snapshot_id)}/upload"
-        return rm.TransferResult.model_validate(await self._request("POST", path, json_body=body))
+        path = _sandbox_path(sandbox_id, "snapshots", snapshot_id, "upload")
+        answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
+        return rm.TransferResult.model_validate(answer)
 
     async def restore(
         self,
@@ -336,13 +385,16 @@ class NodeClient:
             body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
         if egress is not None:
             body["egress"] = dict(egress)
-        answer = await self._request("POST", "/sandboxes/restore", json_body=body)
+        answer = await self._request("POST", "/sandboxes/restore", json_body=body, sandbox_id=sandbox_id)
         return rm.SandboxObserved.model_validate(answer)
 
     async def recover(self, sandbox_id: str, *, snapshot_id: str | None = None) -> rm.SandboxObserved:
         """crashed -> recovering -> running from the node's newest (or the named) full checkpoint."""
         answer = await self._request(
-            "POST", f"/sandboxes/{_seg(sandbox_id)}/recover", json_body={"snapshot_id": snapshot_id}
+            "POST",
+            _sandbox_path(sandbox_id, "recover"),
+            json_body={"snapshot_id": snapshot_id},
+            sandbox_id=sandbox_id,
         )
         return rm.SandboxObserved.model_validate(answer)
 
@@ -360,7 +412,11 @@ class NodeClient:
     ) -> rm.ExecResponse:
         body = command_params(command, env, cwd, user, timeout) | _stdin(stdin)
         answer = await self._request(
-            "POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body, timeout=STREAM_TIMEOUT
+            "POST",
+            _sandbox_path(sandbox_id, "exec"),
+            json_body=body,
+            timeout=STREAM_TIMEOUT,
+            sandbox_id=sandbox_id,
         )
         return rm.ExecResponse.model_validate(answer)
 
@@ -377,7 +433,8 @@ class NodeClient:
     ) -> AsyncIterator[dict[str, Any]]:
         """NDJSON events: started, stdout/stderr (data_b64), then exit."""
         body = command_params(command, env, cwd, user, timeout) | _stdin(stdin) | {"stream": True}
-        async for item in self._lines("POST", f"/sandboxes/{_seg(sandbox_id)}/exec", json_body=body):
+        path = _sandbox_path(sandbox_id, "exec")
+        async for item in self._lines("POST", path, json_body=body, sandbox_id=sandbox_id):
             yield item
 
     async def start_process(
@@ -398,33 +455,37 @@ class NodeClient:
             body["tag"] = tag
         if pty is not None:
             body["pty"] = {"rows": pty[0], "cols": pty[1]}
-        answer = await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/processes", json_body=body)
+        path = _sandbox_path(sandbox_id, "processes")
+        answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
         return rm.ProcessStarted.model_validate(answer)
 
     async def list_processes(self, sandbox_id: str) -> list[dict[str, Any]]:
-        answer = await self._request("GET", f"/sandboxes/{_seg(sandbox_id)}/processes")
+        answer = await self._request("GET", _sandbox_path(sandbox_id, "processes"), sandbox_id=sandbox_id)
         return rm.ProcessList.model_validate(answer).processes
 
     async def attach(
         self, sandbox_id: str, process_id: str, *, offset: int = 0, follow: bool = True
     ) -> AsyncIterator[dict[str, Any]]:
         """NDJSON events: attached {offset, truncated}, stdout/stderr, then exit (end if not following)."""
-        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/output"
-        async for item in self._lines("GET", path, params={"offset": offset, "follow": follow}):
+        path = _sandbox_path(sandbox_id, "processes", process_id, "output")
+        params = {"offset": offset, "follow": follow}
+        async for item in self._lines("GET", path, params=params, sandbox_id=sandbox_id):
             yield item
 
     async def write_stdin(self, sandbox_id: str, process_id: str, data: Body, *, eof: bool = False) -> int:
-        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/stdin"
-        answer = await self._request("POST", path, params={"eof": eof}, content=data, timeout=STREAM_TIMEOUT)
+        path = _sandbox_path(sandbox_id, "processes", process_id, "stdin")
+        answer = await self._request(
+            "POST", path, params={"eof": eof}, content=data, timeout=STREAM_TIMEOUT, sandbox_id=sandbox_id
+        )
         return int(answer["written"])
 
     async def signal(self, sandbox_id: str, process_id: str, signal: str | int = "SIGTERM") -> None:
-        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/signal"
-        await self._request("POST", path, json_body={"signal": signal})
+        path = _sandbox_path(sandbox_id, "processes", process_id, "signal")
+        await self._request("POST", path, json_body={"signal": signal}, sandbox_id=sandbox_id)
 
     async def resize(self, sandbox_id: str, process_id: str, rows: int, cols: int) -> None:
-        path = f"/sandboxes/{_seg(sandbox_id)}/processes/{_seg(process_id)}/resize"
-        await self._request("POST", path, json_body={"rows": rows, "cols": cols})
+        path = _sandbox_path(sandbox_id, "processes", process_id, "resize")
+        await self._request("POST", path, json_body={"rows": rows, "cols": cols}, sandbox_id=sandbox_id)
 
     def pty(self, sandbox_id: str, *, rows: int = 24, cols: int = 80, cmd: str = "/bin/bash") -> ws_connect:
         """`async with client.pty(id) as ws:` — send bytes (input) or {"resize": [rows, cols]} as text;
@@ -432,8 +493,8 @@ class NodeClient:
         base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
         query = httpx.QueryParams({"rows": rows, "cols": cols, "cmd": cmd})
         return ws_connect(
-            f"{base}{API_PREFIX}/sandboxes/{_seg(sandbox_id)}/pty?{query}",
-            additional_headers={"Authorization": f"Bearer {self._token}"},
+            f"{base}{API_PREFIX}{_sandbox_path(sandbox_id, 'pty')}?{query}",
+            additional_headers={"Authorization": f"Bearer {self._token}", **self.capability(sandbox_id)},
             max_size=None,
         )
 
@@ -445,8 +506,9 @@ class NodeClient:
         if mode is not None:
             params["mode"] = mode
         answer = await self._request(
-            "PUT", f"/sandboxes/{_seg(sandbox_id)}/files", params=params, content=data,
+            "PUT", _sandbox_path(sandbox_id, "files"), params=params, content=data,
             headers={"Content-Type": "application/octet-stream"}, timeout=STREAM_TIMEOUT,
+            sandbox_id=sandbox_id,
         )  # fmt: skip
         return int(answer["size"])
 
@@ -456,9 +518,12 @@ class NodeClient:
         params: dict[str, Any] = {"path": path, "offset": offset}
         if length is not None:
             params["length"] = length
-        url = f"/sandboxes/{_seg(sandbox_id)}/files"
+        url = _sandbox_path(sandbox_id, "files")
+        headers = self._headers(None, sandbox_id)
         with _translated(f"GET {url}"):
-            async with self._http.stream("GET", url, params=params, timeout=STREAM_TIMEOUT) as response:
+            async with self._http.stream(
+                "GET", url, params=params, timeout=STREAM_TIMEOUT, headers=headers
+            ) as response:
                 await _raise_for_error(response)
                 async for chunk in response.aiter_raw():
                     yield chunk
@@ -473,53 +538,61 @@ class NodeClient:
 
     async def list_files(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
         answer = await self._request(
-            "GET", f"/sandboxes/{_seg(sandbox_id)}/files/list", params={"path": path}
+            "GET", _sandbox_path(sandbox_id, "files", "list"), params={"path": path}, sandbox_id=sandbox_id
         )
         return rm.FileList.model_validate(answer).entries
 
     async def stat(self, sandbox_id: str, path: str) -> dict[str, Any]:
         answer: dict[str, Any] = await self._request(
-            "GET", f"/sandboxes/{_seg(sandbox_id)}/files/stat", params={"path": path}
+            "GET", _sandbox_path(sandbox_id, "files", "stat"), params={"path": path}, sandbox_id=sandbox_id
         )
         return answer
 
     async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
         body = {"path": path, "parents": parents, "mode": mode}
-        await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/files/mkdir", json_body=body)
+        path_ = _sandbox_path(sandbox_id, "files", "mkdir")
+        await self._request("POST", path_, json_body=body, sandbox_id=sandbox_id)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         params = {"path": path, "recursive": recursive}
-        await self._request("DELETE", f"/sandboxes/{_seg(sandbox_id)}/files", params=params)
+        await self._request(
+            "DELETE", _sandbox_path(sandbox_id, "files"), params=params, sandbox_id=sandbox_id
+        )
 
     async def rename(self, sandbox_id: str, src: str, dst: str) -> None:
         body = {"src": src, "dst": dst}
-        await self._request("POST", f"/sandboxes/{_seg(sandbox_id)}/files/rename", json_body=body)
+        path = _sandbox_path(sandbox_id, "files", "rename")
+        await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
 
     async def watch(
         self, sandbox_id: str, path: str, *, recursive: bool = False
     ) -> AsyncIterator[dict[str, Any]]:
         """NDJSON events: {"type": "watching"} once the watch is in place, then {"type": "changes"}."""
         params = {"path": path, "recursive": recursive}
-        async for item in self._lines("GET", f"/sandboxes/{_seg(sandbox_id)}/files/watch", params=params):
+        url = _sandbox_path(sandbox_id, "files", "watch")
+        async for item in self._lines("GET", url, params=params, sandbox_id=sandbox_id):
             yield item
 
     # -- gateway relay ---------------------------------------------------------------------------------------
     async def proxy_stream(
         self,
         method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | httpx.QueryParams | None = None,
+        sandbox_id: str,
+        *segments: str,
+        params: Mapping[str, Any] | None = None,
         content: Body | None = None,
         headers: Mapping[str, str] | None = None,
         raise_errors: bool = True,
     ) -> ProxiedResponse:
-        """Send `method path` (relative to /node/v1, e.g. f"/sandboxes/{id}/files") with `content` streamed
-        from an async iterable (e.g. a Starlette `request.stream()`), and return the open response for
-        relaying. With `raise_errors`, an error answer is read (it is small) and raised as its typed error."""
+        """Send `method /sandboxes/<sandbox_id>/<segments...>` (under /node/v1; each segment quoted as one, so
+        pass fixed route words and validated ids only) with `content` streamed from an async iterable (e.g.
+        a Starlette `request.stream()`), carrying a capability for `sandbox_id`; return the open response
+        for relaying. With `raise_errors`, an error answer is read (it is small) and raised as its typed
+        error."""
+        path = _sandbox_path(sandbox_id, *segments)
         request = self._http.build_request(
-            method, path, params=params if isinstance(params, httpx.QueryParams) else _params(params),
-            content=content, headers=dict(headers or {}), timeout=STREAM_TIMEOUT,
+            method, path, params=_params(params), content=content,
+            headers=self._headers(headers, sandbox_id), timeout=STREAM_TIMEOUT,
         )  # fmt: skip
         with _translated(f"{method} {path}"):
             response = await self._http.send(request, stream=True)

@@ -24,25 +24,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response, WebSocket
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from space.controlplane.api import errors as api_errors
 from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
-from space.controlplane.retention import purge_expired
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
 from space.controlplane.store.store import Store
 from space.core import errors
-from space.core.ids import new_sandbox_id, parse_sandbox_id, parse_snapshot_id
+from space.core.ids import new_sandbox_id, parse_process_id, parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import Event, State, transition
 from space.core.retention import SnapshotPolicy
 from space.core.settings import SandboxLimits
+from space.node.agent import rpc_models as rm
 
 log = logging.getLogger(__name__)
 
@@ -270,9 +270,6 @@ def create_app(
     from space.controlplane.api import credentials as credentials_api  # issue 5 (imports this module)
 
     app.include_router(credentials_api.install(services, data_dir))
-    from space.controlplane.api import limits  # (imports this module) outermost: before any body is read
-
-    app.add_middleware(limits.RequestLimits, services=services)
     return app
 
 
@@ -300,7 +297,6 @@ async def _housekeeping(services: Services) -> None:
         every(2.0, services.snapshots.collect, "removing deleted snapshots"),
         every(300.0, services.snapshots.sweep_objects, "removing artifacts nothing refers to"),
         every(1.0, lambda: report_lost_node_crashes(services.reconciler), "recovering lost nodes' sandboxes"),
-        every(600.0, lambda: purge_expired(services.store), "deleting expired idempotency and audit rows"),
     )
 
 
@@ -682,7 +678,7 @@ def _public_router(services: Services) -> APIRouter:
         return Response(status_code=204)
 
     _data_plane_routes(r, services)
-    # Last: the generic /{action} route would otherwise shadow /exec, /fork, /snapshots and /rollback.
+    # One typed route per action (no /{action} catch-all): the OpenAPI document lists each of them.
     lifecycle_targets: dict[str, tuple[Event, State]] = {
         "pause": (Event.PAUSE, State.PAUSED),
         "resume": (Event.RESUME, State.RUNNING),
@@ -692,36 +688,41 @@ def _public_router(services: Services) -> APIRouter:
         "restore": (Event.RESTORE, State.RUNNING),
     }
 
-    @r.post("/sandboxes/{sandbox_id}/{action}")
-    async def lifecycle_action(
-        sandbox_id: str, action: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
-    ) -> JSONResponse:
-        who.require("member")
-        if action == "suspend" and services.reconciler.objects is None:
-            raise errors.InvalidArgument(
-                "suspend needs object storage: start the control plane with --store-url", action=action
-            )
-        if action not in lifecycle_targets:
-            raise errors.NotFound(f"no action {action!r}")
-        event, target = lifecycle_targets[action]
-        parse_sandbox_id(sandbox_id, field="sandbox_id")
+    def lifecycle_route(action: str, event: Event, target: State) -> None:
+        async def lifecycle_action(
+            sandbox_id: str, who: Auth, idem: IdempotencyKey = None, wait: bool = True
+        ) -> JSONResponse:
+            who.require("member")
+            if action == "suspend" and services.reconciler.objects is None:
+                raise errors.InvalidArgument(
+                    "suspend needs object storage: start the control plane with --store-url", action=action
+                )
+            parse_sandbox_id(sandbox_id, field="sandbox_id")
 
-        async def work() -> tuple[int, Any]:
-            sb = await _sandbox(services, who, sandbox_id)
-            current = await asyncio.to_thread(store.load_sandbox, sb.id)
-            assert current is not None
-            if current.desired_state != target or (current.error_permanent and current.state != target):
-                # The table decides on the state the user sees; an already-wished request is a no-op,
-                # unless the last attempt gave up (e.g. a corrupt snapshot): asking again retries.
-                transition(current.state, event)
-                services.forget(sb.id)
-                current = await asyncio.to_thread(store.set_desired, sb.id, target, current.generation)
-            if wait:
-                return 200, sandbox_view(await _wait_settled(services, sb.id))
-            services.reconciler.poke()
-            return 202, sandbox_view(current)
+            async def work() -> tuple[int, Any]:
+                sb = await _sandbox(services, who, sandbox_id)
+                current = await asyncio.to_thread(store.load_sandbox, sb.id)
+                assert current is not None
+                if current.desired_state != target or (current.error_permanent and current.state != target):
+                    # The table decides on the state the user sees; an already-wished request is a no-op,
+                    # unless the last attempt gave up (e.g. a corrupt snapshot): asking again retries.
+                    transition(current.state, event)
+                    services.forget(sb.id)
+                    current = await asyncio.to_thread(store.set_desired, sb.id, target, current.generation)
+                if wait:
+                    return 200, sandbox_view(await _wait_settled(services, sb.id))
+                services.reconciler.poke()
+                return 202, sandbox_view(current)
 
-        return await _idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/{action}", work)
+            return await _idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/{action}", work)
+
+        r.add_api_route(
+            f"/sandboxes/{{sandbox_id}}/{action}", lifecycle_action, methods=["POST"],
+            name=f"{action}_sandbox", response_model=None,
+        )  # fmt: skip
+
+    for action, (event, target) in lifecycle_targets.items():
+        lifecycle_route(action, event, target)
 
     return r
 
@@ -769,21 +770,36 @@ async def _running(services: Services, who: Principal, sandbox_id: str) -> Sandb
 
 
 # -- data plane relay ----------------------------------------------------------------------------------------
-HOP_HEADERS = {
-    "authorization",
-    "host",
-    "content-length",
-    "connection",
-    "transfer-encoding",
-    "idempotency-key",
-}
+# The gateway forwards only the operations below, each to the node route of the same shape: the node URL is
+# built by NodeClient.proxy_stream from the authorized record's id and fixed words or validated ids (one
+# quoted segment each), the query from typed parameters, the body from a validated model or, for uploads
+# and stdin, the raw bytes; of the client's headers only Content-Type goes on. Nothing of the client's path
+# text reaches the node, so no encoding (dot segments, %2f, backslashes, overlong UTF-8, NUL) can name
+# another route or sandbox there. ADR 0020.
+FilePath = Annotated[str, Query(min_length=1, max_length=4096)]
+NonNegative = Annotated[int, Query(ge=0)]
+FileMode = Annotated[int | None, Query(ge=0, le=0o7777)]
+RELAYED_HEADERS = ("content-type",)
+
+
+def _json_bytes(body: BaseModel) -> bytes:
+    """A validated body as the node receives it: only what the client set (the node fills defaults)."""
+    return body.model_dump_json(exclude_unset=True).encode()
 
 
 def _data_plane_routes(r: APIRouter, services: Services) -> None:
     async def relay(
-        request: Request, who: Principal, sandbox_id: str, subpath: str, *, mutating: bool
+        request: Request,
+        who: Principal,
+        sandbox_id: str,
+        *segments: str,
+        mutating: bool,
+        params: dict[str, Any] | None = None,
+        body: bytes | None = None,
+        stream_body: bool = False,
     ) -> Response:
         who.require("member" if mutating else "read-only")
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
         sb = await _running(services, who, sandbox_id)
         now = time.monotonic()
         if now - services.activity.get(sb.id, 0.0) > ACTIVITY_DEBOUNCE_S:
@@ -793,25 +809,21 @@ def _data_plane_routes(r: APIRouter, services: Services) -> None:
         if length is not None and length.isdigit() and int(length) > MAX_UPLOAD_BYTES:
             raise errors.TooLarge(f"upload of {length} bytes exceeds {MAX_UPLOAD_BYTES}")
         node = services.nodes.client(_node_id(sb))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        has_body = request.method in {"POST", "PUT"}
-        small = length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES
-        body: bytes | AsyncIterator[bytes] | None = None
-        if has_body:
-            # Small bodies (exec requests, control calls) are passed whole: streaming them costs more
-            # than they weigh. Uploads stream through.
-            body = await request.body() if small else _limited(request.stream())
+        headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
+        content: bytes | AsyncIterator[bytes] | None = body
+        if body is not None:
+            headers["content-type"] = "application/json"
+        elif stream_body:
+            small = length is not None and length.isdigit() and int(length) <= SMALL_BODY_BYTES
+            # Small bodies are passed whole: streaming them costs more than they weigh. Uploads stream.
+            content = await request.body() if small else _limited(request.stream())
         upstream = await node.proxy_stream(
-            request.method,
-            f"/sandboxes/{sb.id}/{subpath}".rstrip("/"),
-            params=request.query_params,
-            content=body,
-            headers=headers,
+            request.method, sb.id, *segments, params=params, content=content, headers=headers
         )
         if (upstream.media_type or "").startswith("application/json"):
             # A plain JSON answer (not NDJSON or a file): relay it whole, without chunked framing.
-            content = b"".join([chunk async for chunk in upstream.body()])
-            return Response(content, status_code=upstream.status_code, media_type="application/json")
+            answer = b"".join([chunk async for chunk in upstream.body()])
+            return Response(answer, status_code=upstream.status_code, media_type="application/json")
         return StreamingResponse(
             upstream.body(),
             status_code=upstream.status_code,
@@ -827,29 +839,135 @@ def _data_plane_routes(r: APIRouter, services: Services) -> None:
                 raise errors.TooLarge(f"upload exceeds {MAX_UPLOAD_BYTES} bytes")
             yield chunk
 
-    @r.post("/sandboxes/{sandbox_id}/exec")
-    async def exec_(sandbox_id: str, request: Request, who: Auth) -> Response:
-        return await relay(request, who, sandbox_id, "exec", mutating=True)
+    def process(process_id: str) -> str:
+        return parse_process_id(process_id, field="process_id")
 
-    @r.api_route("/sandboxes/{sandbox_id}/processes", methods=["GET", "POST"])
-    async def processes(sandbox_id: str, request: Request, who: Auth) -> Response:
-        return await relay(request, who, sandbox_id, "processes", mutating=request.method == "POST")
+    # processes ---------------------------------------------------------------------------------------------
+    @r.post("/sandboxes/{sandbox_id}/exec", response_model=None)
+    async def exec_(sandbox_id: str, body: rm.ExecRequest, request: Request, who: Auth) -> Response:
+        """Run a command; with `stream`, NDJSON events (started, stdout/stderr, exit)."""
+        return await relay(request, who, sandbox_id, "exec", mutating=True, body=_json_bytes(body))
 
-    @r.api_route("/sandboxes/{sandbox_id}/processes/{rest:path}", methods=["GET", "POST"])
-    async def process_item(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
-        return await relay(request, who, sandbox_id, f"processes/{rest}", mutating=request.method == "POST")
+    @r.get("/sandboxes/{sandbox_id}/processes", response_model=None)
+    async def list_processes(sandbox_id: str, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "processes", mutating=False)
 
-    @r.api_route("/sandboxes/{sandbox_id}/files", methods=["GET", "PUT", "DELETE"])
-    async def files(sandbox_id: str, request: Request, who: Auth) -> Response:
-        return await relay(request, who, sandbox_id, "files", mutating=request.method != "GET")
+    @r.post("/sandboxes/{sandbox_id}/processes", response_model=None, status_code=201)
+    async def start_process(
+        sandbox_id: str, body: rm.ProcessStartRequest, request: Request, who: Auth
+    ) -> Response:
+        return await relay(request, who, sandbox_id, "processes", mutating=True, body=_json_bytes(body))
 
-    @r.api_route("/sandboxes/{sandbox_id}/files/{rest:path}", methods=["GET", "POST"])
-    async def files_item(sandbox_id: str, rest: str, request: Request, who: Auth) -> Response:
-        return await relay(request, who, sandbox_id, f"files/{rest}", mutating=request.method == "POST")
+    @r.get("/sandboxes/{sandbox_id}/processes/{process_id}/output", response_model=None)
+    async def process_output(
+        sandbox_id: str, process_id: str, request: Request, who: Auth, *, offset: NonNegative = 0,
+        follow: bool = True,
+    ) -> Response:  # fmt: skip
+        """NDJSON: attached {offset, truncated}, stdout/stderr, then exit (end without follow)."""
+        return await relay(
+            request, who, sandbox_id, "processes", process(process_id), "output", mutating=False,
+            params={"offset": offset, "follow": follow},
+        )  # fmt: skip
+
+    @r.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin", response_model=None)
+    async def process_stdin(
+        sandbox_id: str, process_id: str, request: Request, who: Auth, eof: bool = False
+    ) -> Response:
+        """The raw body goes to the process's stdin (streamed)."""
+        return await relay(
+            request, who, sandbox_id, "processes", process(process_id), "stdin", mutating=True,
+            params={"eof": eof}, stream_body=True,
+        )  # fmt: skip
+
+    @r.post("/sandboxes/{sandbox_id}/processes/{process_id}/signal", response_model=None)
+    async def process_signal(
+        sandbox_id: str, process_id: str, body: rm.SignalRequest, request: Request, who: Auth
+    ) -> Response:
+        return await relay(
+            request, who, sandbox_id, "processes", process(process_id), "signal", mutating=True,
+            body=_json_bytes(body),
+        )  # fmt: skip
+
+    @r.post("/sandboxes/{sandbox_id}/processes/{process_id}/resize", response_model=None)
+    async def process_resize(
+        sandbox_id: str, process_id: str, body: rm.ResizeRequest, request: Request, who: Auth
+    ) -> Response:
+        return await relay(
+            request, who, sandbox_id, "processes", process(process_id), "resize", mutating=True,
+            body=_json_bytes(body),
+        )  # fmt: skip
+
+    # files -------------------------------------------------------------------------------------------------
+    @r.get("/sandboxes/{sandbox_id}/files", response_model=None)
+    async def read_file(
+        sandbox_id: str, path: FilePath, request: Request, who: Auth, *, offset: NonNegative = 0,
+        length: Annotated[int | None, Query(ge=0)] = None,
+    ) -> Response:  # fmt: skip
+        """The file's bytes (streamed)."""
+        params: dict[str, Any] = {"path": path, "offset": offset, "length": length}
+        return await relay(request, who, sandbox_id, "files", mutating=False, params=params)
+
+    @r.put("/sandboxes/{sandbox_id}/files", response_model=None)
+    async def write_file(
+        sandbox_id: str, path: FilePath, request: Request, who: Auth, *, mode: FileMode = None,
+        append: bool = False,
+    ) -> Response:  # fmt: skip
+        """The raw body becomes the file (streamed)."""
+        params: dict[str, Any] = {"path": path, "mode": mode, "append": append}
+        return await relay(request, who, sandbox_id, "files", mutating=True, params=params, stream_body=True)
+
+    @r.delete("/sandboxes/{sandbox_id}/files", response_model=None)
+    async def remove_file(
+        sandbox_id: str, path: FilePath, request: Request, who: Auth, recursive: bool = False
+    ) -> Response:
+        params: dict[str, Any] = {"path": path, "recursive": recursive}
+        return await relay(request, who, sandbox_id, "files", mutating=True, params=params)
+
+    @r.get("/sandboxes/{sandbox_id}/files/list", response_model=None)
+    async def list_files(sandbox_id: str, path: FilePath, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "files", "list", mutating=False, params={"path": path})
+
+    @r.get("/sandboxes/{sandbox_id}/files/stat", response_model=None)
+    async def stat_file(sandbox_id: str, path: FilePath, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "files", "stat", mutating=False, params={"path": path})
+
+    @r.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=None)
+    async def make_dir(sandbox_id: str, body: rm.MkdirRequest, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "files", "mkdir", mutating=True, body=_json_bytes(body))
+
+    @r.post("/sandboxes/{sandbox_id}/files/rename", response_model=None)
+    async def rename_file(sandbox_id: str, body: rm.RenameRequest, request: Request, who: Auth) -> Response:
+        return await relay(request, who, sandbox_id, "files", "rename", mutating=True, body=_json_bytes(body))
+
+    @r.get("/sandboxes/{sandbox_id}/files/watch", response_model=None)
+    async def watch_files(
+        sandbox_id: str, path: FilePath, request: Request, who: Auth, recursive: bool = False
+    ) -> Response:
+        """NDJSON: {"type": "watching"} once in place, then {"type": "changes", "changes": [...]}."""
+        params: dict[str, Any] = {"path": path, "recursive": recursive}
+        return await relay(request, who, sandbox_id, "files", "watch", mutating=False, params=params)
 
     @r.websocket("/sandboxes/{sandbox_id}/pty")
     async def pty(websocket: WebSocket, sandbox_id: str) -> None:
         await _relay_pty(websocket, services, sandbox_id)
+
+
+class PtyParameters(_Body):
+    rows: int = Field(default=24, ge=1, le=1000)
+    cols: int = Field(default=80, ge=1, le=1000)
+    cmd: str = Field(default="/bin/bash", min_length=1, max_length=4096)
+
+
+def _pty_parameters(query: Any) -> PtyParameters:
+    """The PTY's query (rows, cols, cmd), typed: anything else, or a repeated one, is invalid."""
+    names = list(query.keys())
+    if len(names) != len(set(names)):
+        raise errors.InvalidArgument("a PTY query parameter is repeated", field="query")
+    try:
+        return PtyParameters.model_validate(dict(query))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise errors.InvalidArgument(f"invalid PTY parameters: {problems}", field="query") from exc
 
 
 async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) -> None:
@@ -860,6 +978,8 @@ async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) 
     try:
         who = await authenticate(services, auth, websocket.headers.get("x-space-project"))
         who.require("member")
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
+        terminal = _pty_parameters(websocket.query_params)
         sb = await _running(services, who, sandbox_id)
     except errors.SpaceError as exc:
         # Refused before the handshake completes: the client sees the real status and error body.
@@ -867,13 +987,7 @@ async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) 
         return
     await websocket.accept()
     node = services.nodes.client(_node_id(sb))
-    params = dict(websocket.query_params)
-    async with node.pty(
-        sb.id,
-        rows=int(params.get("rows", 24)),
-        cols=int(params.get("cols", 80)),
-        cmd=params.get("cmd", "/bin/bash"),
-    ) as upstream:
+    async with node.pty(sb.id, rows=terminal.rows, cols=terminal.cols, cmd=terminal.cmd) as upstream:
 
         async def client_to_node() -> None:
             while True:

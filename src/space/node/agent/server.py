@@ -7,6 +7,10 @@
 Invariants:
 - Every request (HTTP and WebSocket, known route or not) carries `Authorization: Bearer <node token>`,
   compared in constant time, before any route runs; anything else is a typed 401.
+- Every route scoped to a sandbox (its path names `{sandbox_id}`; for POST /sandboxes/restore the body's
+  `sandbox_id`) also needs exactly one `X-Space-Capability` for that very sandbox, unexpired, made with the
+  node token (space.core.capability); anything else is a typed 403 before the route runs. Only the routes in
+  `_NODE_LEVEL_ROUTES` go without one, and a route that is neither is refused (fail closed).
 - Lifecycle verbs are idempotent in their outcome so a reconciler may repeat any call after a crash:
   PUT creates the sandbox with the id the control plane chose or returns it as it is (201 vs 200); an
   action whose target state already holds answers 200 with the state; DELETE of an absent sandbox is a 200
@@ -46,15 +50,17 @@ from typing import Annotated, Any
 
 import anyio
 import uvicorn
-from fastapi import APIRouter, FastAPI, Header, Query, Request, Response, WebSocket
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.core import errors
+from space.core.capability import CAPABILITY_HEADER
+from space.core.capability import verify as verify_capability
 from space.core.ids import parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import IN_PROGRESS_STATES, Event, State
 from space.core.settings import SandboxLimits
@@ -194,6 +200,56 @@ class BearerAuth:
             await WebSocket(scope, receive, send).send_denial_response(response)
         else:
             await WebSocket(scope, receive, send).close(code=4401, reason="unauthenticated")
+
+
+#: Routes that act on the node as a whole (the token suffices); every other route is scoped to a sandbox.
+_NODE_LEVEL_ROUTES = frozenset({("GET", f"{API_PREFIX}/info"), ("GET", f"{API_PREFIX}/sandboxes")})
+#: Routes scoped to the sandbox their JSON body names (no `{sandbox_id}` in the path).
+_BODY_SCOPED_ROUTES = frozenset({("POST", f"{API_PREFIX}/sandboxes/restore")})
+
+
+def capability_scope(method: str, route_path: str) -> str:
+    """How a route is authorized beyond the token: "node", "path" ({sandbox_id}) or "body" (the body's
+    sandbox_id); anything else is a route nobody classified, which the dependency refuses."""
+    if (method, route_path) in _NODE_LEVEL_ROUTES:
+        return "node"
+    if "{sandbox_id}" in route_path:
+        return "path"
+    if (method, route_path) in _BODY_SCOPED_ROUTES:
+        return "body"
+    return "unclassified"
+
+
+async def require_capability(connection: HTTPConnection) -> None:
+    """Router-level dependency: a sandbox-scoped call carries a capability for that sandbox (see the
+    module docstring). The key is the node token the app was made with (app.state.rpc_token)."""
+    route = connection.scope.get("route")
+    route_path = str(getattr(route, "path", ""))
+    method = connection.scope.get("method", "GET") if connection.scope["type"] == "http" else "GET"
+    scope = capability_scope(method, route_path)
+    if scope == "node":
+        return
+    if scope == "path":
+        sandbox_id = connection.path_params.get("sandbox_id")
+    elif scope == "body" and isinstance(connection, Request):
+        try:
+            body = await connection.json()
+        except ValueError as exc:
+            raise errors.InvalidArgument("the body is not JSON") from exc
+        sandbox_id = body.get("sandbox_id") if isinstance(body, dict) else None
+    else:
+        log.error("route %s %s is not classified for capabilities: refused", method, route_path)
+        raise errors.PermissionDenied("this route is not open to sandbox-scoped calls")
+    if not isinstance(sandbox_id, str):
+        raise errors.PermissionDenied("this call names no sandbox")
+    parse_sandbox_id(sandbox_id)  # a malformed id names no sandbox: 400, as the routes would answer
+    supplied = connection.headers.getlist(CAPABILITY_HEADER)
+    if len(supplied) > 1:
+        raise errors.PermissionDenied(f"more than one {CAPABILITY_HEADER}")
+    verify_capability(
+        connection.app.state.rpc_token, supplied[0] if supplied else None, sandbox_id=sandbox_id,
+        now=time.time(),
+    )  # fmt: skip
 
 
 # -- the service the routes share ----------------------------------------------------------------------------
@@ -795,7 +851,7 @@ PathQuery = Annotated[str, Query(min_length=1)]
 
 
 def _routes(svc: NodeService) -> APIRouter:
-    r = APIRouter(prefix=API_PREFIX)
+    r = APIRouter(prefix=API_PREFIX, dependencies=[Depends(require_capability)])
 
     # node
     @r.get("/info", response_model=rm.NodeInfo)
@@ -1180,6 +1236,7 @@ def create_app(agent: NodeAgent, token: str, *, templates: Sequence[str] = ("pyt
         openapi_url=f"{API_PREFIX}/openapi.json",
     )
     app.state.service = svc
+    app.state.rpc_token = token  # the key of the sandbox capabilities (require_capability)
     app.include_router(_routes(svc))
 
     @app.exception_handler(errors.SpaceError)
@@ -1368,9 +1425,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     data_dir = args.data_dir.resolve()
-    from space.node.rlimits import raise_fd_limit  # descriptors per sandbox channel, stream and connection
-
-    raise_fd_limit()
     from space.node.rlimits import raise_fd_limit  # descriptors per sandbox channel, stream and connection
 
     raise_fd_limit()
