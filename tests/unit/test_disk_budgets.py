@@ -22,6 +22,9 @@ from space.core.settings import STORAGE_MB_MAX, DiskReserve, SandboxLimits, pars
 from space.node.agent.agent import NodeAgent
 from space.node.drivers.fake import FakeDriver
 from tests.support.loop import BackgroundLoop
+from tests.unit import test_cli as cli_tests
+
+cli_server = cli_tests.server  # the CLI tests' fake API server (a fixture)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -285,3 +288,13 @@ def test_a_disk_no_node_can_hold_is_refused_at_once() -> None:
     assert caught.value.details["largest_node_disk_mb"] == 19_000
     assert "more than any node can hold" in caught.value.message
     scheduler.check_admissible(FakeStore([]), SandboxLimits(disk_mb=1_000_000))  # type: ignore[arg-type]
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------
+def test_cli_passes_the_storage_budget(cli_server: Any) -> None:
+    import httpx
+
+    cli_server.on("POST", "/v1/sandboxes", httpx.Response(201, json=cli_tests.sandbox_json("sb-new")))
+    result = cli_tests.invoke("sandbox", "create", "--disk-mb", "512", "--storage-mb", "2048", "--json")
+    assert result.exit_code == 0, result.output
+    assert cli_server.body()["limits"] == {"disk_mb": 512, "storage_mb": 2048}

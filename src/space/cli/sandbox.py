@@ -50,6 +50,10 @@ def create(  # noqa: PLR0917
     cpus: Annotated[float | None, typer.Option("--cpus", help="CPU limit.")] = None,
     memory_mb: Annotated[int | None, typer.Option("--memory-mb", help="Memory limit in MiB.")] = None,
     disk_mb: Annotated[int | None, typer.Option("--disk-mb", help="Disk limit in MiB.")] = None,
+    storage_mb: Annotated[
+        int | None,
+        typer.Option("--storage-mb", help="Files + snapshots + checkpoint images, in MiB (default 2x disk)."),
+    ] = None,
     idle_timeout_s: Annotated[
         int | None, typer.Option("--idle-timeout", help="Pause after this many idle seconds.")
     ] = None,
@@ -75,6 +79,8 @@ def create(  # noqa: PLR0917
         limits["memory_mb"] = memory_mb
     if disk_mb is not None:
         limits["disk_mb"] = disk_mb
+    if storage_mb is not None:
+        limits["storage_mb"] = storage_mb
     sp = client()
     with progress(f"creating a sandbox from template {template}…"):
         sb = sp.sandboxes.create(
