@@ -214,7 +214,11 @@ def test_a_malformed_body_is_422_naming_the_field(
 def test_unauthenticated_endpoints(fake_cluster: c.Cluster) -> None:
     client = fake_cluster.http()
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/metrics").status_code == 200
+    # /metrics shows every tenant's traffic: an org admin key only (ADR 0020).
+    assert error_of(client.get("/metrics"))["code"] == "unauthenticated"
+    member = c.new_project(fake_cluster)
+    assert error_of(member.http().get("/metrics"))["code"] == "permission_denied"
+    assert "space_api_requests" in fake_cluster.http(fake_cluster.admin_key).get("/metrics").text
     schema = client.get("/openapi.json").json()
     for path in ("/v1/sandboxes", "/v1/sandboxes/{sandbox_id}", "/v1/projects", "/v1/keys"):
         assert path in schema["paths"], sorted(schema["paths"])

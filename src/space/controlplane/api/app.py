@@ -5,8 +5,8 @@ Invariants:
   so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
   they never call a node themselves.
 - A key sees only its project's sandboxes: another project's sandbox is a 404 exactly like a missing one.
-- Mutations with an `Idempotency-Key` run once per (key id, Idempotency-Key); replays (also concurrent ones)
-  get the first answer; the same key with another body is a 409.
+- Mutations with an `Idempotency-Key` run once per (key id, project id, Idempotency-Key); replays (also
+  concurrent ones) get the first answer; the same key with another body is a 409.
 - The data plane is relayed to the sandbox's node as a stream in both directions (no whole-file buffering);
   a paused sandbox is resumed first, and every relayed request counts as activity.
 """
@@ -260,7 +260,11 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/metrics", include_in_schema=False)
-    async def _metrics_route() -> Response:
+    async def _metrics_route(authorization: Annotated[str | None, Header()] = None) -> Response:
+        # Route names, statuses and rates of every tenant: for the operator (an org admin key), no one else.
+        key = await authenticate_key(services, authorization)
+        if key.project_id is not None or key.role != "admin":
+            raise errors.PermissionDenied("only an organization admin key may read /metrics")
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(_public_router(services), prefix="/v1")
@@ -332,10 +336,8 @@ async def principal(
     return await authenticate(_services(request), authorization, x_space_project)
 
 
-async def authenticate(
-    services: Services, authorization: str | None, x_space_project: str | None
-) -> Principal:
-    """The principal of a request's headers (HTTP and WebSocket alike)."""
+async def authenticate_key(services: Services, authorization: str | None) -> ApiKeyRecord:
+    """The API key of an `Authorization: Bearer <key>` header (Unauthenticated: none, unknown, revoked)."""
     if not authorization or not authorization.startswith("Bearer "):
         raise errors.Unauthenticated("missing API key (Authorization: Bearer <key>)")
     secret = authorization.removeprefix("Bearer ").strip()
@@ -343,14 +345,21 @@ async def authenticate(
     cached = services.keys.get(digest)
     now = time.monotonic()
     if cached is not None and cached[1] > now:
-        key = cached[0]
-    else:
-        found = await asyncio.to_thread(services.store.authenticate, secret)
-        if found is None:
-            services.keys.pop(digest, None)
-            raise errors.Unauthenticated("unknown or revoked API key")
-        key = found
-        services.keys[digest] = (key, now + AUTH_CACHE_S)
+        return cached[0]
+    found = await asyncio.to_thread(services.store.authenticate, secret)
+    if found is None:
+        services.keys.pop(digest, None)
+        raise errors.Unauthenticated("unknown or revoked API key")
+    services.keys[digest] = (found, now + AUTH_CACHE_S)
+    return found
+
+
+async def authenticate(
+    services: Services, authorization: str | None, x_space_project: str | None
+) -> Principal:
+    """The principal of a request's headers (HTTP and WebSocket alike)."""
+    key = await authenticate_key(services, authorization)
+    now = time.monotonic()
     project_id = key.project_id
     name = x_space_project or "default"
     resolved = services.projects.get((key.org_id, name)) if project_id is None else None
@@ -430,7 +439,7 @@ async def _idempotent(
     if not key:
         status, body = await work()
         return JSONResponse(body, status_code=status)
-    scope = who.key.id
+    scope = _idempotency_scope(who)
     digest = hashlib.sha256(request_fingerprint.encode()).hexdigest()
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     while True:
@@ -459,6 +468,13 @@ async def _idempotent(
         keeper.cancel()
     await asyncio.to_thread(services.store.finish_idempotent, scope, key, status, body)
     return JSONResponse(body, status_code=status)
+
+
+def _idempotency_scope(who: Principal) -> str:
+    """Whose Idempotency-Keys these are: the API key AND the project it acts in. An org key acts in any
+    project (X-Space-Project); scoped by key alone, its key "k" in project B would replay (or, for a create,
+    derive the id of) what the same key did in project A (ADR 0020)."""
+    return f"{who.key.id}/{who.project_id}"
 
 
 def _derived_sandbox_id(scope: str, key: str) -> str:
@@ -493,7 +509,7 @@ def _public_router(services: Services) -> APIRouter:
 
         # With an Idempotency-Key the id is derived from it: a retry that takes over the key of a request
         # that died mid-way finds the sandbox that request recorded instead of making a second one.
-        sandbox_id = _derived_sandbox_id(who.key.id, idem) if idem else None
+        sandbox_id = _derived_sandbox_id(_idempotency_scope(who), idem) if idem else None
         if sandbox_id is None and (allow or egress.deny or bound):
             sandbox_id = new_sandbox_id()  # its egress policy is recorded before the sandbox (issue 5)
 
