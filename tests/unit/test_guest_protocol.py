@@ -20,6 +20,7 @@ from space.protocol.frames import (
     encode_data,
     encode_json,
 )
+from space.protocol.version import PROTOCOL_VERSION
 from tests.unit.guest_harness import Guest
 
 
@@ -90,7 +91,7 @@ def test_sys_ping_and_info(guest: Guest) -> None:
     assert guest.call("sys.ping").result["time"] >= before - 1
     info = guest.call("sys.info").result
     assert info["pid"] == guest.pid and info["boot_id"] == guest.hello["boot_id"]
-    assert info["protocol"] == 1 and info["uptime"] > 0
+    assert info["protocol"] == PROTOCOL_VERSION and info["uptime"] > 0
     assert abs(info["last_activity"] - time.time()) < 5
     assert 0 <= info["idle_seconds"] < 5
     assert info["running_processes"] == 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from space.protocol import (
     MAX_PAYLOAD,
+    PROTOCOL_VERSION,
     Channel,
     CorruptFrame,
     Frame,
@@ -126,7 +127,8 @@ def test_large_data_is_split_into_legal_frames() -> None:
 
 def test_version_negotiation() -> None:
     assert negotiate({"protocol": 1, "min_protocol": 1}) == 1
-    assert negotiate({"protocol": 5, "min_protocol": 1}) == 1
+    assert negotiate({"protocol": 2, "min_protocol": 1}) == 2  # protocol 2: per-stream flow control
+    assert negotiate({"protocol": 5, "min_protocol": 1}) == PROTOCOL_VERSION
     with pytest.raises(VersionMismatch):
         negotiate({"protocol": 9, "min_protocol": 7})
     with pytest.raises(VersionMismatch):

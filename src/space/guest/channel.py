@@ -10,6 +10,11 @@ Invariants:
   reader waits at most BODY_PUT_WAIT for room, and then the body is marked overflowed and dropped (the
   call fails instead of the whole channel stalling behind a consumer that stopped reading).
 - Once the channel is broken (the host went away), every send raises ChannelClosed so handler loops stop.
+- Flow control (protocol 2, after the host's HELLO negotiated it): a call sends DATA/EOF/EVENT only within
+  the credit the host granted for its stream, waiting (outside every lock) for WINDOW frames otherwise; so
+  a host that reads slowly slows the process or file read behind the call, never the other calls. The
+  daemon returns credit for request bodies as the handler consumes them. With a version-1 host there is no
+  credit and calls send freely, as before.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from space.protocol.errors import ChannelClosed, ProtocolError
-from space.protocol.frames import Channel, Frame, FrameType, encode_data, encode_json
+from space.protocol.flow import ReceiveWindow, SendCredit, encode_window, frame_cost
+from space.protocol.frames import HEADER_SIZE, Channel, Frame, FrameType, encode_data, encode_eof, encode_json
 
 BODY_BUDGET = 16 << 20  # bytes of request body a call may have queued before the reader waits
 BODY_PUT_WAIT = 10.0  # seconds the reader waits for a slow body consumer before giving up on that call
+CREDIT_POLL = 1.0  # seconds between checks of a broken channel while waiting for credit
 
 ERRNO_CODES = {
     errno.ENOENT: "not_found",
@@ -186,7 +193,14 @@ class Call:
     """One open stream: the handler's way to answer, and the host's body/CANCEL frames for it."""
 
     def __init__(
-        self, stream: int, method: str, writer: ChannelWriter, on_done: Callable[[Call], None]
+        self,
+        stream: int,
+        method: str,
+        writer: ChannelWriter,
+        on_done: Callable[[Call], None],
+        *,
+        send_window: int | None = None,
+        receive_window: int | None = None,
     ) -> None:
         self.stream = stream
         self.method = method
@@ -197,10 +211,40 @@ class Call:
         self._lock = threading.Lock()
         self._finished = False
         self._wakers: list[Callable[[], None]] = []
+        # None: a version-1 host, no flow control in either direction.
+        self._credit = SendCredit(send_window) if send_window is not None else None
+        self._credit_cond = threading.Condition(threading.Lock())
+        self._receive = ReceiveWindow(receive_window) if receive_window is not None else None
 
     @property
     def finished(self) -> bool:
         return self._finished
+
+    def grant(self, increment: int) -> None:
+        """The host returned credit for this stream (a WINDOW frame)."""
+        if self._credit is None:
+            return
+        with self._credit_cond:
+            self._credit.grant(increment)
+            self._credit_cond.notify_all()
+
+    def _wait_for_credit(self, cost: int) -> None:
+        credit = self._credit
+        if credit is None:
+            return
+        with self._credit_cond:
+            while not credit.can_send(cost):
+                if self._finished or self.cancelled.is_set():
+                    raise Cancelled
+                if self._writer.broken:
+                    raise ChannelClosed("the channel to the host is closed")
+                self._credit_cond.wait(CREDIT_POLL)
+            credit.spend(cost)
+
+    def _send_flow(self, frame: bytes) -> bool:
+        """A flow-controlled frame: wait for the host's credit (outside the call's lock), then send."""
+        self._wait_for_credit(frame_cost(len(frame) - HEADER_SIZE))
+        return self._send(frame)
 
     def _send(self, frame: bytes, terminal: bool = False) -> bool:
         with self._lock:
@@ -217,11 +261,15 @@ class Call:
         return True
 
     def event(self, payload: dict[str, Any]) -> None:
-        if not self._send(encode_json(FrameType.EVENT, self.stream, payload)):
+        if not self._send_flow(encode_json(FrameType.EVENT, self.stream, payload)):
             raise Cancelled
 
     def data(self, channel: Channel, chunk: bytes) -> None:
-        if not self._send(encode_data(self.stream, channel, chunk)):
+        if not self._send_flow(encode_data(self.stream, channel, chunk)):
+            raise Cancelled
+
+    def eof(self, channel: Channel) -> None:
+        if not self._send_flow(encode_eof(self.stream, channel)):
             raise Cancelled
 
     def result(self, payload: dict[str, Any]) -> None:
@@ -240,6 +288,8 @@ class Call:
     def cancel(self) -> None:
         self.cancelled.set()
         self.inbound.close()
+        with self._credit_cond:
+            self._credit_cond.notify_all()
         with self._lock:
             wakers = list(self._wakers)
         for wake in wakers:
@@ -262,6 +312,7 @@ class Call:
             frame = self.inbound.get()
             if frame is None:
                 continue
+            self._consumed(frame)
             channel, chunk = frame.channel_data()
             if channel != Channel.BODY:
                 raise GuestError("invalid_argument", f"unexpected {channel.name} frame in a request body")
@@ -269,6 +320,15 @@ class Call:
                 return
             if chunk:
                 yield chunk
+
+    def _consumed(self, frame: Frame) -> None:
+        """Return credit to the host for body frames the handler took (protocol 2)."""
+        if self._receive is None:
+            return
+        increment = self._receive.consume(frame_cost(len(frame.payload)))
+        if increment and not self._finished:
+            with contextlib.suppress(ChannelClosed):
+                self._writer.send(encode_window(self.stream, increment))
 
 
 def encode_error(stream: int, payload: dict[str, Any]) -> bytes:

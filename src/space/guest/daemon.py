@@ -9,6 +9,9 @@ Invariants:
 - One CALL is one `Call` and one thread; the call leaves the table when its terminal frame is sent. Frames
   that arrive for a stream that ended recently (DATA/EOF racing the end of a process, a late CANCEL) are
   ignored; DATA/EOF for a stream never seen is a protocol error.
+- A host's HELLO starts a new session: it negotiates the protocol version (and with it flow control) for
+  the calls that follow, and cancels the calls still open from an earlier host (a restarted agent can
+  neither read their answers nor return their credit; their processes keep running, attachable by id).
 - As PID 1 the daemon never exits when the host hangs up (that would kill the sandbox) and keeps reaping;
   as a plain subprocess it kills its process groups and exits.
 """
@@ -27,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, error_payload
 from space.guest.children import ChildWatcher
 from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
+from space.protocol.flow import INITIAL_WINDOW, announced_window, window_increment
 from space.protocol.frames import Frame, FrameDecoder, FrameType, encode_json
-from space.protocol.version import PROTOCOL_VERSION, hello_payload, negotiate
+from space.protocol.version import FLOW_CONTROL_VERSION, PROTOCOL_VERSION, hello_payload, negotiate
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -90,6 +94,8 @@ class Daemon:
         self._pool_lock = threading.Lock()
         self._idle_workers = 0
         self._jobs: queue.SimpleQueue[tuple[Call, tuple[str, str], dict[str, Any]]] = queue.SimpleQueue()
+        #: The credit the host granted per stream, once a HELLO negotiated flow control; None before.
+        self._host_window: int | None = None
 
     # --- shared state for handlers -------------------------------------------------------------------
 
@@ -114,7 +120,9 @@ class Daemon:
     # --- the channel ----------------------------------------------------------------------------------
 
     def hello(self, **extra: Any) -> dict[str, Any]:
-        return hello_payload(ready=True, boot_id=self.boot_id, pid=os.getpid(), **extra)
+        return hello_payload(
+            ready=True, boot_id=self.boot_id, pid=os.getpid(), window=INITIAL_WINDOW, **extra
+        )
 
     def _send(self, frame: bytes) -> None:
         with contextlib.suppress(ChannelClosed):
@@ -197,6 +205,13 @@ class Daemon:
             call = self._calls.get(item.stream)
             if call is not None:
                 call.cancel()
+        elif kind == FrameType.WINDOW:
+            call = self._calls.get(item.stream)
+            if call is not None:
+                try:
+                    call.grant(window_increment(item))
+                except MalformedPayload as exc:
+                    self._send_error(item.stream, exc.code, exc.message)
         elif kind == FrameType.HELLO:
             self._on_hello(item)
         else:
@@ -215,6 +230,11 @@ class Daemon:
                 encode_error(0, {"code": exc.code, "message": exc.message, "protocol": PROTOCOL_VERSION})
             )
             return
+        with self._lock:
+            stale = list(self._calls.values())
+            self._host_window = announced_window(frame.json()) if chosen >= FLOW_CONTROL_VERSION else None
+        for call in stale:
+            call.cancel()
         self._send(encode_json(FrameType.HELLO, 0, self.hello(negotiated=chosen)))
 
     def _on_call(self, frame: Frame) -> None:
@@ -246,7 +266,15 @@ class Daemon:
         if target is None:
             self._send_error(stream, "unknown_method", f"unknown method {method!r}")
             return
-        call = Call(stream, method, self.writer, self._call_done)
+        window = self._host_window
+        call = Call(
+            stream,
+            method,
+            self.writer,
+            self._call_done,
+            send_window=window,
+            receive_window=INITIAL_WINDOW if window is not None else None,
+        )
         if method not in BODY_METHODS:
             call.inbound.refuse()
         with self._lock:

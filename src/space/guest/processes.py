@@ -551,7 +551,17 @@ def _follow(call: Call, process: Process, offset: int, follow: bool, announce: b
             at, channel, data = found
             if stop_at is not None:
                 data = data[: max(0, stop_at - at)]
-            call.data(Channel(channel), data)
+            try:
+                call.data(Channel(channel), data)  # waits for the host's credit (flow control)
+            except Cancelled:
+                if call.finished:
+                    raise
+                raise GuestError(
+                    "cancelled",
+                    "detached; the process keeps running",
+                    process_id=process.process_id,
+                    offset=offset,
+                ) from None
             offset = at + len(data)
             log.move_hold(hold, offset)
     finally:

@@ -22,7 +22,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from space.guest.channel import Call
+from space.guest.channel import Call, Cancelled
 from space.guest.files import resolve
 from space.guest.params import get_bool
 
@@ -250,7 +250,12 @@ def files_watch(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
             found = watcher.changes(POLL_INTERVAL)
             if found:
                 daemon.touch()
-                call.event({"type": "changes", "changes": [{"path": p, "kind": k} for p, k in found]})
+                try:
+                    call.event({"type": "changes", "changes": [{"path": p, "kind": k} for p, k in found]})
+                except Cancelled:
+                    if call.finished:
+                        raise
+                    break  # cancelled while waiting for the host's credit: end as a CANCEL does
     finally:
         watcher.close()
     return {}

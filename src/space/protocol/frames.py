@@ -15,7 +15,8 @@ Invariants:
   oversized frame is skipped whole; an unknown type is reported with its stream id. So one garbled write
   can never wedge or kill a reader.
 - Payloads are raw bytes (no base64): DATA frames carry one channel byte then file/process bytes; the
-  control frames (HELLO, CALL, EVENT, RESULT, ERROR) carry UTF-8 JSON objects.
+  control frames (HELLO, CALL, EVENT, RESULT, ERROR) carry UTF-8 JSON objects; WINDOW (protocol 2) carries a
+  4-byte credit increment (see space.protocol.flow).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FrameType(enum.IntEnum):
     RESULT = 6  # JSON: the call ended successfully
     ERROR = 7  # JSON {"code", "message", ...}: the call ended with an error (stream 0: channel-level)
     CANCEL = 8  # host to guest: stop the call on `stream`
+    WINDOW = 9  # protocol >= 2: 4-byte big-endian credit increment for `stream` (space.protocol.flow)
 
 
 class Channel(enum.IntEnum):

@@ -2,6 +2,10 @@
 
 The HELLO frame carries {"protocol": <highest supported>, "min_protocol": <lowest supported>, ...}.
 Both sides pick the highest version inside both ranges; no overlap is a VersionMismatch.
+
+Versions: 1 = the original framing. 2 = per-stream credit flow control (WINDOW frames, and a "window" field
+in HELLO naming the credit its sender grants the peer per stream). A peer of version 1 simply never sees a
+WINDOW frame: each side decides from the negotiated version whether to wait for credit.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ from typing import Any
 
 from space.protocol.errors import VersionMismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
+#: From this version on, DATA/EOF/EVENT frames of a call are flow-controlled (space.protocol.flow).
+FLOW_CONTROL_VERSION = 2
 
 
 def hello_payload(**extra: Any) -> dict[str, Any]:

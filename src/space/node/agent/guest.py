@@ -3,6 +3,11 @@
 Invariants:
 - Large transfers are streamed in protocol-sized chunks in both directions; nothing here holds a whole file
   in memory unless the caller asked for `bytes`.
+- A collected (non-streamed) exec keeps at most `max_output` bytes per stream (DEFAULT_OUTPUT_LIMIT unless
+  the caller says otherwise, never more than MAX_OUTPUT_LIMIT); the rest is read and dropped, so the process
+  runs to its end, and the result says which stream was truncated.
+- A consumer that leaves a streamed read early abandons the call (space.node.agent.channel): the daemon
+  gets a CANCEL and nothing more is queued for it.
 - Every method raises space.core errors only (translated at the channel boundary).
 """
 
@@ -15,10 +20,13 @@ from typing import Any
 
 from space.core import errors
 from space.node.agent.channel import Call, GuestChannel
+from space.node.agent.rpc_models import EXEC_OUTPUT_DEFAULT, EXEC_OUTPUT_MAX
 from space.protocol import CHUNK_SIZE, Channel, FrameType
 from space.protocol import methods as m
 
 OutputCallback = Callable[[Channel, bytes], None]
+DEFAULT_OUTPUT_LIMIT = EXEC_OUTPUT_DEFAULT  # bytes kept per stream of a collected exec by default
+MAX_OUTPUT_LIMIT = EXEC_OUTPUT_MAX  # the most a request may ask for
 
 
 @dataclass
@@ -30,6 +38,12 @@ class ExecResult:
     signal: int | None = None
     timed_out: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
 
     @property
     def ok(self) -> bool:
@@ -87,23 +101,39 @@ class GuestSession:
         timeout: float | None = None,
         stdin: bytes | None = None,
         on_output: OutputCallback | None = None,
+        max_output: int | None = DEFAULT_OUTPUT_LIMIT,
     ) -> ExecResult:
-        """Run a command to completion; output is collected (and also streamed to `on_output`)."""
+        """Run a command to completion; output is collected up to `max_output` bytes per stream (None:
+        MAX_OUTPUT_LIMIT) and all of it is also streamed to `on_output`."""
         params = command_params(command, env, cwd, user, timeout)
         params["stdin"] = stdin is not None
         call = await self.channel.open(m.PROCESS_START, params)
-        if stdin is not None:
-            await call.send(stdin)
-            await call.send_eof()
-        return await self._collect(call, on_output)
+        try:
+            if stdin is not None:
+                await call.send(stdin)
+                await call.send_eof()
+        except BaseException:
+            await call.cancel()
+            raise
+        return await self._collect(call, on_output, max_output)
 
-    async def _collect(self, call: Call, on_output: OutputCallback | None) -> ExecResult:
+    async def _collect(
+        self, call: Call, on_output: OutputCallback | None, max_output: int | None = DEFAULT_OUTPUT_LIMIT
+    ) -> ExecResult:
+        limit = MAX_OUTPUT_LIMIT if max_output is None else max(0, min(max_output, MAX_OUTPUT_LIMIT))
         out = bytearray()
         err = bytearray()
+        truncated = {Channel.STDOUT: False, Channel.STDERR: False}
         process_id = ""
         async for item in call.events():
             if item.kind == FrameType.DATA and item.channel is not None:
-                (err if item.channel == Channel.STDERR else out).extend(item.data)
+                stream = Channel.STDERR if item.channel == Channel.STDERR else Channel.STDOUT
+                buf = err if stream == Channel.STDERR else out
+                room = limit - len(buf)
+                if len(item.data) > room:
+                    truncated[stream] = True
+                if room > 0:
+                    buf += item.data[:room]
                 if on_output is not None:
                     on_output(item.channel, item.data)
             elif item.kind == FrameType.EVENT and item.event.get("type") == "started":
@@ -117,6 +147,8 @@ class GuestSession:
             signal=result.get("signal"),
             timed_out=bool(result.get("timed_out", False)),
             extra=result,
+            stdout_truncated=truncated[Channel.STDOUT],
+            stderr_truncated=truncated[Channel.STDERR],
         )
 
     async def start_background(
@@ -146,11 +178,12 @@ class GuestSession:
         offset: int = 0,
         follow: bool = True,
         on_output: OutputCallback | None = None,
+        max_output: int | None = DEFAULT_OUTPUT_LIMIT,
     ) -> ExecResult:
         call = await self.channel.open(
             m.PROCESS_ATTACH, {"process_id": process_id, "offset": offset, "follow": follow}
         )
-        return await self._collect(call, on_output)
+        return await self._collect(call, on_output, max_output)
 
     async def processes(self) -> list[dict[str, Any]]:
         result = await self.channel.call(m.PROCESS_LIST)
@@ -197,10 +230,14 @@ class GuestSession:
         self, path: str, *, offset: int = 0, length: int | None = None
     ) -> AsyncIterator[bytes]:
         call = await self.channel.open(m.FILES_READ, {"path": path, "offset": offset, "length": length})
-        async for item in call.events():
-            if item.kind == FrameType.DATA:
-                yield item.data
-        await call.result()
+        try:
+            async for item in call.events():
+                if item.kind == FrameType.DATA:
+                    yield item.data
+            await call.result()
+        finally:
+            if not call.done:
+                await call.cancel()  # the consumer left early: stop the daemon's read
 
     async def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
         buf = bytearray()

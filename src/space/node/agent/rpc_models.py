@@ -203,9 +203,16 @@ class _Command(BaseModel):
         return self.cmd if self.cmd is not None else list(self.argv or [])
 
 
+#: Output a non-streamed exec keeps per stream: the default, and the most a request may ask for (the rest is
+#: read and dropped, and the answer's stdout_truncated / stderr_truncated say so).
+EXEC_OUTPUT_DEFAULT = 1 << 20
+EXEC_OUTPUT_MAX = 16 << 20
+
+
 class ExecRequest(_Command):
     stdin_b64: str | None = None
     stream: bool = False
+    max_output_bytes: int = Field(default=EXEC_OUTPUT_DEFAULT, ge=0, le=EXEC_OUTPUT_MAX, strict=True)
 
     @field_validator("stdin_b64")
     @classmethod
@@ -233,6 +240,8 @@ class ExecResponse(BaseModel):
     process_id: str
     timed_out: bool
     signal: int | None = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
 
     @property
     def stdout_bytes(self) -> bytes:
