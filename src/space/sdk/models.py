@@ -109,7 +109,10 @@ def _b64(value: Any) -> bytes:
 
 @dataclass(frozen=True)
 class ExecResult:
-    """What a command did: exit code (None if a signal ended it), output as bytes and as text."""
+    """What a command did: exit code (None if a signal ended it), output as bytes and as text.
+
+    A non-streamed exec keeps a bounded amount of each stream (1 MiB unless the request asked for more, up
+    to the node's maximum); `stdout_truncated` / `stderr_truncated` say that output was cut there."""
 
     exit_code: int | None
     stdout_bytes: bytes = b""
@@ -118,6 +121,12 @@ class ExecResult:
     signal: int | str | None = None
     timed_out: bool = False
     data: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
 
     @property
     def stdout(self) -> str:
@@ -147,6 +156,8 @@ class ExecResult:
             signal=data.get("signal"),
             timed_out=bool(data.get("timed_out", False)),
             data=dict(data),
+            stdout_truncated=bool(data.get("stdout_truncated", False)),
+            stderr_truncated=bool(data.get("stderr_truncated", False)),
         )
 
 
@@ -227,8 +238,11 @@ def exec_body(
     timeout: float | None,
     stdin: bytes | None,
     stream: bool,
+    max_output_bytes: int | None = None,
 ) -> dict[str, Any]:
     body = command_body(cmd)
+    if max_output_bytes is not None:
+        body["max_output_bytes"] = max_output_bytes
     if env:
         body["env"] = dict(env)
     if cwd is not None:

@@ -988,7 +988,7 @@ def _routes(svc: NodeService) -> APIRouter:
             return await _ndjson(svc.relay(handle.sandbox_id, call))
         result = await session.exec(
             body.command, env=body.env or None, cwd=body.cwd, user=body.user, timeout=body.timeout,
-            stdin=body.stdin,
+            stdin=body.stdin, max_output=body.max_output_bytes,
         )  # fmt: skip
         svc.touch(handle.sandbox_id)
         return rm.ExecResponse(
@@ -1000,6 +1000,8 @@ def _routes(svc: NodeService) -> APIRouter:
             process_id=result.process_id,
             timed_out=result.timed_out,
             signal=result.signal,
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
         )
 
     @r.post("/sandboxes/{sandbox_id}/processes", response_model=rm.ProcessStarted, status_code=201)
