@@ -156,6 +156,23 @@ def test_another_nodes_url_cannot_be_taken_over_with_the_bootstrap_token(
     assert record is not None and record.node_id == victim_id and record.crash_count == 0
 
 
+def test_a_node_from_before_per_node_rpc_tokens_is_adopted_at_its_url_once(cluster: c.Cluster) -> None:
+    """Upgrade path: a record without a sealed RPC token (its node kept its identity in memory only) is
+    taken by the first enrolment at its url, which keeps its id; from then on only its identity works."""
+    url = spare_url()
+    legacy = cluster.store.register_node(url, "the-old-cluster-token", capacity={"cpus": 1, "memory_mb": 64})
+    cluster.store.set_node_status(legacy.id, "lost")
+    assert cluster.store.node_endpoint(legacy.id) == (url, None)
+    node_id, identity = enrolled(cluster, url)
+    assert node_id == legacy.id
+    endpoint = cluster.store.node_endpoint(node_id)
+    assert endpoint is not None and endpoint[1] is not None
+    error(ni.enrol(cluster, url), 409, "already_exists")
+    answer = ni.reregister(cluster, node_id, identity, url)
+    assert answer.status_code == 200 and answer.json() == {"node_id": node_id}, answer.text
+    cluster.store.set_node_status(node_id, "draining")
+
+
 # -- the node's RPC ------------------------------------------------------------------------------------------
 def test_a_nodes_rpc_accepts_only_its_own_token(cluster: c.Cluster) -> None:
     first, second = cluster.nodes

@@ -145,16 +145,15 @@ def router(services: Services) -> APIRouter:
         enrolment = await enrolment_credential(authorization)
         body = await _json_object(request)
         url, rpc_token = _registration(body)
-        node_id = ids.new_node_id()
         # The identity is answered once and stored hashed; the node keeps it and re-registers with it.
         identity = new_node_identity()
-        await asyncio.to_thread(
-            store.enrol_node, node_id, url, identity=identity,
-            rpc_token_sealed=services.nodes.tokens.seal(node_id, rpc_token),
+        node = await asyncio.to_thread(
+            store.enrol_node, ids.new_node_id(), url, identity=identity,
+            seal_rpc_token=lambda node_id: services.nodes.tokens.seal(node_id, rpc_token),
             capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
             enrolment_token=enrolment,
         )  # fmt: skip
-        return {"node_id": node_id, "identity": identity}
+        return {"node_id": node.id, "identity": identity}
 
     @r.post("/{node_id}/register")
     async def reregister(

@@ -940,15 +940,18 @@ class Store:
         url: str,
         *,
         identity: str,
-        rpc_token_sealed: bytes,
+        seal_rpc_token: Callable[[str], bytes],
         capacity: Mapping[str, Any] | None = None,
         templates: Sequence[str] = (),
         labels: Mapping[str, str] | None = None,
         enrolment_token: str | None = None,
     ) -> NodeRecord:
-        """A NEW node (ADR 0021): `url` must not be held by any node (AlreadyExists: the node that holds it
-        re-registers with its identity, `reregister_node`; nobody takes it over with a bootstrap token).
-        With `enrolment_token`, one use of it is consumed in the same transaction (Unauthenticated if it is
+        """A NEW node (ADR 0021) with id `node_id`: `url` must not be held by any node (AlreadyExists: the
+        node that holds it re-registers with its identity, `reregister_node`; nobody takes it over with a
+        bootstrap token). The one exception is a record from before per-node RPC tokens (no sealed token,
+        its identity was never persisted by its node): the upgraded node at that url adopts it, keeping
+        its id. `seal_rpc_token(final node id)` gives the sealed RPC token to store. With
+        `enrolment_token`, one use of it is consumed in the same transaction (Unauthenticated if it is
         unknown, expired or used up), so a refused enrolment uses nothing. The identity is kept hashed."""
         ids.parse_node_id(node_id)
         url = _text(url, "url", 512)
@@ -964,22 +967,23 @@ class Store:
                 )
                 if _rowcount(used) != 1:
                     raise Unauthenticated("bad node token")
-            holder = self._url_holder(session, url)
-            if holder is not None:
+            row = self._url_holder(session, url)
+            if row is not None and row.rpc_token_sealed is not None:
                 raise AlreadyExists(
-                    f"{url} is registered to node {holder.id}: that node re-registers with its identity",
+                    f"{url} is registered to node {row.id}: that node re-registers with its identity",
                     field="url",
                 )
-            # token_hash (ADR 0009) is superseded by rpc_token_sealed: nothing checks it any more.
-            row = Node(id=node_id, url=url, registered_at=now, used={}, token_hash="")
+            if row is None:
+                # token_hash (ADR 0009) is superseded by rpc_token_sealed: nothing checks it any more.
+                row = Node(id=node_id, url=url, registered_at=now, used={}, token_hash="")
+                session.add(row)
             row.identity_hash = hash_secret(identity)
-            row.rpc_token_sealed = bytes(rpc_token_sealed)
+            row.rpc_token_sealed = bytes(seal_rpc_token(row.id))
             row.capacity = dict(capacity or {})
             row.templates = list(templates)
             row.labels = dict(labels or {})
             row.status = "ready"
             row.last_heartbeat_at = now
-            session.add(row)
             session.flush()
             return _node(row)
 
