@@ -593,7 +593,12 @@ def test_control_plane_credential_policy_push_and_audit(egress_cluster: EgressCl
     cl = egress_cluster
     client = cl.http()
     sp = Space(url=cl.local.url, api_key=cl.key, transport=httpx.HTTPTransport(verify=False))
-    put = client.put(
+    # Credentials are made by admin keys (ADR 0026); the member key only binds them (below).
+    manager = httpx.Client(
+        base_url=cl.local.url, timeout=120,
+        headers={"Authorization": f"Bearer {cl.local.api_key}", "X-Space-Project": "egress"},
+    )  # fmt: skip
+    put = manager.put(
         "/v1/credentials/gh",
         json={"value": CANARY, "hosts": ["api.test"], "method": "bearer", "env_var": "GH_TOKEN"},
     )

@@ -162,10 +162,13 @@ def test_private_ranges_need_an_org_admin(fake_cluster: c.Cluster, project: c.Pr
     # The other project got nothing from this approval.
     theirs = other.http().post("/v1/sandboxes", json={"limits": c.SMALL, "allow": ["10.1.2.0/24"]})
     error(theirs, 400, "invalid_argument")
-    assert handed_to_node(fake_cluster, project, sid)["policy"]["allow"] == ["10.1.2.0/24", "10.1.9.9/32"]
+    handed = handed_to_node(fake_cluster, project, sid)["policy"]
+    assert handed["allow"] == ["10.1.2.0/24", "10.1.9.9/32"]
+    assert handed["private_networks"] == ["10.1.0.0/16"]  # the node's gateway checks it again
     # Narrowing the approval: the stored policy keeps its entries, the node no longer gets them.
     assert org.put(path, json={"allowed_private_networks": []}).status_code == 200
-    assert handed_to_node(fake_cluster, project, sid)["policy"]["allow"] == []
+    handed = handed_to_node(fake_cluster, project, sid)["policy"]
+    assert handed["allow"] == [] and handed["private_networks"] == []
     assert member.get(f"/v1/sandboxes/{sid}/egress").json()["allow"] == ["10.1.2.0/24", "10.1.9.9/32"]
     audit = fake_cluster.store.engine
     with audit.connect() as db:

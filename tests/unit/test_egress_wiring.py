@@ -128,7 +128,8 @@ def test_policy_precedence_versions_and_persistence(tmp_path: pathlib.Path) -> N
         await wiring.runtime_up("sb-c", None, fresh=False)  # nobody's: no egress
         # a fork child: the control plane decides (it resolves children to their parent's policy)
         await wiring.runtime_up("sb-d", None, fresh=False, source_sandbox_id="sb-a")
-        assert gateway.policies["sb-a"] == ("100.64.0.2", EgressPolicy(allow=["a.test"]))
+        # with a control plane, a policy without its org approvals opens no private range (ADR 0026)
+        assert gateway.policies["sb-a"] == ("100.64.0.2", EgressPolicy(allow=["a.test"], private_networks=[]))
         assert gateway.policies["sb-b"][1].allow == ["b.test"]
         assert "sb-c" not in gateway.policies and "sb-d" not in gateway.policies
         # node-only: a fork child takes its parent's record

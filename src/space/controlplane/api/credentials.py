@@ -482,7 +482,7 @@ def router(services: "cp_app.Services") -> APIRouter:
         )  # fmt: skip
         applied, node_error = await _push_policy(
             services, sb, allow=spec.within_approval(policy.allow, approved), deny=policy.deny,
-            credentials=policy.credentials, version=policy.version,
+            credentials=policy.credentials, version=policy.version, private_networks=approved,
         )  # fmt: skip
         return egress_view(policy) | {"sandbox_id": sb.id, "applied": applied, "node_error": node_error}
 
@@ -603,6 +603,7 @@ async def _push_policy(
     deny: list[str],
     credentials: list[str],
     version: int,
+    private_networks: list[str],
 ) -> tuple[bool, str | None]:
     """Tell the sandbox's node about a changed policy; the database stays the truth either way (a node
     that missed it gets the policy with the credentials on its next fetch)."""
@@ -610,7 +611,7 @@ async def _push_policy(
         return False, None
     try:
         client = services.nodes.client(sb.node_id)
-        policy = {"allow": allow, "deny": deny, "version": version}
+        policy = {"allow": allow, "deny": deny, "version": version, "private_networks": private_networks}
         answer = await client.set_egress(sb.id, policy, credentials)
     except errors.SpaceError as exc:
         log.warning("egress policy of %s not pushed to node %s: %s", sb.id, sb.node_id, exc.message)

@@ -51,6 +51,7 @@ class NodeBundle:
     credentials: list[tuple[CredentialRecord, str]] = field(repr=False)  # (record, value): never in a repr
     missing: list[str]
     expired: list[str]
+    private_networks: list[str] = field(default_factory=list)  # the project's org-approved ranges
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -59,6 +60,7 @@ class NodeBundle:
                 "allow": self.policy.allow if self.policy else [],
                 "deny": self.policy.deny if self.policy else [],
                 "version": self.policy.version if self.policy else 0,
+                "private_networks": list(self.private_networks),
             },
             "credentials": [
                 {
@@ -178,10 +180,11 @@ class CredentialService:
     def bundle_for_node(self, node_id: str, sandbox: SandboxRecord, org_id: str) -> NodeBundle:
         """The policy and credential values of `sandbox` (the caller checked it runs on `node_id`)."""
         policy = self.effective_egress(sandbox)
+        # The project's approval as it is now (an org admin may have narrowed it since the policy was
+        # written): a node never gets a private range the project may no longer name, and gets the
+        # approval itself so its gateway checks the same (ADR 0026).
+        approved = self.credentials.get_private_networks(sandbox.project_id)
         if policy is not None:
-            # The project's approval as it is now (an org admin may have narrowed it since the policy was
-            # written): a node never gets a private range the project may no longer name.
-            approved = self.credentials.get_private_networks(sandbox.project_id)
             policy = dataclasses.replace(policy, allow=within_approval(policy.allow, approved))
         names = policy.credentials if policy else []
         resolved = self.credentials.resolve(org_id, sandbox.project_id, sandbox.id, names)
@@ -208,4 +211,4 @@ class CredentialService:
             handed.append((record, value))
             entries.append(AuditEntry(action="fetched_by_node", detail={"version": record.version}, **base))
         self.credentials.audit(entries)
-        return NodeBundle(sandbox.id, policy, handed, missing, expired)
+        return NodeBundle(sandbox.id, policy, handed, missing, expired, approved)

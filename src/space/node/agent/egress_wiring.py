@@ -94,10 +94,17 @@ class EgressRequest(BaseModel):
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
     version: int = Field(default=0, ge=0)
+    # What an org admin approved for the project (from the control plane; ADR 0026). None: not sent.
+    private_networks: list[str] | None = None
 
-    def policy(self) -> EgressPolicy:
+    def policy(self, *, approvals_required: bool = False) -> EgressPolicy:
+        """The gateway's policy. `approvals_required` (a node with a control plane): a policy that came
+        without `private_networks` opens no private range at all."""
+        private = self.private_networks
+        if private is None and approvals_required:
+            private = []
         try:
-            return EgressPolicy(allow=self.allow, deny=self.deny)
+            return EgressPolicy(allow=self.allow, deny=self.deny, private_networks=private)
         except ValidationError as exc:
             first = exc.errors()[0]
             raise errors.InvalidArgument(f"egress policy: {first.get('msg')}", field="egress") from exc
@@ -235,7 +242,7 @@ class EgressWiring:
         known = self._records.get(sandbox_id)
         if known is not None and policy.version and known.policy.version > policy.version:
             return {"applied": False, "reason": "stale", "version": known.policy.version}
-        compiled = policy.policy()
+        compiled = self._policy(policy)
         names = list(credentials) if credentials is not None else (known.credentials if known else [])
         self._records[sandbox_id] = _Record(policy, names)
         self._save_records()
@@ -246,6 +253,10 @@ class EgressWiring:
             self._set(sandbox_id, source, compiled)
         return {"applied": True, "live": source is not None, "version": policy.version}
 
+    def _policy(self, request: EgressRequest) -> EgressPolicy:
+        """With a control plane, private ranges open only inside what it says the org approved."""
+        return request.policy(approvals_required=self.control_plane is not None)
+
     async def _policy_for(self, sandbox_id: str, source_sandbox_id: str | None) -> EgressPolicy | None:
         record = self._records.get(sandbox_id)
         if self.control_plane is not None:
@@ -255,18 +266,21 @@ class EgressWiring:
                 found = await self.control_plane.policy(sandbox_id)
             except errors.SpaceError as exc:
                 if record is not None:
-                    return record.policy.policy()
+                    return self._policy(record.policy)
                 log.warning("egress policy of %s unavailable (no egress until it is): %s", sandbox_id,
                             exc.message)  # fmt: skip
                 self._retry_later(sandbox_id)
                 return None
             version = int(found.get("version") or 0)
             if record is not None and record.policy.version > version:
-                return record.policy.policy()
+                return self._policy(record.policy)
             allow, deny = list(found.get("allow") or []), list(found.get("deny") or [])
+            approved = list(found.get("private_networks") or [])
             if allow or deny or version:
-                return EgressRequest(allow=allow, deny=deny, version=version).policy()
-            return record.policy.policy() if record is not None else None
+                return self._policy(
+                    EgressRequest(allow=allow, deny=deny, version=version, private_networks=approved)
+                )
+            return self._policy(record.policy) if record is not None else None
         if record is not None:
             return record.policy.policy()
         if source_sandbox_id is not None and source_sandbox_id != sandbox_id:
@@ -289,10 +303,12 @@ class EgressWiring:
                         return
                     with contextlib.suppress(errors.SpaceError):
                         found = await self.control_plane.policy(sandbox_id)
+                        approved = list(found.get("private_networks") or [])
                         policy = EgressRequest(allow=list(found.get("allow") or []),
-                                               deny=list(found.get("deny") or []))  # fmt: skip
+                                               deny=list(found.get("deny") or []),
+                                               private_networks=approved)  # fmt: skip
                         if sandbox_id not in self._records and self._sources.get(sandbox_id) == source:
-                            self._set(sandbox_id, source, policy.policy())
+                            self._set(sandbox_id, source, self._policy(policy))
                         return
             finally:
                 self._retries.pop(sandbox_id, None)

@@ -955,7 +955,8 @@ def _routes(svc: NodeService) -> APIRouter:
             try:
                 wanted = EgressRequest.model_validate(
                     {"allow": policy.get("allow") or [], "deny": policy.get("deny") or [],
-                     "version": int(policy.get("version") or 0)}
+                     "version": int(policy.get("version") or 0),
+                     "private_networks": policy.get("private_networks")}
                 )  # fmt: skip
             except (ValidationError, TypeError, ValueError) as exc:
                 raise errors.InvalidArgument(f"egress policy: {exc}", field="policy") from exc

@@ -14,8 +14,10 @@ Invariants:
 - Every address a connection would use (the literal, or each resolved address) is checked again: deny CIDRs,
   addresses that are never reachable from a sandbox (loopback, link-local incl. the metadata address,
   multicast, unspecified, reserved), and private ranges, which are reachable only when an allow CIDR lying
-  inside that private range names them explicitly (so `0.0.0.0/0` never opens 10/8). IPv6 forms that embed
-  an IPv4 address (mapped, compatible, NAT64, 6to4) are checked under every address they embed.
+  inside that private range names them explicitly (so `0.0.0.0/0` never opens 10/8) and, when the policy
+  carries `private_networks` (a node with a control plane: what an org admin approved for the project,
+  ADR 0026), that allow CIDR also lies inside one of those. IPv6 forms that embed an IPv4 address
+  (mapped, compatible, NAT64, 6to4) are checked under every address they embed.
 - The gateway connects to the checked address itself (pinning), so DNS rebinding between check and
   connect is impossible.
 """
@@ -288,15 +290,29 @@ def _parse_entry(entry: str) -> str:
 
 class EgressPolicy(BaseModel):
     """Allowed and denied destinations of one sandbox: domains (exact or `*.suffix`, `*` = any name) and
-    CIDRs (or single addresses). Deny wins; an empty policy allows nothing."""
+    CIDRs (or single addresses). Deny wins; an empty policy allows nothing. `private_networks`: the private
+    networks an org admin approved for the sandbox's project (sent by the control plane); an allow CIDR in
+    a private range opens it only inside one of them. None: no org layer (a node without a control plane,
+    whose operator writes the policies)."""
 
     allow: list[str] = Field(default_factory=list)
     deny: list[str] = Field(default_factory=list)
+    private_networks: list[str] | None = None
 
     @field_validator("allow", "deny")
     @classmethod
     def _canonical(cls, entries: list[str]) -> list[str]:
         return [_parse_entry(entry) for entry in entries]
+
+    @field_validator("private_networks")
+    @classmethod
+    def _networks(cls, entries: list[str] | None) -> list[str] | None:
+        if entries is None:
+            return None
+        try:
+            return [str(ipaddress.ip_network(entry, strict=False)) for entry in entries]
+        except ValueError as exc:
+            raise ValueError(f"invalid private network: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -351,6 +367,11 @@ class CompiledPolicy:
         for entry in policy.deny:
             self._deny.add(entry)
         self._operator_allowed = tuple(operator_allowed)
+        self._approved: tuple[IPNetwork, ...] | None = (
+            None
+            if policy.private_networks is None
+            else tuple(ipaddress.ip_network(n) for n in policy.private_networks)
+        )
 
     def decide_name(self, destination: Destination) -> Decision:
         """First step for a destination: may it be contacted (and, for a name, resolved) at all?"""
@@ -411,7 +432,12 @@ class CompiledPolicy:
         for network in self._allow.networks:
             if network.version != private.version or address not in network:
                 continue
-            if network.subnet_of(private):  # type: ignore[arg-type]
+            if not network.subnet_of(private):  # type: ignore[arg-type]
+                continue
+            if self._approved is None or any(
+                network.version == a.version and network.subnet_of(a)  # type: ignore[arg-type]
+                for a in self._approved
+            ):
                 return True
         return False
 
