@@ -226,8 +226,11 @@ def download_running(node: ClusterNode, sb_id: str) -> bool:
 
 def receive_running(node: ClusterNode, sb_id: str, snapshot_id: str) -> bool:
     """The node's helper is taking in the restore: the disk delta's subvolume is being received (or the
-    sandbox is being restored from it), and the download's staging is still there."""
-    return node.layout.snapshot(sb_id, snapshot_id).exists() and download_running(node, sb_id)
+    sandbox is being restored from it), and the download's staging is still there. The subvolume is received
+    in a `.receive-*` staging directory beside its destination and moved there at the end (ADR 0023)."""
+    disk = node.layout.snapshot(sb_id, snapshot_id)
+    receiving = disk.parent.is_dir() and any(disk.parent.glob(".receive-*"))
+    return (receiving or disk.exists()) and download_running(node, sb_id)
 
 
 def wait_for_step(check: Callable[[], bool], what: str) -> None:

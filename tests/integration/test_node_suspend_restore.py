@@ -374,9 +374,10 @@ def test_agent_killed_mid_suspend_and_mid_restore_converges(
         if restore_kill == "download":  # entries arriving in the staging directory
             import_dir = b.layout.import_dir(sid, snap)
             _wait_for(lambda: import_dir.exists() and any(import_dir.rglob("*")), 60, "the download started")
-        else:  # the helper is receiving the disk delta
+        else:  # the helper is receiving the disk delta (in staging beside its destination, ADR 0023)
             disk = b.layout.snapshot(sid, snap)
-            _wait_for(disk.exists, 60, "the import started")
+            staged = lambda: disk.parent.is_dir() and any(disk.parent.glob(".receive-*"))  # noqa: E731
+            _wait_for(lambda: disk.exists() or staged(), 60, "the import started")
         agent_b.kill()
         thread.join(10)
 
