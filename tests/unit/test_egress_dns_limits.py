@@ -6,12 +6,14 @@ nameserver that never answers, one that answers, and a real DnsServer."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
 
+import dns.asyncresolver
 import dns.message
 import dns.rcode
 import dns.rrset
@@ -168,3 +170,19 @@ def test_tcp_query_over_the_cap_is_answered_servfail_at_once() -> None:
 
     rcode, took = asyncio.run(run())
     assert rcode == dns.rcode.SERVFAIL and took < 1.0
+
+
+def test_a_node_without_resolver_configuration_answers_no_addresses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """An empty /etc/resolv.conf (no nameserver) is "no addresses" for every name, not an exception that
+    would end the DNS server's handling of the query."""
+    empty = tmp_path / "resolv.conf"
+    empty.write_text("# no nameserver\n")
+    real = dns.asyncresolver.Resolver
+
+    def from_empty_file(configure: bool = True) -> dns.asyncresolver.Resolver:
+        return real(filename=str(empty), configure=configure)
+
+    monkeypatch.setattr(dns.asyncresolver, "Resolver", from_empty_file)
+    assert asyncio.run(SystemResolver().resolve("fast.example.com")) == []

@@ -119,6 +119,8 @@ class SystemResolver:
                     )
         except TimeoutError:  # a resolver that does not answer in time: no addresses
             return []
+        except dns.exception.DNSException:  # no usable resolver configuration on the node: no addresses
+            return []
         found: list[IPAddress] = []
         for addresses in answers:
             for address in addresses:
