@@ -186,6 +186,13 @@ def test_clones_read_only_from_this_stream_or_the_expected_parent() -> None:
     refused(full(sb.mkfile(b"a"), sb.clone(b"a", PARENT, b"x")), match="neither")  # no parent in a full one
 
 
+def test_only_attribute_changes_may_name_the_subvolume_root() -> None:
+    check(full(sb.chmod(b""), sb.Cmd(ss.C_UTIMES, [(ss.A_PATH, b"")])))
+    rmdir = sb.Cmd(ss.C_RMDIR, [(ss.A_PATH, b"")])
+    for command in (sb.mkfile(b""), sb.unlink(b""), sb.rename(b"", b"x"), rmdir, sb.write(b"", b"x")):
+        refused(full(command), match="is empty")
+
+
 def test_path_attributes_only_where_they_belong_and_symlink_targets_sane() -> None:
     refused(full(sb.Cmd(ss.C_MKFILE, [(ss.A_PATH, b"a"), (ss.A_PATH_TO, b"b")])), match="path attribute")
     refused(full(sb.Cmd(ss.C_MKFILE, [(ss.A_PATH, b"a"), (ss.A_PATH_LINK, b"b")])), match="link target")

@@ -55,6 +55,8 @@ A_PATH, A_PATH_TO, A_PATH_LINK, A_FILE_OFFSET, A_DATA = 15, 16, 17, 18, 19
 A_CLONE_UUID, A_CLONE_CTRANSID, A_CLONE_PATH, A_CLONE_OFFSET, A_CLONE_LEN = 20, 21, 22, 23, 24
 A_MAX_V1 = A_CLONE_LEN
 
+# The only commands that may name the subvolume's root directory (the empty path): its attributes.
+_ROOT_COMMANDS = frozenset({C_SET_XATTR, C_REMOVE_XATTR, C_CHMOD, C_CHOWN, C_UTIMES})
 COMMAND_NAMES = {
     C_SUBVOL: "SUBVOL", C_SNAPSHOT: "SNAPSHOT", C_MKFILE: "MKFILE", C_MKDIR: "MKDIR", C_MKNOD: "MKNOD",
     C_MKFIFO: "MKFIFO", C_MKSOCK: "MKSOCK", C_SYMLINK: "SYMLINK", C_RENAME: "RENAME", C_LINK: "LINK",
@@ -388,7 +390,7 @@ class StreamChecker:
                 raise _corrupt("END carries attributes")
             self.ended = True
             return
-        path = self._path(command, A_PATH, index, allow_root=True)
+        path = self._path(command, A_PATH, index, allow_root=cmd in _ROOT_COMMANDS)
         if cmd == C_SYMLINK:
             content = _attr(command, A_PATH_LINK, None, index)
             if len(content) > MAX_PATH_BYTES or b"\0" in content or not content:
