@@ -837,7 +837,9 @@ class NodeAgent:
         budget is checked with the likely size (the measurement afterwards is the bound), the node's
         reserve with the largest possible one (the node must never run out)."""
         disk.check_snapshot_count(handle.sandbox_id, len(handle.snapshots))
-        usage = await self.driver.storage_usage(handle.sandbox_id)
+        # As of the last commit (no commit of its own: that would double a snapshot's cost); writes since
+        # then are counted by the check after, which the snapshot's own commit makes exact.
+        usage = await self.driver.storage_usage(handle.sandbox_id, fresh=False)
         if usage is not None:
             disk.check_budget(
                 handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=budget_bytes,
@@ -857,7 +859,8 @@ class NodeAgent:
             raise
 
     async def _check_growth_after(self, handle: SandboxHandle, what: str) -> None:
-        usage = await self.driver.storage_usage(handle.sandbox_id)
+        # Creating the snapshot flushed the sandbox's data and committed: the accounting is current.
+        usage = await self.driver.storage_usage(handle.sandbox_id, fresh=False)
         if usage is not None:
             disk.check_budget(
                 handle.sandbox_id, used_bytes=int(usage["used_bytes"]), needed_bytes=0,

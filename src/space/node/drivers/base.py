@@ -183,9 +183,10 @@ class Driver(abc.ABC):
     ) -> None:
         """Drop a staging directory ("export" | "import" | "base-export" | "base-import"); idempotent."""
 
-    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
+    async def storage_usage(self, sandbox_id: str, *, fresh: bool = True) -> dict[str, Any] | None:
         """{"used_bytes", "files_bytes", "images_bytes", "snapshots"}: everything the sandbox keeps on this
-        node (files, what its snapshots pin, checkpoint images); None when the driver cannot tell."""
+        node (files, what its snapshots pin, checkpoint images); None when the driver cannot tell.
+        `fresh=False`: as of the filesystem's last commit (cheaper; exact right after a snapshot)."""
         return None
 
     async def disk_space(self) -> dict[str, int] | None:

@@ -214,7 +214,7 @@ class FakeDriver(Driver):
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return {"memory_bytes": None, "disk_exclusive_bytes": None}
 
-    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
+    async def storage_usage(self, sandbox_id: str, *, fresh: bool = True) -> dict[str, Any] | None:
         """The fake keeps full copies: a sandbox's storage is its directory plus every snapshot copy."""
         snapshots = self.base_dir / "snapshots" / sandbox_id
         used = _tree_bytes(self._dir(sandbox_id)) + _tree_bytes(snapshots)

@@ -146,8 +146,8 @@ class RunscDriver(Driver):
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return await self.helper.call("sandbox.usage", {"sandbox_id": sandbox_id})
 
-    async def storage_usage(self, sandbox_id: str) -> dict[str, Any] | None:
-        return await self.helper.call("sandbox.storage", {"sandbox_id": sandbox_id})
+    async def storage_usage(self, sandbox_id: str, *, fresh: bool = True) -> dict[str, Any] | None:
+        return await self.helper.call("sandbox.storage", {"sandbox_id": sandbox_id, "sync": fresh})
 
     async def disk_space(self) -> dict[str, int] | None:
         result = await self.helper.call("node.disk")

@@ -41,6 +41,9 @@ LINEAGE_FILE = ".lineage.json"
 
 class StorageParams(Params):
     sandbox_id: SandboxId
+    # Commit first, so that data written since the last commit is counted. Not needed right after a
+    # snapshot (creating one flushes the sandbox's data and commits): the agent's checks skip it.
+    sync: bool = True
 
 
 class DiskParams(Params):
@@ -101,7 +104,8 @@ def sandbox_storage(ctx: HelperContext, params: StorageParams, _progress: Progre
     mode = btrfs.quota_mode(fs)
     files: int | None = None
     if mode is not None:
-        btrfs.sync(fs)  # accounting happens at commit: one commit, then every qgroup is current
+        if params.sync:
+            btrfs.sync(fs)  # accounting happens at commit: one commit, then every qgroup is current
         files = 0
         for qgroup in _lineage(ctx, sandbox_id):
             usage = btrfs.qgroup_usage_by_id(fs, qgroup)
