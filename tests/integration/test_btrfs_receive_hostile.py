@@ -16,10 +16,13 @@ checker can see.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ import pytest
 
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id
+from space.node.agent.helper_client import HelperClient
 from space.node.helper import transfer
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
@@ -473,3 +477,58 @@ def test_streams_are_opened_once_and_never_through_a_link_or_fifo(node: Node, tm
         fifo.unlink()
         (incoming / "link.stream").unlink(missing_ok=True)
         (incoming / "linkdir").unlink(missing_ok=True)
+
+
+# --- the same attacks through the real helper process -----------------------------------------------------
+@pytest.fixture
+def helper_process(node: Node, tmp_path: Path) -> Iterator[str]:
+    """The root helper as it runs on a node (its own process, socket, umask, verb table), on node A's data."""
+    socket_path = str(tmp_path / "helper.sock")
+    log = open(tmp_path / "helper.log", "wb")  # noqa: SIM115 - closed in the finally below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "space.node.helper.server", "--data-dir", str(node.layout.data_dir),
+         "--socket", socket_path, "--network", "none", "--runsc", "/nonexistent/runsc"],
+        stdout=log, stderr=log, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(socket_path):
+            assert proc.poll() is None, (tmp_path / "helper.log").read_text()
+            assert time.monotonic() < deadline, "the helper did not come up"
+            time.sleep(0.05)
+        yield socket_path
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_the_real_helper_process_refuses_hostile_streams_with_typed_errors(
+    node: Node, helper_process: str
+) -> None:
+    crafted = _crafted_delta(node)
+    watch = Watch(node)
+    sandbox_id = new_sandbox_id()
+
+    async def scenario() -> None:
+        helper = HelperClient(helper_process)
+        try:
+            for attack, data in _hostile_variants(_named(crafted, "evil"), node.sentinel).items():
+                stream = _stream_file(data, node)
+                with pytest.raises(errors.InvalidArgument, match="send stream refused"):
+                    await helper.call("template.receive", {"name": "evil", "stream": str(stream)})
+                assert not os.path.lexists(node.layout.template("evil")), attack
+            for attack, data in _hostile_variants(crafted, node.sentinel).items():
+                snapshot_id = new_snapshot_id()
+                ids = {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+                staged = Path((await helper.call("staging.prepare", {"kind": "import", **ids}))["dir"])
+                (staged / "disk.stream").write_bytes(_named(data, snapshot_id))
+                with pytest.raises(errors.ArtifactCorrupt, match="send stream refused"):
+                    await helper.call("snapshot.import", ids)
+                assert not os.path.lexists(node.layout.snapshot(sandbox_id, snapshot_id)), attack
+                await helper.call("staging.release", {"kind": "import", **ids})
+        finally:
+            await helper.close()
+
+    asyncio.run(scenario())
+    watch.assert_nothing_escaped(allowed={"incoming", "staging", f"snapshots/{sandbox_id}"})
