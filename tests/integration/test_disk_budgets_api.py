@@ -90,3 +90,24 @@ def test_policies_below_the_minimum_intervals_are_refused(
     sandbox_id = made.json()["id"]
     patched = http.patch(f"/v1/sandboxes/{sandbox_id}", json={"snapshot_policy": {"full_every_s": 10}})
     assert patched.status_code == 422 and "300 s" in patched.text
+
+
+def test_a_snapshot_over_the_budget_is_507_through_the_api(
+    fake_cluster: c.Cluster, project: c.Project
+) -> None:
+    # The fake driver keeps whole copies: each snapshot of a 25 MiB sandbox keeps 25 MiB more.
+    http = project.http()
+    made = http.post("/v1/sandboxes", json={"limits": {**c.SMALL, "storage_mb": 64}})
+    assert made.status_code == 201, made.text
+    sandbox_id = made.json()["id"]
+    with project.sdk() as sp:
+        wrote = sp.sandboxes.get(sandbox_id).exec(f"head -c {25 << 20} /dev/zero > blob")
+        assert wrote.exit_code == 0, wrote.stderr
+    assert http.post(f"/v1/sandboxes/{sandbox_id}/snapshots", json={}).status_code == 201
+    refused = http.post(f"/v1/sandboxes/{sandbox_id}/snapshots", json={})
+    assert refused.status_code == 507, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "storage_exhausted" and error["details"]["reason"] == "storage_budget"
+    assert error["details"]["budget_bytes"] == 64 << 20 and error["details"]["used_bytes"] > 64 << 20
+    listed = http.get(f"/v1/sandboxes/{sandbox_id}/snapshots").json()["snapshots"]
+    assert len(listed) == 1, "the refused snapshot is recorded nowhere"

@@ -298,3 +298,48 @@ def test_cli_passes_the_storage_budget(cli_server: Any) -> None:
     result = cli_tests.invoke("sandbox", "create", "--disk-mb", "512", "--storage-mb", "2048", "--json")
     assert result.exit_code == 0, result.output
     assert cli_server.body()["limits"] == {"disk_mb": 512, "storage_mb": 2048}
+
+
+# -- the helper verbs refuse bad arguments before touching anything ------------------------------------------
+def test_storage_verbs_validate_their_arguments(tmp_path: pathlib.Path) -> None:
+    import os
+
+    from space.core.ids import new_sandbox_id
+    from space.node.helper.runsc import Runsc
+    from space.node.helper.server import dispatch
+    from space.node.helper.verbs import HelperContext
+    from space.node.layout import NodeLayout
+
+    layout = NodeLayout(tmp_path / "data")
+    layout.data_dir.mkdir()
+    ctx = HelperContext(layout=layout, runsc=Runsc(root=layout.runsc_root, binary="/nonexistent/runsc"),
+                        owner_uid=os.getuid())  # fmt: skip
+
+    def answer(verb: str, args: dict[str, Any]) -> dict[str, Any]:
+        result = dispatch(ctx, {"verb": verb, "args": args}, print)
+        assert result["ok"] is False, result
+        error = result["error"]
+        assert isinstance(error, dict)
+        return error
+
+    for bad in ("../sb-x", "sb-../../etc", "", 42, None):
+        assert answer("sandbox.storage", {"sandbox_id": bad})["code"] == "invalid_argument"
+    good = new_sandbox_id()
+    assert answer("sandbox.storage", {"sandbox_id": good, "sync": "yes"})["code"] == "invalid_argument"
+    assert answer("sandbox.storage", {"sandbox_id": good, "path": "/"})["code"] == "invalid_argument"
+    assert answer("node.disk", {"path": "/etc"})["code"] == "invalid_argument"
+    # A valid id of a sandbox the node does not hold: a typed not_found, and nothing was created for it.
+    assert answer("sandbox.storage", {"sandbox_id": good})["code"] == "not_found"
+    assert not (layout.snapshots_root / good).exists()
+
+
+def test_the_agent_caps_the_number_of_snapshots(
+    loop: BackgroundLoop, agent: NodeAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(disk, "MAX_SNAPSHOTS_PER_SANDBOX", 2)
+    handle = loop.run(agent.create())
+    loop.run(agent.disk_snapshot(handle.sandbox_id))
+    loop.run(agent.checkpoint(handle.sandbox_id))
+    with pytest.raises(errors.StorageExhausted) as caught:
+        loop.run(agent.disk_snapshot(handle.sandbox_id))
+    assert caught.value.details["reason"] == "snapshot_count" and len(handle.snapshots) == 2
