@@ -55,7 +55,10 @@ class Installation:
     probe_dir: pathlib.Path  # world-readable copy of the probe script
 
     def env(self) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home), "LANG": "C.UTF-8"}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home), "LANG": "C.UTF-8"}
+        if "PYTHONPATH" in os.environ:  # the tree under test, when it is not the installed one
+            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        return env
 
     def run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[bytes]:
         proc = subprocess.run(

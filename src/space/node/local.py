@@ -91,7 +91,14 @@ class LocalNode:
         self.agent: NodeAgent | None = None
 
     def start_helper(self) -> None:
-        self.layout.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self.layout.data_dir.exists():
+            # A new data directory is private from the start: 0710 root:<agent's group>, so the agent
+            # reaches its own paths by name and no one else can enter (ADR 0022). An existing one is the
+            # caller's (`space up` tightens its own).
+            self.layout.data_dir.mkdir(mode=0o700, parents=True)
+            agent_gid = _gid_of(self.agent_user)
+            os.chown(self.layout.data_dir, 0, agent_gid)
+            os.chmod(self.layout.data_dir, 0o710 if agent_gid else 0o700)
         sock = self.layout.helper_socket
         with contextlib.suppress(FileNotFoundError):
             sock.unlink()
@@ -158,3 +165,14 @@ def _uid_of(user: str) -> int:
     import pwd
 
     return pwd.getpwnam(user).pw_uid
+
+
+def _gid_of(user: str) -> int:
+    """The primary group of the agent's user (0 for root or a uid without a passwd entry)."""
+    import pwd
+
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except KeyError:
+        return 0
+    return entry.pw_gid if entry.pw_uid else 0
