@@ -108,6 +108,10 @@ class Holder:
                     self._flush_to_sandbox(sandbox_in)
                 elif tag == "client":
                     self._client_ready(key.events)
+            if len(self.to_client) >= MAX_BUFFERED and child.poll() is not None:
+                # The runtime ended while its output sat unread (no agent, or one that gave up on a hostile
+                # guest): the sandbox end is not polled then, so its EOF would never be seen.
+                break
         # The runtime closed its stdout: deliver what is left, then record how it ended.
         self._drain_to_client_blocking()
         code = child.wait()
