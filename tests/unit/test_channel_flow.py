@@ -11,6 +11,7 @@ import asyncio
 import logging
 import socket
 import tracemalloc
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -312,3 +313,51 @@ def test_a_collected_exec_keeps_a_bounded_amount_of_output() -> None:
             assert result.truncated
 
     asyncio.run(scenario())
+
+
+def test_an_endless_oversized_frame_is_discarded_and_cuts_the_guest_off() -> None:
+    async def scenario() -> None:
+        async with connected() as (channel, guest):
+            header = encode(FrameType.DATA, 5, b"")[:8] + (0xFFFFFFF0).to_bytes(4, "big")
+            header += zlib.crc32(header).to_bytes(4, "big")
+            tracemalloc.start()
+            try:
+                with pytest.raises((ConnectionError, OSError)):
+                    await guest.send(header)
+                    for _ in range(4096):
+                        await guest.send(b"\0" * (64 * 1024))
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            await asyncio.wait_for(channel.wait_closed(), 5)
+            assert peak < 8 * MiB
+            assert channel.failure is not None and "oversized frame" in channel.failure
+
+    asyncio.run(scenario())
+
+
+def test_the_two_ledgers_agree_and_an_overdraft_is_caught() -> None:
+    import random
+
+    from space.protocol.flow import ReceiveWindow, SendCredit
+
+    rng = random.Random(7)
+    window = 256 * 1024
+    sender, receiver = SendCredit(window), ReceiveWindow(window)
+    in_flight: list[int] = []
+    for _ in range(20_000):
+        cost = rng.choice([FRAME_OVERHEAD + 1, 4096, 65_536, window + 10_000])  # the last: a big EVENT
+        if sender.can_send(cost) and rng.random() < 0.6:
+            sender.spend(cost)
+            assert receiver.receive(cost), "a sender within its credit was flagged"
+            in_flight.append(cost)
+        elif in_flight:
+            increment = receiver.consume(in_flight.pop(0))
+            if increment:
+                sender.grant(increment)
+    # a sender that ignores its credit is caught on the first frame beyond it
+    greedy, strict = SendCredit(window), ReceiveWindow(window)
+    for _ in range(window // 4096):
+        greedy.spend(4096)
+        assert strict.receive(4096)
+    assert not strict.receive(4096)

@@ -27,6 +27,10 @@ class TruncatedFrame(ProtocolError):
 class FrameTooLarge(ProtocolError):
     code = "frame_too_large"
 
+    def __init__(self, message: str, stream: int = 0, length: int = 0) -> None:
+        super().__init__(message, stream)
+        self.length = length  # the payload length the header announced (the decoder discards it)
+
 
 class UnknownFrameType(ProtocolError):
     code = "unknown_frame_type"

@@ -176,7 +176,7 @@ class FrameDecoder:
                 del buf[:HEADER_SIZE]
                 self._skip = length
                 yield FrameTooLarge(
-                    f"frame of {length} bytes exceeds the maximum of {self._max_payload}", stream
+                    f"frame of {length} bytes exceeds the maximum of {self._max_payload}", stream, length
                 )
                 continue
             if len(buf) < HEADER_SIZE + length:

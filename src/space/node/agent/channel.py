@@ -41,6 +41,7 @@ from space.protocol import (
     Channel,
     Frame,
     FrameDecoder,
+    FrameTooLarge,
     FrameType,
     ProtocolError,
     encode,
@@ -585,6 +586,11 @@ class GuestChannel:
             self._calls.pop(exc.stream, None)
         else:
             self.guest_log.warning("malformed frame: %s", exc.message)
+        if isinstance(exc, FrameTooLarge):
+            # Discarded as it arrives, never buffered; but nobody asked for it (an "endless" frame).
+            self.stray_bytes += exc.length
+            if not self._stray_budget.take(exc.length):
+                raise GuestViolation(f"an oversized frame announcing {exc.length} bytes")
         self._count_error()
 
     def _fail_all(self, reason: str) -> None:

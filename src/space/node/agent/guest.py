@@ -194,9 +194,13 @@ class GuestSession:
 
     async def write_stdin(self, process_id: str, data: bytes, *, eof: bool = False) -> None:
         call = await self.channel.open(m.PROCESS_INPUT, {"process_id": process_id, "eof": eof})
-        if data:
-            await call.send(data)
-        await call.send_eof()
+        try:
+            if data:
+                await call.send(data)
+            await call.send_eof()
+        except BaseException:
+            await call.cancel()
+            raise
         await call.result()
 
     async def resize(self, process_id: str, rows: int, cols: int) -> None:
@@ -223,6 +227,9 @@ class GuestSession:
         except errors.ChannelError:
             if not call.done:
                 raise
+        except BaseException:
+            await call.cancel()  # a stalled guest or a cancelled request: the write must not stay open
+            raise
         result = await call.result()
         return int(result.get("size", 0))
 
