@@ -343,3 +343,44 @@ def test_the_agent_caps_the_number_of_snapshots(
     with pytest.raises(errors.StorageExhausted) as caught:
         loop.run(agent.disk_snapshot(handle.sandbox_id))
     assert caught.value.details["reason"] == "snapshot_count" and len(handle.snapshots) == 2
+
+
+def test_imports_are_refused_below_the_reserve_and_suspend_is_not(
+    loop: BackgroundLoop, tmp_path: pathlib.Path
+) -> None:
+    from space.core.ids import new_snapshot_id
+    from space.node.drivers.base import SandboxSpec
+    from space.objectstore.base import open_store
+
+    store = open_store((tmp_path / "objects").as_uri())
+    a = NodeAgent(FakeDriver(tmp_path / "a"), store=store)
+    b = NodeAgent(FakeDriver(tmp_path / "b"), store=store)
+    loop.run(a.prepare(templates=()))
+    loop.run(b.prepare(templates=()))
+    try:
+        handle = loop.run(a.create(limits=SandboxLimits(memory_mb=64)))
+        sid = handle.sandbox_id
+        loop.run(handle.session.write_file("kept.bin", b"x" * 100_000))
+        assert isinstance(a.driver, FakeDriver) and isinstance(b.driver, FakeDriver)
+        # Suspend is how a full node gets its disk back: never refused for the reserve.
+        a.driver.disk_override = (10 * GiB, 0)
+        loop.run(a.suspend(sid, store=store, prefix=f"sandboxes/{sid}/s1", snapshot_id=new_snapshot_id(),
+                           data_key=None))  # fmt: skip
+        b.driver.disk_override = (10 * GiB, GiB // 2)  # just at the reserve: no room for the download
+        spec = SandboxSpec(sid, limits=SandboxLimits(memory_mb=64))
+        with pytest.raises(errors.StorageExhausted) as caught:
+            loop.run(b.restore_from_store(sid, store=store, prefix=f"sandboxes/{sid}/s1", data_key=None,
+                                          spec=spec))  # fmt: skip
+        assert caught.value.details["reason"] == "node_reserve" and caught.value.details["needed_bytes"] > 0
+        assert sid not in b.sandboxes
+        staging = tmp_path / "b" / "staging"
+        assert not staging.exists() or list(staging.iterdir()) == []
+        assert not (tmp_path / "b" / "sandboxes" / sid).exists()
+        b.driver.disk_override = None
+        prefix = f"sandboxes/{sid}/s1"
+        restored = loop.run(b.restore_from_store(sid, store=store, prefix=prefix, data_key=None, spec=spec))
+        assert loop.run(restored.session.read_file("kept.bin")) == b"x" * 100_000
+    finally:
+        for node in (a, b):
+            loop.run(node.delete_all())
+            loop.run(node.close())
