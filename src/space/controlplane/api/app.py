@@ -33,6 +33,7 @@ from space.controlplane.api import errors as api_errors
 from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.retention import purge_expired
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
@@ -274,6 +275,9 @@ def create_app(
     from space.controlplane.api import credentials as credentials_api  # issue 5 (imports this module)
 
     app.include_router(credentials_api.install(services, data_dir))
+    from space.controlplane.api import limits  # (imports this module) outermost: before any body is read
+
+    app.add_middleware(limits.RequestLimits, services=services)
     return app
 
 
@@ -301,6 +305,7 @@ async def _housekeeping(services: Services) -> None:
         every(2.0, services.snapshots.collect, "removing deleted snapshots"),
         every(300.0, services.snapshots.sweep_objects, "removing artifacts nothing refers to"),
         every(1.0, lambda: report_lost_node_crashes(services.reconciler), "recovering lost nodes' sandboxes"),
+        every(600.0, lambda: purge_expired(services.store), "deleting expired idempotency and audit rows"),
     )
 
 
