@@ -63,7 +63,7 @@ from space.core.capability import CAPABILITY_HEADER
 from space.core.capability import verify as verify_capability
 from space.core.ids import parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import IN_PROGRESS_STATES, Event, State
-from space.core.settings import SandboxLimits
+from space.core.settings import DiskReserve, SandboxLimits
 from space.crypto.envelope import DataKey
 from space.node.agent import rpc_models as rm
 from space.node.agent.agent import NodeAgent, SandboxHandle, SnapshotRecord
@@ -1325,6 +1325,7 @@ async def serve(
     log_level: str = "info",
     store_url: str | None = None,
     egress: EgressSettings | None = None,
+    disk_reserve: DiskReserve | None = None,
 ) -> None:
     """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
     node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
@@ -1340,6 +1341,8 @@ async def serve(
         # rather than not at all (those requests then answer 400 naming the missing store).
         log.warning("object store %s unusable (%s): suspend/restore disabled on this node", store_url, exc)
         agent = _build_agent(data_dir, driver, None)
+    if disk_reserve is not None:
+        agent.disk_reserve = disk_reserve  # ADR 0027
     if prepare:
         await agent.prepare(tuple(templates), progress=lambda line: log.info("prepare: %s", line))
     # After prepare: on a runsc node the helper's node.prepare made the identity directory for this user.
@@ -1422,7 +1425,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "static name -> addresses map instead of the system resolver), trust_store, allow_networks; see "
         "space.node.agent.egress_wiring.load_settings",
     )  # fmt: skip
+    parser.add_argument(
+        "--disk-reserve", default=os.environ.get("SPACE_DISK_RESERVE", "5,2048"), metavar="PERCENT,MB",
+        help="free space the node keeps: creates, snapshots, checkpoints and imports are refused when they "
+        "would leave less than min(PERCENT of the disk, MB) (default 5,2048; ADR 0027)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        percent, mb = args.disk_reserve.split(",")
+        disk_reserve = DiskReserve(percent=float(percent), mb=int(mb))
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        parser.error("--disk-reserve is PERCENT,MB: a percentage from 0 to 50 and a whole number of MB")
     os.umask(0o077)  # the agent's object-store parts, CA key, policies: its own only (ADR 0022)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -1442,6 +1455,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             log_level=args.log_level,
             store_url=args.store_url or default_store_url(data_dir),
             egress=load_egress_settings(data_dir / "egress", args.egress_config),
+            disk_reserve=disk_reserve,
         )
     )  # fmt: skip
 
