@@ -532,3 +532,28 @@ def test_the_real_helper_process_refuses_hostile_streams_with_typed_errors(
 
     asyncio.run(scenario())
     watch.assert_nothing_escaped(allowed={"incoming", "staging", f"snapshots/{sandbox_id}"})
+
+
+# --- template.ensure: the base from the rootfs cache goes through the same receive ---------------------
+def test_a_hostile_rootfs_cache_is_refused_dropped_and_never_applied(bare_node: Node, tmp_path: Path) -> None:
+    """The cache is root's own file, but it is a stream like any other: a tampered one is refused by the
+    checker, deleted, and the base rebuilt (here from an unreachable mirror, so the rebuild fails too)."""
+    crafted = _crafted_full(bare_node, templates.BASE_NAME)
+    cache_dir = tmp_path / "rootfs-cache"
+    cache_dir.mkdir()
+    watch = Watch(bare_node)
+    for attack, data in _hostile_variants(crafted, bare_node.sentinel).items():
+        (cache_dir / templates.CACHE_NAME).write_bytes(data)
+        lines: list[str] = []
+        with pytest.raises(errors.RuntimeFailure, match="debootstrap"):
+            templates.ensure_base(bare_node.layout.templates, cache_dir=cache_dir,
+                                  mirror="http://127.0.0.1:9/debian", progress=lines.append)  # fmt: skip
+        assert any("cached base unusable" in line and "send stream refused" in line for line in lines), attack
+        assert not (cache_dir / templates.CACHE_NAME).exists(), f"{attack}: the refused cache was kept"
+        base_or_lock = {f"templates/{templates.BASE_NAME}", "templates/.lock"}
+        watch.assert_nothing_escaped(allowed={"scratch", "staging", *base_or_lock})
+    # What the failed rebuild left is a half-built base, never a received one.
+    base = bare_node.layout.templates / templates.BASE_NAME
+    if btrfs.is_subvolume(base):
+        assert btrfs.subvolume_identity(base).received_uuid is None
+        btrfs.delete_subvolume(base)
