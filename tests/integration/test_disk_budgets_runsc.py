@@ -199,3 +199,47 @@ def test_a_nearly_full_node_refuses_with_the_reserve_error_and_leaves_nothing(
             with contextlib.suppress(OSError):
                 os.unlink(filler)
         loop.run(agent.delete(sid), timeout=120)
+
+
+def test_a_checkpoint_that_runs_out_of_disk_half_way_leaves_nothing(
+    small_node: tuple[LocalNode, NodeAgent], loop: BackgroundLoop
+) -> None:
+    """Past the agent's checks (the driver is called directly, as a racing writer could make it happen): the
+    disk fills up while runsc writes the image; the helper removes the partial checkpoint, and the sandbox
+    runs on."""
+    local, agent = small_node
+    layout = local.layout
+    handle = loop.run(agent.create(limits=SandboxLimits(memory_mb=256, disk_mb=256)))
+    sid = handle.sandbox_id
+    fillers: list[pathlib.Path] = []
+    try:
+        # Leave (almost) no space at all: even a small image cannot be written.
+        before = subvolumes_of(layout.fs, sid)
+        for i in range(16):
+            measured = loop.run(agent.disk_space())
+            assert measured is not None
+            if measured["free_bytes"] < 4 * MiB:
+                break
+            filler = layout.fs / f"full-{i}"
+            size = max(MiB, measured["free_bytes"] - MiB) if i < 8 else measured["free_bytes"] // 2
+            subprocess.run(["fallocate", "-l", str(size), str(filler)], check=False, capture_output=True)
+            fillers.append(filler)
+            btrfs.sync(layout.fs)
+        else:
+            raise AssertionError(f"could not fill the filesystem: {loop.run(agent.disk_space())}")
+        snapshot_id = "snap-" + "a" * 26
+        with pytest.raises(errors.SpaceError):
+            loop.run(agent.driver.checkpoint(sid, snapshot_id, keep_running=True))
+        images = layout.checkpoints_root / sid
+        assert not images.exists() or list(images.iterdir()) == [], "a partial image was left behind"
+        assert subvolumes_of(layout.fs, sid) == before, "a partial disk snapshot was left behind"
+        for filler in fillers:
+            filler.unlink()
+        fillers = []
+        btrfs.sync(layout.fs)
+        assert loop.run(handle.session.exec("echo alive")).stdout == b"alive\n"
+    finally:
+        for filler in fillers:
+            with contextlib.suppress(OSError):
+                os.unlink(filler)
+        loop.run(agent.delete(sid), timeout=120)

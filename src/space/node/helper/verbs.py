@@ -315,28 +315,43 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     # the files are one consistent moment: whatever runsc flushes while saving is in the snapshot, and no
     # process can write after it. `--leave-running` keeps the same runtime (and channel) afterwards.
     mark = time.monotonic()
-    if ctx.runtimes.status(sandbox_id) != "paused":
-        ctx.runsc.pause(container)
     try:
-        timings["pause_ms"] = (time.monotonic() - mark) * 1000
-        mark = time.monotonic()
-        ctx.runsc.checkpoint(container, image, leave_running=True)
-        timings["checkpoint_ms"] = (time.monotonic() - mark) * 1000
-        mark = time.monotonic()
-        btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
-        timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
-        transfer.record_snapshot_usage(ctx, sandbox_id, snapshot_id)
-    finally:
-        mark = time.monotonic()
-        if not params.leave_paused and ctx.runtimes.status(sandbox_id) == "paused":
-            ctx.runsc.resume(container)
-        timings["resume_ms"] = (time.monotonic() - mark) * 1000
+        if ctx.runtimes.status(sandbox_id) != "paused":
+            ctx.runsc.pause(container)
+        try:
+            timings["pause_ms"] = (time.monotonic() - mark) * 1000
+            mark = time.monotonic()
+            ctx.runsc.checkpoint(container, image, leave_running=True)
+            timings["checkpoint_ms"] = (time.monotonic() - mark) * 1000
+            mark = time.monotonic()
+            btrfs.snapshot(ctx.layout.rootfs(sandbox_id), disk, readonly=True)
+            timings["disk_snapshot_ms"] = (time.monotonic() - mark) * 1000
+            transfer.record_snapshot_usage(ctx, sandbox_id, snapshot_id)
+        finally:
+            mark = time.monotonic()
+            if not params.leave_paused and ctx.runtimes.status(sandbox_id) == "paused":
+                ctx.runsc.resume(container)
+            timings["resume_ms"] = (time.monotonic() - mark) * 1000
+    except BaseException:
+        _discard_partial_checkpoint(ctx, sandbox_id, snapshot_id)
+        raise
     image_bytes = _tree_bytes(image)
     result: dict[str, Any] = {"image": str(image), "disk": str(disk), "image_bytes": image_bytes}
     if not params.keep_running:
         ctx.runtimes.stop(sandbox_id)
     result["timings"] = timings
     return result
+
+
+def _discard_partial_checkpoint(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> None:
+    """A checkpoint that failed half-way (e.g. the disk filled up while runsc wrote the image) leaves nothing:
+    no partial image that would count against the sandbox's storage or pass for a checkpoint (ADR 0027)."""
+    shutil.rmtree(ctx.layout.checkpoint_image(sandbox_id, snapshot_id), ignore_errors=True)
+    disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
+    with contextlib.suppress(errors.SpaceError):
+        if btrfs.is_subvolume(disk):
+            btrfs.delete_subvolume(disk)
+    transfer._usage_file(ctx, sandbox_id, snapshot_id).unlink(missing_ok=True)
 
 
 def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progress) -> dict[str, Any]:
