@@ -6,7 +6,8 @@
 
 Invariants:
 - Every request (HTTP and WebSocket, known route or not) carries `Authorization: Bearer <node token>`,
-  compared in constant time, before any route runs; anything else is a typed 401.
+  compared in constant time, before any route runs; anything else is a typed 401. The node token is this
+  node's own RPC token (space.node.agent.identity; ADR 0021), never the cluster's bootstrap token.
 - Every route scoped to a sandbox (its path names `{sandbox_id}`; for POST /sandboxes/restore the body's
   `sandbox_id`) also needs exactly one `X-Space-Capability` for that very sandbox, unexpired, made with the
   node token (space.core.capability); anything else is a typed 403 before the route runs. Only the routes in
