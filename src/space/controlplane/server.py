@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", default=None, help="default: SQLite in the data directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8470)
-    parser.add_argument("--node-token-file", type=pathlib.Path, required=True)
+    parser.add_argument(
+        "--node-token-file", type=pathlib.Path, required=True,
+        help="the cluster's bootstrap token (mode 0600): enrols new nodes (as do enrolment tokens, see "
+        "space.controlplane.enrolment) and keys the sealing of their RPC tokens; replicas share it",
+    )  # fmt: skip
     parser.add_argument(
         "--store-url",
         default=os.environ.get("SPACE_STORE_URL"),
