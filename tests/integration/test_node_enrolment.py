@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import pathlib
 import secrets
 import subprocess
 import sys
@@ -389,3 +390,17 @@ def test_registration_refuses_before_reading_and_never_fails_on_odd_tokens(clust
         error(answer, 401, "unauthenticated")
     answer = cluster.http(cluster.node.token).post("/v1/nodes/register", content=b"not json")
     error(answer, 400, "invalid_argument")
+
+
+def test_an_agent_refuses_to_serve_its_rpc_with_the_bootstrap_token(tmp_path: pathlib.Path) -> None:
+    token_file = tmp_path / "node.token"
+    token_file.write_text(secrets.token_urlsafe(32) + "\n")
+    token_file.chmod(0o600)
+    done = subprocess.run(
+        [sys.executable, "-m", "space.node.agent.server", "--driver", "fake", "--data-dir", str(tmp_path),
+         "--listen", f"127.0.0.1:{c.free_port()}", "--rpc-token-file", str(token_file),
+         "--bootstrap-token-file", str(token_file), "--control-plane", "http://127.0.0.1:9", "--no-prepare"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=c.REPO,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "must not be the bootstrap token" in done.stderr, done.stderr[-2000:]

@@ -1355,6 +1355,12 @@ async def serve(
         service.identity = NodeIdentity.load(identity_file or default_identity_file(data_dir))
         if bootstrap_token_file is not None:
             bootstrap_token = read_private(bootstrap_token_file) or None
+        if bootstrap_token is not None and hmac.compare_digest(bootstrap_token.encode(), rpc_token.encode()):
+            raise errors.InvalidArgument(
+                "the node's RPC token must not be the bootstrap token: every holder of that one could call "
+                "this node (give --rpc-token-file its own file, or leave it out to have one made)",
+                field="rpc_token",
+            )
         if not service.identity.enrolled and bootstrap_token is None:
             log.warning("this node has no identity yet and no --bootstrap-token-file: it cannot enrol")
     # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
