@@ -102,6 +102,10 @@ def test_writes_and_snapshots_hit_the_storage_budget(node: RealNode) -> None:
             # checkpoint's image counts against the budget.
             for snapshot_id in taken:
                 await agent.delete_snapshot(sid, snapshot_id)
+            # blob0 now lives only in the new root filesystem but stays charged to the old one's qgroup, which
+            # no snapshot names any more: the sandbox's lineage still counts it (30 + 30 MiB written).
+            usage = await agent.storage(sid)
+            assert usage["used_bytes"] >= 60 * MiB, usage
             assert (await handle.session.exec("rm -f /work/blob0 /work/after-rollback")).exit_code == 0
 
             async def freed() -> bool:
