@@ -47,7 +47,7 @@ def test_a_disk_larger_than_every_node_is_refused_at_once(
     assert "more than any node can hold" in error["message"]
     assert fake_cluster.records(project.id) == {}, "nothing is recorded for a refused create"
     # The SDK raises the typed error.
-    from space.core.errors import StorageExhausted
+    from space.sdk import StorageExhausted
 
     with project.sdk() as sp:
         try:

@@ -5,8 +5,9 @@
     sb = sp.sandboxes.create(template="python")
     print(sb.exec("echo hi").stdout)
 
-Errors are the typed classes of space.core.errors (NotFound, InvalidState with `.state`, ...), plus
-RateLimited (HTTP 429) and TransportError (cannot reach the server; an Unavailable).
+Errors are the typed classes of space.core.errors (NotFound, InvalidState with `.state`, StorageExhausted
+(HTTP 507: a disk budget or reserve), ...), plus RateLimited (HTTP 429) and TransportError (cannot reach
+the server; an Unavailable).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from space.core.errors import (
     NotFound,
     PermissionDenied,
     SpaceError,
+    StorageExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "Snapshots",
     "Space",
     "SpaceError",
+    "StorageExhausted",
     "TransportError",
     "Unauthenticated",
     "Unavailable",
