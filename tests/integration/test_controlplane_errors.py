@@ -127,6 +127,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
      "validation_error"),
     ("unknown process (relayed)", "POST", "/v1/sandboxes/{running}/processes/0123456789abcdef/signal",
      {"json": {"signal": "SIGTERM"}}, 404, "not_found"),
+    ("malformed key id", "DELETE", "/v1/keys/key-..", {"admin": True}, 400, "invalid_argument"),
     ("malformed process id", "POST", "/v1/sandboxes/{running}/processes/nope/signal",
      {"json": {"signal": "SIGTERM"}}, 400, "invalid_argument"),
     ("bad query type (typed route)", "GET", "/v1/sandboxes/{running}/files?path=a&offset=-1", {}, 422,

@@ -39,7 +39,13 @@ from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashe
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord, SnapshotRecord
 from space.controlplane.store.store import Store
 from space.core import errors
-from space.core.ids import new_sandbox_id, parse_process_id, parse_sandbox_id, parse_snapshot_id
+from space.core.ids import (
+    new_sandbox_id,
+    parse_api_key_id,
+    parse_process_id,
+    parse_sandbox_id,
+    parse_snapshot_id,
+)
 from space.core.lifecycle import Event, State, transition
 from space.core.retention import SnapshotPolicy
 from space.core.settings import SandboxLimits
@@ -690,6 +696,7 @@ def _public_router(services: Services) -> APIRouter:
     @r.delete("/keys/{key_id}", status_code=204)
     async def revoke_key(key_id: str, who: Auth) -> Response:
         who.require("admin")
+        parse_api_key_id(key_id, field="key_id")
         await asyncio.to_thread(
             store.revoke_key, key_id, org_id=who.key.org_id, project_id=who.key.project_id
         )
