@@ -24,9 +24,11 @@ import os
 import pathlib
 import resource
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -584,3 +586,34 @@ def test_retention_deletes_old_rows_only_in_bounded_batches(
     assert asyncio.run(retention.purge_expired(store)) == {"idempotency_records": 0, "credential_audit": 0}
     clock.advance(24 * 3600)
     assert asyncio.run(retention.purge_expired(store)) == {"idempotency_records": 3, "credential_audit": 0}
+
+
+@pytest.mark.root
+def test_the_root_helper_raises_its_open_file_limit(tmp_path: pathlib.Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the node helper runs as root; CI runs as root")
+    data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-helper-", dir="/var/tmp"))
+    socket_path = data_dir / "helper.sock"
+    helper = subprocess.Popen(
+        ["prlimit", "--nofile=256:", sys.executable, "-m", "space.node.helper.server",
+         "--data-dir", str(data_dir), "--agent-user", "0", "--socket", str(socket_path), "--network", "none"],
+        env=c._child_env(), cwd=c.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            assert helper.poll() is None, helper.stderr.read() if helper.stderr else b""
+            return socket_path.exists()
+
+        c.wait_for(ready, timeout=60, interval=0.1, what="node helper listening")
+        soft, hard = _soft_and_hard_nofile(helper.pid)
+        assert soft == hard == str(resource.getrlimit(resource.RLIMIT_NOFILE)[1]), (soft, hard)
+    finally:
+        helper.terminate()
+        try:
+            helper.wait(20)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait(10)
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert not socket_path.exists()
