@@ -214,7 +214,7 @@ def create_app(
     refused). `data_keys`: wraps per-artifact keys (None: the default, one local key per org under
     `data_dir`/keys; without data_dir, artifacts are not encrypted)."""
     registry = CollectorRegistry()
-    nodes = NodePool(store, node_token)  # one client per node for the reconciler and the data plane
+    nodes = NodePool(store, node_token)  # per node: a control pool and a tenant-fair data pool (ADR 0025)
     objects = None
     if store_url is not None:
         from space.objectstore.base import open_store
