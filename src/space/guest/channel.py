@@ -158,6 +158,11 @@ class Inbound:
             self._bytes += size
             self._cond.notify_all()
 
+    @property
+    def empty(self) -> bool:
+        with self._cond:
+            return not self._frames
+
     def refuse(self) -> None:
         """This call takes no body: drop whatever the host sends instead of queueing it."""
         with self._cond:
@@ -325,7 +330,7 @@ class Call:
         """Return credit to the host for body frames the handler took (protocol 2)."""
         if self._receive is None:
             return
-        increment = self._receive.consume(frame_cost(len(frame.payload)))
+        increment = self._receive.consume(frame_cost(len(frame.payload)), idle=self.inbound.empty)
         if increment and not self._finished:
             with contextlib.suppress(ChannelClosed):
                 self._writer.send(encode_window(self.stream, increment))

@@ -10,8 +10,11 @@ Invariants:
 - A frame's cost is its payload length plus FRAME_OVERHEAD, so a flood of tiny frames is bounded in count
   as well as in bytes (the overhead stands for the per-frame bookkeeping a receiver keeps).
 - A sender sends a flow-controlled frame only while its credit covers the frame's cost. A frame larger than
-  the whole window (only an EVENT can be) may be sent once the full window is available, i.e. with nothing
-  else outstanding; so a receiver holds at most max(window, one frame) per stream.
+  the whole window may be sent once the full window is available, i.e. with nothing else outstanding; so a
+  receiver holds at most max(window, one frame) per stream.
+- A receiver returns credit once half a window was consumed, and whenever its consumer has taken all that
+  arrived; so a sender never waits on credit for frames that were already consumed (no deadlock for a frame
+  larger than what is left of the window).
 - The initial window is what the receiver announced as "window" in its HELLO (INITIAL_WINDOW when absent),
   clamped to [MIN_WINDOW, MAX_WINDOW]. Both sides clamp the same way, so they agree on it.
 - CALL, RESULT, ERROR, CANCEL, HELLO and WINDOW frames are not flow-controlled: a call has exactly one CALL
@@ -95,10 +98,14 @@ class ReceiveWindow:
         self._received += cost
         return self._received <= self._granted + max(0, cost - self.window)
 
-    def consume(self, cost: int) -> int:
-        """Account one frame the consumer took; the increment to send in a WINDOW frame now, or 0."""
+    def consume(self, cost: int, *, idle: bool = False) -> int:
+        """Account one frame the consumer took; the increment to send in a WINDOW frame now, or 0.
+
+        Credit goes back once half a window was consumed, or as soon as the consumer has taken everything
+        that arrived (`idle`): a sender waiting for the whole window (to send a frame larger than what is
+        left) must get it back even when less than half a window was used."""
         self._consumed += cost
-        if self._consumed < self.window // 2:
+        if self._consumed < self.window // 2 and not idle:
             return 0
         increment, self._consumed = self._consumed, 0
         self._granted += increment

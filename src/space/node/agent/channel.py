@@ -296,7 +296,7 @@ class Call:
         """Return credit to the guest as frames leave the queue (flow control)."""
         if self._receive is None:
             return
-        increment = self._receive.consume(cost)
+        increment = self._receive.consume(cost, idle=self._queue.empty())
         if increment and not self.done:
             with contextlib.suppress(errors.ChannelError, errors.Timeout):
                 await self._channel._write(encode_window(self.stream, increment))
