@@ -182,8 +182,8 @@ def test_forged_frames_from_inside_a_sandbox(node, mode: str) -> None:  # type: 
 
 
 def test_a_process_inside_can_reach_the_channel_but_not_a_neighbours(node) -> None:  # type: ignore[no-untyped-def]
-    """The attack surface itself: a root process writes into its own sandbox's channel (the agent sees a
-    frame it did not expect), and nothing it can open reaches another sandbox's channel."""
+    """The attack surface itself: a root process writes into its own sandbox's channel and the agent sees
+    it; the neighbour's channel sees nothing, and a single torn write does not cost A its channel."""
     agent: NodeAgent = node.agent
 
     async def scenario() -> None:
@@ -194,15 +194,10 @@ def test_a_process_inside_can_reach_the_channel_but_not_a_neighbours(node) -> No
                 "import os\n"
                 f"fd = os.open('/proc/1/fd/{CHANNEL_OUT_FD}', os.O_WRONLY)\n"
                 "os.write(fd, b'\\x00forged bytes, not a frame\\x00')\n"
-                "print(sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
             )
             result = await a.session.exec(["python3", "-c", probe])
             assert result.exit_code == 0, result.stderr
             await eventually(lambda: _more_errors(a.channel, before_a), what="the agent saw the forged bytes")
-            # The sandbox's own processes only: no pid of B (or of the host) is visible from A.
-            visible = result.stdout.decode()
-            b_daemon = await b.session.info()
-            assert b_daemon["pid"] == 1 and "'1'" in visible  # A's own init, in A's own pid namespace
             assert b.channel.protocol_errors == before_b
             assert (await b.session.exec(["echo", "b"])).stdout == b"b\n"
             assert not a.channel.closed  # a torn write is tolerated; only floods cut a guest off

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, error_payload
 from space.guest.children import ChildWatcher
 from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
-from space.protocol.flow import INITIAL_WINDOW, announced_window, window_increment
+from space.protocol.flow import announced_window, window_increment
 from space.protocol.frames import Frame, FrameDecoder, FrameType, encode_json
 from space.protocol.version import FLOW_CONTROL_VERSION, PROTOCOL_VERSION, hello_payload, negotiate
 
@@ -46,6 +46,10 @@ READ_SIZE = 1 << 20
 RECENT_STREAMS = 4096
 MAX_IDLE_WORKERS = 8
 BODY_METHODS = frozenset({"process.start", "process.input", "files.write"})
+# Credit granted to the host per call for request bodies (announced in HELLO): bigger than the host's
+# default, since it is the sandbox's own memory (within channel.BODY_BUDGET) and uploads cross a slower
+# round trip (the sandbox's wake-ups) than downloads.
+BODY_WINDOW = 4 << 20
 
 # method -> (module, function); modules are imported on first use to keep start-up fast.
 HANDLERS: dict[str, tuple[str, str]] = {
@@ -121,7 +125,7 @@ class Daemon:
 
     def hello(self, **extra: Any) -> dict[str, Any]:
         return hello_payload(
-            ready=True, boot_id=self.boot_id, pid=os.getpid(), window=INITIAL_WINDOW, **extra
+            ready=True, boot_id=self.boot_id, pid=os.getpid(), window=BODY_WINDOW, **extra
         )
 
     def _send(self, frame: bytes) -> None:
@@ -273,7 +277,7 @@ class Daemon:
             self.writer,
             self._call_done,
             send_window=window,
-            receive_window=INITIAL_WINDOW if window is not None else None,
+            receive_window=BODY_WINDOW if window is not None else None,
         )
         if method not in BODY_METHODS:
             call.inbound.refuse()
