@@ -124,9 +124,7 @@ class Daemon:
     # --- the channel ----------------------------------------------------------------------------------
 
     def hello(self, **extra: Any) -> dict[str, Any]:
-        return hello_payload(
-            ready=True, boot_id=self.boot_id, pid=os.getpid(), window=BODY_WINDOW, **extra
-        )
+        return hello_payload(ready=True, boot_id=self.boot_id, pid=os.getpid(), window=BODY_WINDOW, **extra)
 
     def _send(self, frame: bytes) -> None:
         with contextlib.suppress(ChannelClosed):
