@@ -622,3 +622,34 @@ def test_the_root_helper_raises_its_open_file_limit(tmp_path: pathlib.Path) -> N
             helper.wait(10)
         shutil.rmtree(data_dir, ignore_errors=True)
     assert not socket_path.exists()
+
+
+def test_pty_sessions_count_against_the_stream_cap(
+    fake_cluster: c.Cluster, project: c.Project, limited: c.ControlPlane
+) -> None:
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect as ws_connect
+
+    sandbox_id = running_sandbox(project)
+    url = limited.url.replace("http://", "ws://") + f"/v1/sandboxes/{sandbox_id}/pty?cmd=/bin/sh"
+    headers = {"Authorization": f"Bearer {project.key}"}
+    with contextlib.ExitStack() as stack:
+        for _ in range(3):  # the limited control plane's stream cap
+            stack.enter_context(ws_connect(url, additional_headers=headers, open_timeout=20, close_timeout=2))
+            time.sleep(0.5)  # within the key's request rate (2/s)
+        with pytest.raises(InvalidStatus) as refused:
+            ws_connect(url, additional_headers=headers, open_timeout=20, close_timeout=2)
+        answer = refused.value.response
+        assert answer.status_code == 429, answer
+        assert int(answer.headers["Retry-After"]) >= 1
+        assert b"resource_exhausted" in answer.body
+    # All closed: a new PTY opens again.
+    time.sleep(1.0)
+    with ws_connect(url, additional_headers=headers, open_timeout=20, close_timeout=2) as ws:
+        ws.send(b"echo pty-$((40+2))\n")
+        seen = b""
+        deadline = time.monotonic() + 20
+        while b"pty-42" not in seen and time.monotonic() < deadline:
+            message = ws.recv(timeout=20)
+            seen += message if isinstance(message, bytes) else b""
+        assert b"pty-42" in seen, seen
