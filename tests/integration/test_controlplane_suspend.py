@@ -41,9 +41,9 @@ RESTORE_POINTS = ["restore.placed", "restore.done"]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[c.Cluster]:
     # Scheduled snapshots every second (the production minimums are 60/300 s, ADR 0027).
-    fast = {"SPACE_SNAPSHOT_MIN_INTERVALS": "1,1"}
+    fast = ("--snapshot-min-intervals", "1,1")
     with c.start_fake_cluster(
-        tmp_path_factory.mktemp("suspend"), nodes=2, object_store=True, control_plane_env=fast
+        tmp_path_factory.mktemp("suspend"), nodes=2, object_store=True, control_plane_args=fast
     ) as made:
         yield made
 

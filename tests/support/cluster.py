@@ -405,13 +405,14 @@ def start_fake_cluster(
     node_reports_to: int = 0,
     nodes: int = 1,
     object_store: bool = False,
-    control_plane_env: dict[str, str] | None = None,
+    control_plane_args: tuple[str, ...] = (),
 ) -> Iterator[Cluster]:
     """Control plane(s) over `database_url` (default: SQLite in `root`) + fake node(s) that register with
     and heartbeat to control plane number `node_reports_to`; everything is killed at the end and nothing
     may be left running in `root`. With `object_store`, the control plane(s) and every node share a local
     directory store (`cluster.store_url`, under `root/objects`): suspend, restore, uploads.
-    `control_plane_env`: extra environment of the control planes (e.g. SPACE_SNAPSHOT_MIN_INTERVALS)."""
+    `control_plane_args`: extra arguments of the control planes (e.g. --snapshot-min-intervals 1,1); they
+    survive restarts, unlike `extra_env`."""
     root.mkdir(parents=True, exist_ok=True)
     url = database_url or sqlite_url(root / "cp")
     token_file = root / "node.token"
@@ -441,7 +442,7 @@ def start_fake_cluster(
             )
         )
     for cp in cps:
-        cp.extra_env.update(control_plane_env or {})
+        cp.argv += list(control_plane_args)
     fake_nodes = []
     for i in range(nodes):
         node_dir = root / ("node" if i == 0 else f"node{i}")
