@@ -1410,7 +1410,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "a node without an identity; never accepted on the RPC",
     )  # fmt: skip
     parser.add_argument(
-        "--identity-file", type=pathlib.Path,
+        "--identity-file",
+        type=pathlib.Path,
         help="where the node keeps its node id and identity (default DATA_DIR/identity/node.json)",
     )
     parser.add_argument("--control-plane", help="base URL of the control plane to register with")
