@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
-    set_owner_only_umask()  # the database, its WAL, key files: owner-only (ADR 0022)
     try:
         disk_s, full_s = (int(part) for part in args.snapshot_min_intervals.split(","))
         retention.set_minimum_intervals(disk_s, full_s)
     except (ValueError, errors.InvalidArgument):
         parser.error("--snapshot-min-intervals is DISK,FULL: two whole numbers of seconds, each at least 1")
+    set_owner_only_umask()  # the database, its WAL, key files: owner-only (ADR 0022)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s controlplane %(levelname)s %(message)s"
     )
