@@ -5,6 +5,7 @@ the new agent listens on, instead of registering a second one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pwd
 import re
@@ -72,7 +73,17 @@ def test_the_agents_rpc_refuses_the_cluster_token_and_a_restart_keeps_the_node(c
 
         cli.run("down", "--data-dir", str(cli.data_dir), timeout=300)
         cli.run("up", "--data-dir", str(cli.data_dir), "--port", str(port), "--detach", timeout=900)
-        again = one_ready_node(store)
+
+        # The record stays "ready" at the old agent's url until the new agent re-registers: wait for the
+        # url the node answers on with its own token (the new agent listens on a new port).
+        def reregistered() -> NodeRecord | None:
+            record = one_ready_node(store)
+            with contextlib.suppress(httpx.HTTPError):
+                if rpc(record.url, rpc_token).status_code == 200:
+                    return record
+            return None
+
+        again = wait_for(reregistered, timeout=120, interval=0.5, what="the node re-registered")
         assert again.id == node.id  # the same node, re-registered with its identity (at any port)
         assert json.loads(default_identity_file(cli.data_dir).read_text()) == identity
         assert default_rpc_token_file(cli.data_dir).read_text().strip() == rpc_token
