@@ -31,6 +31,7 @@ import pathlib
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -268,6 +269,12 @@ class TwoNodeCluster:
             return False
 
         c.wait_for(up_or_died, timeout=timeout, interval=0.05, what="control plane up")
+        if not self.cp.alive:
+            # Only an armed failpoint may end it here (it SIGKILLs itself); anything else is a crash at start.
+            code = self.cp.proc.returncode if self.cp.proc is not None else None
+            print(f"\ncontrol plane ended at start (failpoints {failpoints}, exit {code}):\n{self.logs()}")
+            crashed = f"the control plane crashed at start:\n{self.logs()}"
+            assert failpoints and code == -signal.SIGKILL, crashed
 
     # -- object storage ------------------------------------------------------------------------------------
     def store_root(self) -> pathlib.Path:
