@@ -12,7 +12,7 @@ APT_PACKAGES=(btrfs-progs iproute2 nftables debootstrap util-linux procps psmisc
 
 need_apt=0
 for pkg in "${APT_PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt=1
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep "install ok installed" >/dev/null || need_apt=1
 done
 if [ "$need_apt" = 1 ]; then
   echo "setup: installing Debian packages: ${APT_PACKAGES[*]}"
@@ -65,7 +65,9 @@ if [ "${SPACE_SETUP_DOWNLOAD_ONLY:-}" = 1 ]; then
   fetch_runsc
   exit 0
 fi
-if ! runsc --version 2>/dev/null | grep -q "20240729"; then
+# (grep reads all of its input: with `grep -q`, an early exit can SIGPIPE the writer and, under pipefail,
+# make a match look like a miss.)
+if ! runsc --version 2>/dev/null | grep "20240729" >/dev/null; then
   fetch_runsc
 fi
 
