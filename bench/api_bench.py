@@ -18,6 +18,7 @@ from typing import Any
 from bench.stats import print_table, summarize, write_json
 from space import Space
 from space.controlplane.local import LocalCluster, free_port
+from space.node.agent.identity import default_rpc_token_file
 from space.node.rpc_client import NodeClient
 
 TARGETS = {
@@ -59,7 +60,8 @@ def bench_exec(sp: Space, n: int) -> tuple[dict[str, Any], list[float], str]:
 
 
 def bench_node_exec(cluster: LocalCluster, sandbox_id: str, n: int) -> dict[str, Any]:
-    token = (cluster.data_dir / "node.token").read_text().strip()
+    # The node's own RPC token (ADR 0021): the cluster's node.token only enrols nodes.
+    token = default_rpc_token_file(cluster.data_dir).read_text().strip()
 
     async def run() -> list[float]:
         async with NodeClient(f"http://127.0.0.1:{cluster.node_port}", token) as node:
