@@ -282,7 +282,10 @@ def test_a_node_enrolled_with_a_token_restarts_at_a_new_address_without_it(clust
         def registered() -> str | None:
             first.check_alive()
             found = [n for n in cluster.store.list_nodes(None) if n.url == first.url and n.status == "ready"]
-            return found[0].id if found else None
+            # The control plane records the node before it answers; the node persists the answer after.
+            if not found or not default_identity_file(data_dir).exists():
+                return None
+            return found[0].id
 
         node_id = c.wait_for(registered, timeout=60, what="the node enrolled with its enrolment token")
         cluster.store.set_node_status(node_id, "draining")  # never scheduled onto
