@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import pathlib
+import random
 import secrets
 import signal
 import socket
@@ -52,9 +53,23 @@ SMALL = {"cpus": 0.1, "memory_mb": 64}
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free loopback port BELOW the kernel's ephemeral range. Services the tests kill and start again
+    rebind their port; a port from the ephemeral range can meanwhile become the source port of some
+    outgoing connection (agents retrying the dead control plane, say), and the restart then fails with
+    EADDRINUSE. Ports below the range are never handed out as source ports."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _attempt in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def wait_for(check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:

@@ -11,7 +11,6 @@ import os
 import pathlib
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,9 +44,9 @@ class StoreDir:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from tests.support.cluster import free_port as below_ephemeral_range
+
+    return below_ephemeral_range()
 
 
 class AgentProcess:
