@@ -21,10 +21,11 @@ ALLOWED_SPACE_DEPS = {
     "protocol": {"protocol"},
     "guest": {"protocol", "guest"},
     "core": {"core"},
-    "node": {"core", "protocol", "node", "objectstore", "crypto"},
+    "rest": {"core", "rest"},
+    "node": {"core", "protocol", "node", "objectstore", "crypto", "rest"},
     "objectstore": {"core", "objectstore", "crypto"},
     "crypto": {"core", "crypto"},
-    "controlplane": {"core", "protocol", "controlplane", "objectstore", "crypto", "node"},
+    "controlplane": {"core", "protocol", "controlplane", "objectstore", "crypto", "node", "rest"},
     "sdk": {"core", "sdk"},
     "cli": {"core", "sdk", "cli", "controlplane", "node"},
 }

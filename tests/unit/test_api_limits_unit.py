@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from space.controlplane.api import errors as api_errors
+from space.rest import errors as rest_errors
 from space.controlplane.api import limits
 from space.controlplane.node_pools import BoundedTransport, PoolSettings, traffic_owner
 from space.core import errors
@@ -86,14 +86,14 @@ def test_stream_slots() -> None:
 
 
 def test_retry_after_comes_from_the_error() -> None:
-    response = api_errors.error_response(errors.ResourceExhausted("slow down", retry_after_s=2.2))
+    response = rest_errors.error_response(errors.ResourceExhausted("slow down", retry_after_s=2.2))
     assert response.status_code == 429 and response.headers["retry-after"] == "3"
     assert (
-        api_errors.error_response(errors.ResourceExhausted("x", retry_after_s=0)).headers["retry-after"]
+        rest_errors.error_response(errors.ResourceExhausted("x", retry_after_s=0)).headers["retry-after"]
         == "1"
     )
-    assert "retry-after" not in api_errors.error_response(errors.ResourceExhausted("disk full")).headers
-    assert "retry-after" not in api_errors.error_response(errors.TooLarge("x", retry_after_s="soon")).headers
+    assert "retry-after" not in rest_errors.error_response(errors.ResourceExhausted("disk full")).headers
+    assert "retry-after" not in rest_errors.error_response(errors.TooLarge("x", retry_after_s="soon")).headers
 
 
 def test_settings_from_the_environment() -> None:

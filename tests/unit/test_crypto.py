@@ -180,7 +180,7 @@ def test_open_key_service_urls(tmp_path: Path) -> None:
 def test_new_errors_have_codes_statuses_and_wire_form(
     cls: type[errors.SpaceError], code: str, status: int
 ) -> None:
-    from space.controlplane.api.errors import status_for
+    from space.rest.errors import status_for
 
     error = cls("boom", part="p/1", reason="truncated")
     assert error.code == code and status_for(error) == status

@@ -89,13 +89,11 @@ def test_storage_exhausted_crosses_the_wire_typed() -> None:
     assert type(back) is errors.StorageExhausted and back.details["used_bytes"] == 1
 
 
-def test_statuses_are_507_on_both_maps() -> None:
-    from space.controlplane.api.errors import status_for as api_status
-    from space.node.agent.server import status_for as node_status
+def test_storage_exhaustion_is_507_and_rate_limits_stay_429() -> None:
+    from space.rest.errors import status_for
 
-    err = errors.StorageExhausted("full")
-    assert api_status(err) == 507 and node_status(err) == 507
-    assert api_status(errors.ResourceExhausted("rate")) == 429  # rate limiting keeps 429
+    assert status_for(errors.StorageExhausted("full")) == 507
+    assert status_for(errors.ResourceExhausted("rate")) == 429  # rate limiting keeps 429
 
 
 # -- snapshot policy minimums --------------------------------------------------------------------------------
@@ -307,7 +305,7 @@ def test_storage_verbs_validate_their_arguments(tmp_path: pathlib.Path) -> None:
     from space.core.ids import new_sandbox_id
     from space.node.helper.runsc import Runsc
     from space.node.helper.server import dispatch
-    from space.node.helper.verbs import HelperContext
+    from space.node.helper.context import HelperContext
     from space.node.layout import NodeLayout
 
     layout = NodeLayout(tmp_path / "data")
@@ -350,7 +348,7 @@ def test_imports_are_refused_below_the_reserve_and_suspend_is_not(
 ) -> None:
     from space.core.ids import new_snapshot_id
     from space.node.drivers.base import SandboxSpec
-    from space.objectstore.base import open_store
+    from space.objectstore.backends import open_store
 
     store = open_store((tmp_path / "objects").as_uri())
     a = NodeAgent(FakeDriver(tmp_path / "a"), store=store)

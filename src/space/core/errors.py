@@ -2,8 +2,8 @@
 
 Invariants:
 - Every error a user can see is a SpaceError with a stable machine-readable `code` and a human `message`.
-- The HTTP status of each class is decided in exactly one place (the control plane's error map), never here;
-  this module only classifies.
+- The HTTP status of each class is decided in exactly one place (space.rest.errors, shared by every HTTP
+  surface), never here; this module only classifies.
 - Lower layers translate their own failures into these classes at their boundary (`raise ... from exc`).
 """
 
@@ -33,6 +33,12 @@ class InvalidArgument(SpaceError):
     """The request itself is wrong: a malformed id, a path outside the sandbox, a bad limit."""
 
     code = "invalid_argument"
+
+
+class RequestInvalid(InvalidArgument):
+    """The request does not match its schema (body, query, path or header); `details` name each field."""
+
+    code = "validation_error"
 
 
 class NotFound(SpaceError):

@@ -29,7 +29,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from space.controlplane.api import errors as api_errors
 from space.controlplane.keys import DataKeys
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
@@ -50,6 +49,7 @@ from space.core.lifecycle import Event, State, transition
 from space.core.retention import SnapshotPolicy
 from space.core.settings import SandboxLimits
 from space.node.agent import rpc_models as rm
+from space.rest import errors as rest_errors
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def create_app(
 
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
     app.state.services = services
-    api_errors.install(app)
+    rest_errors.install(app, surface="control plane API")
 
     @app.middleware("http")
     async def _metrics(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -468,7 +468,7 @@ async def _idempotent(
     try:
         status, body = await work()
     except errors.SpaceError as exc:
-        status, body = api_errors.status_for(exc), api_errors.error_body(exc.code, exc.message, exc.details)
+        status, body = rest_errors.status_for(exc), rest_errors.body_of(exc)
         if status >= 500:
             await asyncio.to_thread(services.store.abandon_idempotent, scope, key)
             raise
@@ -1011,7 +1011,7 @@ async def _relay_pty(websocket: WebSocket, services: Services, sandbox_id: str) 
         sb = await _running(services, who, sandbox_id)
     except errors.SpaceError as exc:
         # Refused before the handshake completes: the client sees the real status and error body.
-        await websocket.send_denial_response(api_errors.error_response(exc))
+        await websocket.send_denial_response(rest_errors.error_response(exc))
         return
     await websocket.accept()
     node = services.nodes.client(_node_id(sb))

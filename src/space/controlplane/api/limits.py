@@ -32,10 +32,10 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from space.controlplane.api import errors as api_errors
 from space.controlplane.api.app import MAX_UPLOAD_BYTES, Services, authenticate
 from space.controlplane.node_pools import traffic_owner
 from space.core import errors
+from space.rest import errors as rest_errors
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class RequestLimits:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, exc: errors.SpaceError) -> None:
         if scope["type"] == "websocket":
             # Refused before the handshake completes: the client sees the real status and error body.
-            await WebSocket(scope, receive, send).send_denial_response(api_errors.error_response(exc))
+            await WebSocket(scope, receive, send).send_denial_response(rest_errors.error_response(exc))
             return
         await _send_error(send, exc, close=True)
 
@@ -319,7 +319,7 @@ def _headers(scope: Scope) -> dict[str, str]:
 
 async def _send_error(send: Send, exc: errors.SpaceError, *, close: bool) -> None:
     """The standard error answer; `close`: the connection is closed after it, so an unread body never is."""
-    response = api_errors.error_response(exc, {"Connection": "close"} if close else None)
+    response = rest_errors.error_response(exc, {"Connection": "close"} if close else None)
     await send(
         {"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers}
     )

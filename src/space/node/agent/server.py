@@ -25,8 +25,9 @@ Invariants:
   no file is ever held whole in this process.
 - Streams (NDJSON, PTY) that end early — client gone, error — cancel their daemon call (a foreground process
   is detached, not killed; a PTY's process gets SIGHUP), so no call is left open in the channel.
-- Errors have one shape, `{"error": {"code", "message", "details"}}`, and one status map (`status_for`);
-  an error after a stream's headers went out is its last NDJSON line, `{"type": "error", "error": {...}}`.
+- Errors have one shape, `{"error": {"code", "message", "details"}}`, and one status map (space.rest.errors,
+  shared with the control plane's API); an error after a stream's headers went out is its last NDJSON
+  line, `{"type": "error", "error": {...}}`.
 """
 
 from __future__ import annotations
@@ -52,10 +53,8 @@ from typing import Annotated, Any
 import anyio
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response, WebSocket
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -84,6 +83,7 @@ from space.node.drivers.base import RuntimeState, SandboxSpec
 from space.objectstore.base import ObjectStore
 from space.protocol import Channel, FrameType
 from space.protocol import methods as m
+from space.rest import errors as rest_errors
 
 log = logging.getLogger("space.node.rpc")
 
@@ -114,60 +114,6 @@ _DISK_FIELDS = {"disk_mb": "total_bytes", "disk_free_mb": "free_bytes", "disk_re
 # States in which a sandbox holds no CPU or memory on this node (stopped keeps only its disk).
 _IDLE_STATES = frozenset({State.PENDING, State.STOPPED, State.SUSPENDED, State.DELETED, State.FAILED})
 
-# -- errors --------------------------------------------------------------------------------------------------
-# The node's own code -> status map (the control plane keeps its own in its package; see docs/api.md).
-_STATUS: dict[str, int] = {
-    "invalid_argument": 400,
-    "validation_error": 422,
-    "unauthenticated": 401,
-    "permission_denied": 403,
-    "not_found": 404,
-    "invalid_state": 409,
-    "conflict": 409,
-    "already_exists": 409,
-    "too_large": 413,
-    # On a node this is capacity or a full disk, never rate limiting.
-    "resource_exhausted": 507,
-    "storage_exhausted": 507,
-    "unavailable": 503,
-    "timeout": 504,
-    "channel_error": 502,
-    "guest_error": 500,
-    "runtime_failure": 500,
-    "internal": 500,
-    "artifact_corrupt": 502,
-    "key_revoked": 403,
-    "key_unavailable": 503,
-}
-
-
-def status_for(error: errors.SpaceError) -> int:
-    return _STATUS.get(error.code, 500)
-
-
-def error_body(error: errors.SpaceError) -> dict[str, Any]:
-    return {"error": {"code": error.code, "message": error.message, "details": dict(error.details)}}
-
-
-def error_response(error: errors.SpaceError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.code == "unauthenticated" else None
-    return JSONResponse(error_body(error), status_code=status_for(error), headers=headers)
-
-
-def _validation_error(exc: RequestValidationError | ValidationError) -> errors.SpaceError:
-    problems = []
-    for err in exc.errors():
-        loc = [str(part) for part in err.get("loc", ())]
-        # FastAPI prefixes where the value came from; the field's own path is what a caller can fix.
-        if loc and loc[0] in {"body", "query", "path", "header"}:
-            loc = loc[1:]
-        problems.append({"field": ".".join(loc) or "(body)", "problem": str(err.get("msg", "invalid"))})
-    fields = list(dict.fromkeys(p["field"] for p in problems))
-    message = "; ".join(f"{p['field']}: {p['problem']}" for p in problems) or "invalid request"
-    error = errors.SpaceError(message, fields=fields, errors=problems)
-    error.code = "validation_error"
-    return error
-
 
 def _ndjson_line(item: dict[str, Any]) -> bytes:
     return json.dumps(item, separators=(",", ":")).encode() + b"\n"
@@ -194,7 +140,7 @@ class BearerAuth:
         if hmac.compare_digest(supplied, self._expected):
             await self.app(scope, receive, send)
             return
-        response = error_response(errors.Unauthenticated("a valid node token is required"))
+        response = rest_errors.error_response(errors.Unauthenticated("a valid node token is required"))
         if scope["type"] == "http":
             await response(scope, receive, send)
         elif "websocket.http.response" in scope.get("extensions", {}):
@@ -817,7 +763,7 @@ async def _ndjson(events: AsyncGenerator[dict[str, Any], None]) -> Response:
             async for item in events:
                 yield _ndjson_line(item)
         except errors.SpaceError as exc:
-            yield _ndjson_line({"type": "error", **error_body(exc)})
+            yield _ndjson_line({"type": "error", **rest_errors.body_of(exc)})
         finally:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
@@ -1149,10 +1095,10 @@ async def _pty(
             m.PROCESS_START, {"cmd": cmd, "pty": size.model_dump(), "stdin": True}
         )
     except (errors.SpaceError, ValidationError) as exc:
-        error = _validation_error(exc) if isinstance(exc, ValidationError) else exc
+        error = rest_errors.request_invalid(exc) if isinstance(exc, ValidationError) else exc
         with contextlib.suppress(Exception):
-            await websocket.send_text(json.dumps(error_body(error) | {"type": "error"}))
-            await websocket.close(code=4000 + status_for(error), reason=error.code)
+            await websocket.send_text(json.dumps(rest_errors.body_of(error) | {"type": "error"}))
+            await websocket.close(code=4000 + rest_errors.status_for(error), reason=error.code)
         return
 
     started = asyncio.Event()
@@ -1200,9 +1146,9 @@ async def _pty(
         await asyncio.wait({out_task, in_task}, return_when=asyncio.FIRST_COMPLETED)
         failure = out_task.exception() if out_task.done() else None
         if isinstance(failure, errors.SpaceError):
-            close_code = 4000 + status_for(failure)
+            close_code = 4000 + rest_errors.status_for(failure)
             with contextlib.suppress(Exception):
-                await websocket.send_text(json.dumps(error_body(failure) | {"type": "error"}))
+                await websocket.send_text(json.dumps(rest_errors.body_of(failure) | {"type": "error"}))
         elif failure is not None and not in_task.done():
             # Not the client going away (that ends in_task, and sends then fail): a bug worth a log line.
             log.error("pty of %s failed", sandbox_id, exc_info=failure)
@@ -1243,27 +1189,7 @@ def create_app(agent: NodeAgent, token: str, *, templates: Sequence[str] = ("pyt
     app.state.rpc_token = token  # the key of the sandbox capabilities (require_capability)
     app.include_router(_routes(svc))
 
-    @app.exception_handler(errors.SpaceError)
-    async def space_error(_request: Request, exc: errors.SpaceError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 404:
-            error: errors.SpaceError = errors.NotFound("no such route on the node RPC")
-        else:
-            error = errors.InvalidArgument(str(exc.detail))
-        return JSONResponse(error_body(error), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("unexpected error in the node RPC", exc_info=exc)
-        return error_response(errors.Internal("internal error in the node agent"))
-
+    rest_errors.install(app, surface="node agent")
     app.add_middleware(BearerAuth, token=token)
     return app
 
