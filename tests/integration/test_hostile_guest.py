@@ -25,6 +25,7 @@ import pytest
 from space.core import errors
 from space.core.lifecycle import State
 from space.node.agent import channel as channel_module
+from space.node.agent import channel_call
 from space.node.agent.agent import NodeAgent, SandboxHandle
 from space.node.agent.guest import GuestSession
 from tests.support.sandboxes import eventually, new_sandbox
@@ -214,7 +215,7 @@ def test_a_guest_that_never_reads(node, monkeypatch: pytest.MonkeyPatch) -> None
     """The victim's runtime is frozen under its live channel, so nothing reads what the agent sends. Many
     concurrent uploads to it fail with Timeout; the agent neither blocks its event loop nor buffers them."""
     monkeypatch.setattr(channel_module, "WRITE_STALL_TIMEOUT", 5.0)
-    monkeypatch.setattr(channel_module, "CREDIT_STALL_TIMEOUT", 5.0)
+    monkeypatch.setattr(channel_call, "CREDIT_STALL_TIMEOUT", 5.0)
     agent: NodeAgent = node.agent
 
     async def scenario() -> None:

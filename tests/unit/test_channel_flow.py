@@ -19,7 +19,9 @@ import pytest
 
 from space.core import errors
 from space.node.agent import channel as channel_module
-from space.node.agent.channel import GuestChannel, TokenBucket
+from space.node.agent import channel_call, channel_guard
+from space.node.agent.channel import GuestChannel
+from space.node.agent.channel_guard import TokenBucket
 from space.node.agent.guest import GuestSession
 from space.protocol import Channel, Frame, FrameDecoder, FrameType, encode, encode_data, encode_json
 from space.protocol.flow import FRAME_OVERHEAD, INITIAL_WINDOW, encode_window, window_increment
@@ -157,7 +159,7 @@ def test_unsolicited_frames_are_dropped_then_the_guest_is_cut_off() -> None:
                 tracemalloc.stop()
             await asyncio.wait_for(channel.wait_closed(), 5)
             assert peak < 8 * MiB
-            assert channel.stray_bytes >= channel_module.STRAY_BYTES_BURST
+            assert channel.stray_bytes >= channel_guard.STRAY_BYTES_BURST
             assert channel.failure is not None and "streams that are not open" in channel.failure
             with pytest.raises(errors.ChannelError):
                 await session.ping()
@@ -187,7 +189,7 @@ def test_garbage_floods_exhaust_the_error_budget() -> None:
                     await guest.send(b"\x00not a frame\xff" * 10 + bad_type + b"S")
             await asyncio.wait_for(channel.wait_closed(), 5)
             assert channel.failure is not None and "malformed or unsolicited" in channel.failure
-            assert channel.protocol_errors > channel_module.PROTOCOL_ERROR_BURST
+            assert channel.protocol_errors > channel_guard.PROTOCOL_ERROR_BURST
 
     asyncio.run(scenario())
 
@@ -206,15 +208,15 @@ def test_guest_error_reports_are_rate_limited_and_the_rest_counted(caplog: pytes
             await call.result()
             assert channel.protocol_errors == 500
             log = channel.guest_log
-            assert log.logged <= channel_module.LOG_BURST + 2
-            assert log.suppressed_total >= 500 - channel_module.LOG_BURST - 2
+            assert log.logged <= channel_guard.LOG_BURST + 2
+            assert log.suppressed_total >= 500 - channel_guard.LOG_BURST - 2
         # closing the channel logs how many were suppressed
         assert any("suppressed by the rate limit" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.WARNING, logger="space.node.agent.channel"):
         asyncio.run(scenario())
     reported = [r for r in caplog.records if "reported a channel error" in r.getMessage()]
-    assert len(reported) <= channel_module.LOG_BURST + 2
+    assert len(reported) <= channel_guard.LOG_BURST + 2
 
 
 def test_concurrent_calls_are_capped() -> None:
@@ -235,13 +237,13 @@ def test_a_version_1_guest_fails_a_slow_call_instead_of_buffering_it() -> None:
             call = await channel.open("files.read", {"path": "/x"})
             await guest.frame_of(FrameType.CALL)
             chunk = b"v" * (256 * 1024)
-            for _ in range(channel_module.LEGACY_CALL_BUDGET // len(chunk) + 4):
+            for _ in range(channel_call.LEGACY_CALL_BUDGET // len(chunk) + 4):
                 await guest.send(encode_data(call.stream, Channel.BODY, chunk))
             with pytest.raises(errors.ResourceExhausted, match="fell more than"):
                 await asyncio.wait_for(call.result(), 5)
             cancel = await guest.frame_of(FrameType.CANCEL)
             assert cancel.stream == call.stream
-            assert call._queued_cost <= channel_module.LEGACY_CALL_BUDGET
+            assert call._queued_cost <= channel_call.LEGACY_CALL_BUDGET
             assert not channel.closed
 
     asyncio.run(scenario())

@@ -2,17 +2,17 @@
 
 The guest is not trusted: whatever runs in the sandbox may replace or impersonate `spaced` (a root process
 there can write to the daemon's channel descriptors), so everything read from the channel is bounded here.
+One call's stream, flow control and error translation live in space.node.agent.channel_call; the budgets
+that bound a hostile guest in space.node.agent.channel_guard.
 
 Invariants:
 - One reader task owns the stream and routes every frame to the call that owns its stream id; frames for
   streams that are not open (left over from before a reconnect, late after a CANCEL, or forged) are dropped,
   never misdelivered. Stream ids start at a random offset, so a previous agent's streams are not ours.
-- Memory is bounded per channel. With protocol 2 every call's queue holds at most the window the agent
-  granted (space.protocol.flow; credit returns only as the consumer takes frames, so a slow client stalls
-  the guest, not the agent). With a version-1 guest a call whose queue exceeds LEGACY_CALL_BUDGET fails
-  with ResourceExhausted. At most MAX_CONCURRENT_CALLS calls are open at once (ResourceExhausted beyond).
-  Writes never queue more than WRITE_HIGH_WATER in the transport, and a guest that stops reading fails
-  them with Timeout after WRITE_STALL_TIMEOUT instead of piling them up.
+- Memory is bounded per channel: every call's queue is bounded (channel_call), at most MAX_CONCURRENT_CALLS
+  calls are open at once (ResourceExhausted beyond). Writes never queue more than WRITE_HIGH_WATER in the
+  transport, and a guest that stops reading fails them with Timeout after WRITE_STALL_TIMEOUT instead of
+  piling them up.
 - A malformed frame from the guest becomes a typed ChannelError on the call it belongs to (or is counted
   and logged when it belongs to none); it never kills the reader. But a guest that exceeds its credit, or
   spends its budgets of protocol errors and unsolicited bytes (token buckets: a torn frame after an agent
@@ -21,7 +21,6 @@ Invariants:
 - What the guest reports on stream 0 is logged through a per-channel rate limit; suppressed messages are
   counted and the count is logged.
 - When the stream ends, every pending call fails with ChannelError; nothing waits forever.
-- Guest error codes are translated into space.core errors here, at the boundary.
 """
 
 from __future__ import annotations
@@ -31,330 +30,45 @@ import contextlib
 import itertools
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from space.core import errors
+from space.node.agent import channel_call
+from space.node.agent.channel_guard import (
+    PROTOCOL_ERROR_BURST,
+    PROTOCOL_ERRORS_PER_SECOND,
+    STRAY_BYTES_BURST,
+    STRAY_BYTES_PER_SECOND,
+    GuestViolation,
+    RateLimitedLog,
+    TokenBucket,
+)
 from space.protocol import (
-    Channel,
     Frame,
     FrameDecoder,
     FrameTooLarge,
     FrameType,
     ProtocolError,
-    encode,
-    encode_eof,
     encode_json,
     hello_payload,
-    iter_data_frames,
     negotiate,
 )
-from space.protocol.flow import (
-    FLOW_CONTROLLED,
-    INITIAL_WINDOW,
-    ReceiveWindow,
-    SendCredit,
-    announced_window,
-    encode_window,
-    frame_cost,
-    window_increment,
-)
-from space.protocol.frames import HEADER_SIZE
+from space.protocol.flow import INITIAL_WINDOW, announced_window, frame_cost, window_increment
 from space.protocol.version import FLOW_CONTROL_VERSION
 
 log = logging.getLogger(__name__)
+
+Call = channel_call.Call  # server.py and guest.py still import Call from here  # issue-10-shim
 
 READ_SIZE = 1 << 20
 #: Credit the agent grants the guest per stream (announced in its HELLO).
 RECEIVE_WINDOW = INITIAL_WINDOW
 MAX_CONCURRENT_CALLS = 64
-#: Version-1 guests have no flow control: bytes a call may have queued before it fails.
-LEGACY_CALL_BUDGET = 4 << 20
 WRITE_HIGH_WATER = 1 << 20
 WRITE_STALL_TIMEOUT = 30.0
-#: How long a body upload waits for the guest to return credit before it fails.
-CREDIT_STALL_TIMEOUT = 120.0
 #: A cancelled or abandoned call the guest never ends is forgotten after this long.
 ABANDON_GRACE = 10.0
-PROTOCOL_ERROR_BURST = 100
-PROTOCOL_ERRORS_PER_SECOND = 10.0
-STRAY_BYTES_BURST = 32 << 20
-STRAY_BYTES_PER_SECOND = 8 << 20
-LOG_BURST = 20
-LOGS_PER_SECOND = 1.0
-
-_GUEST_CODE_TO_ERROR: dict[str, type[errors.SpaceError]] = {
-    "not_found": errors.NotFound,
-    "no_such_process": errors.NotFound,
-    "already_exists": errors.AlreadyExists,
-    "invalid_argument": errors.InvalidArgument,
-    "not_a_directory": errors.InvalidArgument,
-    "is_a_directory": errors.InvalidArgument,
-    "not_empty": errors.Conflict,
-    "permission_denied": errors.PermissionDenied,
-    "no_space": errors.ResourceExhausted,
-    "unknown_method": errors.InvalidArgument,
-}
-
-
-def guest_error(body: dict[str, Any]) -> errors.SpaceError:
-    code = str(body.get("code", "internal"))
-    message = str(body.get("message", "guest error"))
-    cls = _GUEST_CODE_TO_ERROR.get(code)
-    if cls is not None:
-        return cls(message, guest_code=code)
-    if code in {
-        "corrupt_frame",
-        "truncated_frame",
-        "frame_too_large",
-        "unknown_frame_type",
-        "malformed_payload",
-        "version_mismatch",
-        "protocol_error",
-    }:
-        return errors.ChannelError(message, guest_code=code)
-    return errors.GuestError(message, guest_code=code)
-
-
-class TokenBucket:
-    """`capacity` tokens, refilled at `rate` per second; `take` says whether `amount` was available."""
-
-    def __init__(self, capacity: float, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = capacity
-        self.rate = rate
-        self._clock = clock
-        self._tokens = capacity
-        self._stamp = clock()
-
-    def take(self, amount: float = 1.0) -> bool:
-        now = self._clock()
-        self._tokens = min(self.capacity, self._tokens + (now - self._stamp) * self.rate)
-        self._stamp = now
-        if self._tokens >= amount:
-            self._tokens -= amount
-            return True
-        return False
-
-
-class RateLimitedLog:
-    """Warnings about one sandbox, at most LOG_BURST at once and LOGS_PER_SECOND after that; the number
-    suppressed is counted and logged with the next message that gets through (or on `flush`)."""
-
-    def __init__(self, name: str, burst: float = LOG_BURST, rate: float = LOGS_PER_SECOND) -> None:
-        self.name = name
-        self._bucket = TokenBucket(burst, rate)
-        self.suppressed = 0
-        self.suppressed_total = 0
-        self.logged = 0
-
-    def warning(self, message: str, *args: object) -> None:
-        if not self._bucket.take():
-            self.suppressed += 1
-            self.suppressed_total += 1
-            return
-        self.logged += 1
-        if self.suppressed:
-            log.warning(
-                "sandbox %s: " + message + " (%d earlier messages suppressed by the rate limit)",
-                self.name,
-                *args,
-                self.suppressed,
-            )
-            self.suppressed = 0
-        else:
-            log.warning("sandbox %s: " + message, self.name, *args)
-
-    def flush(self) -> None:
-        if self.suppressed:
-            log.warning(
-                "sandbox %s: %d channel messages suppressed by the rate limit", self.name, self.suppressed
-            )
-            self.logged += 1
-            self.suppressed = 0
-
-
-class GuestViolation(Exception):
-    """The guest broke the protocol in a way a correct `spaced` never does: the channel is closed."""
-
-
-@dataclass
-class CallEvent:
-    """One item of a call's answer: an EVENT, a DATA chunk or an EOF."""
-
-    kind: FrameType
-    channel: Channel | None = None
-    data: bytes = b""
-    event: dict[str, Any] = field(default_factory=dict)
-
-
-_END = object()
-
-
-class Call:
-    """One open call: iterate its events, send body data, cancel; `result()` waits for its end."""
-
-    def __init__(self, channel: GuestChannel, stream: int, method: str) -> None:
-        self._channel = channel
-        self.stream = stream
-        self.method = method
-        self._queue: asyncio.Queue[Frame | object] = asyncio.Queue()
-        self._queued_cost = 0
-        self._result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._abandoned = False
-        self._discarding = False  # nobody reads this call's events: do not queue them
-        flow = channel.flow_control
-        self._receive = ReceiveWindow(channel.receive_window) if flow else None
-        self._credit = SendCredit(channel.send_window) if flow else None
-        self._credit_changed = asyncio.Event()
-
-    # -- from the reader -------------------------------------------------------------------------------
-    def _deliver(self, frame: Frame) -> bool:
-        """Queue one frame of this call; True when the call is over (its terminal frame or a failure)."""
-        if frame.type in (FrameType.RESULT, FrameType.ERROR):
-            if not self._result.done():
-                try:
-                    body = frame.json()
-                    if frame.type == FrameType.RESULT:
-                        self._result.set_result(body)
-                    else:
-                        self._result.set_exception(guest_error(body))
-                except ProtocolError as exc:
-                    self._result.set_exception(errors.ChannelError(exc.message, guest_code=exc.code))
-            self._end()
-            return True
-        if frame.type not in FLOW_CONTROLLED:
-            raise GuestViolation(f"{frame.type.name} frame on stream {self.stream} from the guest")
-        cost = frame_cost(len(frame.payload))
-        if self._receive is not None:
-            if not self._receive.receive(cost):
-                raise GuestViolation(
-                    f"stream {self.stream} ({self.method}) exceeded its flow-control window of "
-                    f"{self._receive.window} bytes"
-                )
-        elif self._queued_cost + cost > LEGACY_CALL_BUDGET:
-            self._fail(
-                errors.ResourceExhausted(
-                    f"{self.method} on sandbox {self._channel.name or '?'}: the reader fell more than "
-                    f"{LEGACY_CALL_BUDGET} bytes behind (this sandbox's daemon predates flow control)",
-                    limit=LEGACY_CALL_BUDGET,
-                )
-            )
-            self._channel._spawn(self._write_cancel())
-            return True
-        if self._discarding:
-            return False
-        self._queued_cost += cost
-        self._queue.put_nowait(frame)
-        return False
-
-    def _fail(self, exc: errors.SpaceError) -> None:
-        if not self._result.done():
-            self._result.set_exception(exc)
-        self._end()
-
-    def _end(self) -> None:
-        # What is still queued stays readable (a RESULT after all the DATA); nothing more is queued.
-        self._queue.put_nowait(_END)
-        self._credit_changed.set()
-
-    def _grant(self, increment: int) -> None:
-        if self._credit is not None:
-            self._credit.grant(increment)
-            self._credit_changed.set()
-
-    # -- for the consumer --------------------------------------------------------------------------------
-    @property
-    def done(self) -> bool:
-        return self._result.done()
-
-    async def events(self) -> AsyncIterator[CallEvent]:
-        """Everything the guest sends before the call's end, in order. Leaving early abandons the call."""
-        try:
-            while True:
-                item = await self._queue.get()
-                if item is _END:
-                    return
-                assert isinstance(item, Frame)
-                cost = frame_cost(len(item.payload))
-                self._queued_cost -= cost
-                await self._consumed(cost)
-                try:
-                    if item.type == FrameType.EVENT:
-                        yield CallEvent(FrameType.EVENT, event=item.json())
-                    else:
-                        chan, data = item.channel_data()
-                        yield CallEvent(item.type, channel=chan, data=data)
-                except ProtocolError as exc:
-                    raise errors.ChannelError(exc.message, guest_code=exc.code) from exc
-        finally:
-            if not self.done:
-                self._abandon()
-
-    async def _consumed(self, cost: int) -> None:
-        """Return credit to the guest as frames leave the queue (flow control)."""
-        if self._receive is None:
-            return
-        increment = self._receive.consume(cost, idle=self._queue.empty())
-        if increment and not self.done:
-            with contextlib.suppress(errors.ChannelError, errors.Timeout):
-                await self._channel._write(encode_window(self.stream, increment))
-
-    def _abandon(self) -> None:
-        """The consumer left: drop what is queued, tell the guest, and stop queueing for this call."""
-        if self._abandoned:
-            return
-        self._abandoned = self._discarding = True
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        self._queued_cost = 0
-        self._channel._spawn(self.cancel())
-
-    async def _wait_for_credit(self, cost: int) -> bool:
-        """Wait until the guest's credit covers `cost`; False when the call ended meanwhile."""
-        credit = self._credit
-        if credit is None:
-            return not self.done
-        while not credit.can_send(cost):
-            if self.done:
-                return False
-            self._credit_changed.clear()
-            try:
-                await asyncio.wait_for(self._credit_changed.wait(), CREDIT_STALL_TIMEOUT)
-            except TimeoutError as exc:
-                raise errors.Timeout(
-                    f"sandbox {self._channel.name or '?'} took no {self.method} input for "
-                    f"{CREDIT_STALL_TIMEOUT:.0f}s"
-                ) from exc
-        if self.done:
-            return False
-        credit.spend(cost)
-        return True
-
-    async def send(self, data: bytes, channel: Channel = Channel.BODY) -> None:
-        """Send body data within the guest's credit; stops quietly once the call has ended."""
-        for frame in iter_data_frames(self.stream, channel, data):
-            if not await self._wait_for_credit(frame_cost(len(frame) - HEADER_SIZE)):
-                return
-            await self._channel._write(frame)
-
-    async def send_eof(self, channel: Channel = Channel.BODY) -> None:
-        frame = encode_eof(self.stream, channel)
-        if await self._wait_for_credit(frame_cost(len(frame) - HEADER_SIZE)):
-            await self._channel._write(frame)
-
-    async def cancel(self) -> None:
-        if not self.done:
-            self._channel._forget_later(self)
-            await self._write_cancel()
-
-    async def _write_cancel(self) -> None:
-        with contextlib.suppress(errors.ChannelError, errors.Timeout):
-            await self._channel._write(encode(FrameType.CANCEL, self.stream))
-
-    async def result(self) -> dict[str, Any]:
-        return await asyncio.shield(self._result)
 
 
 class GuestChannel:
@@ -364,7 +78,7 @@ class GuestChannel:
         self.name = name
         self._reader = reader
         self._writer = writer
-        self._calls: dict[int, Call] = {}
+        self._calls: dict[int, channel_call.Call] = {}
         # A restarted agent must not take a previous agent's late frames for its own calls.
         self._stream_ids = itertools.count(secrets.randbelow(1 << 30) + 1)
         self._write_lock = asyncio.Lock()
@@ -379,7 +93,7 @@ class GuestChannel:
         self.max_calls = MAX_CONCURRENT_CALLS
         #: Why the agent gave up on this guest (a protocol violation), if it did.
         self.failure: str | None = None
-        self.guest_log = RateLimitedLog(name or "?")
+        self.guest_log = RateLimitedLog(name or "?", logger=log)
         self._error_budget = TokenBucket(PROTOCOL_ERROR_BURST, PROTOCOL_ERRORS_PER_SECOND)
         self._stray_budget = TokenBucket(STRAY_BYTES_BURST, STRAY_BYTES_PER_SECOND)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -412,7 +126,7 @@ class GuestChannel:
         return channel
 
     async def handshake(self, *, timeout: float = 10.0) -> dict[str, Any]:
-        await self._write(
+        await self.write_frame(
             encode_json(FrameType.HELLO, 0, hello_payload(role="node", window=self.receive_window))
         )
         try:
@@ -434,7 +148,7 @@ class GuestChannel:
         return peer
 
     # -- calls ------------------------------------------------------------------------------------
-    async def open(self, method: str, params: dict[str, Any] | None = None) -> Call:
+    async def open(self, method: str, params: dict[str, Any] | None = None) -> channel_call.Call:
         if self._closed.done():
             raise errors.ChannelError(f"channel to sandbox {self.name or '?'} is closed")
         if len(self._calls) >= self.max_calls:
@@ -444,10 +158,11 @@ class GuestChannel:
                 limit=self.max_calls,
             )
         stream = next(self._stream_ids)
-        call = Call(self, stream, method)
+        call = channel_call.Call(self, stream, method)
         self._calls[stream] = call
         try:
-            await self._write(encode_json(FrameType.CALL, stream, {"method": method, "params": params or {}}))
+            call_frame = encode_json(FrameType.CALL, stream, {"method": method, "params": params or {}})
+            await self.write_frame(call_frame)
         except BaseException:
             self._calls.pop(stream, None)
             raise
@@ -458,14 +173,14 @@ class GuestChannel:
     ) -> dict[str, Any]:
         """A call with no body whose events and data are not needed."""
         call = await self.open(method, params)
-        call._discarding = True  # nothing reads its events: queue none of them
+        call.discard_events()
         try:
             return await asyncio.wait_for(call.result(), timeout)
         except TimeoutError as exc:
             await call.cancel()
             raise errors.Timeout(f"{method} got no answer within {timeout}s") from exc
 
-    async def _write(self, data: bytes) -> None:
+    async def write_frame(self, data: bytes) -> None:
         """Queue one frame for the guest. Waits (bounded) while the transport holds WRITE_HIGH_WATER."""
         try:
             async with asyncio.timeout(WRITE_STALL_TIMEOUT):
@@ -484,19 +199,19 @@ class GuestChannel:
         except (ConnectionError, OSError) as exc:
             raise errors.ChannelError(f"channel to sandbox {self.name or '?'} broke: {exc}") from exc
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _forget_later(self, call: Call) -> None:
+    def forget_later(self, call: channel_call.Call) -> None:
         """A call we cancelled leaves the table when the guest ends it, or after ABANDON_GRACE anyway (a
         guest that never answers must not hold a call slot forever)."""
 
         def forget() -> None:
             if self._calls.get(call.stream) is call:
                 del self._calls[call.stream]
-                call._fail(errors.ChannelError(f"{call.method} was cancelled and the guest never ended it"))
+                call.fail(errors.ChannelError(f"{call.method} was cancelled and the guest never ended it"))
 
         asyncio.get_running_loop().call_later(ABANDON_GRACE, forget)
 
@@ -538,19 +253,9 @@ class GuestChannel:
                 self._writer.transport.abort()
 
     def _dispatch(self, frame: Frame) -> None:
+        """Route one well-formed frame: stream 0 is the channel's own, every other belongs to a call."""
         if frame.stream == 0:
-            if frame.type == FrameType.HELLO and not self._hello.done():
-                try:
-                    peer = frame.json()
-                except ProtocolError as exc:
-                    self._on_protocol_error(exc)
-                    return
-                self._hello.set_result(peer)
-            elif frame.type == FrameType.ERROR:
-                self._count_error()
-                self.guest_log.warning("the daemon reported a channel error: %r", frame.payload[:200])
-            else:
-                self._stray(frame)
+            self._on_channel_frame(frame)
             return
         call = self._calls.get(frame.stream)
         if call is None:
@@ -558,12 +263,27 @@ class GuestChannel:
             return
         if frame.type == FrameType.WINDOW:
             try:
-                call._grant(window_increment(frame))
+                call.grant(window_increment(frame))
             except ProtocolError as exc:
                 self._on_protocol_error(exc)
             return
-        if call._deliver(frame):
+        if call.deliver(frame):
             self._calls.pop(frame.stream, None)
+
+    def _on_channel_frame(self, frame: Frame) -> None:
+        """Stream 0: the guest's HELLO (once), its reports of broken frames (counted, logged), else stray."""
+        if frame.type == FrameType.HELLO and not self._hello.done():
+            try:
+                peer = frame.json()
+            except ProtocolError as exc:
+                self._on_protocol_error(exc)
+                return
+            self._hello.set_result(peer)
+        elif frame.type == FrameType.ERROR:
+            self._count_error()
+            self.guest_log.warning("the daemon reported a channel error: %r", frame.payload[:200])
+        else:
+            self._stray(frame)
 
     def _stray(self, frame: Frame) -> None:
         """A frame nobody is waiting for: dropped, and charged to the guest's budget of such bytes."""
@@ -582,7 +302,7 @@ class GuestChannel:
     def _on_protocol_error(self, exc: ProtocolError) -> None:
         call = self._calls.get(exc.stream) if exc.stream else None
         if call is not None:
-            call._fail(errors.ChannelError(exc.message, guest_code=exc.code))
+            call.fail(errors.ChannelError(exc.message, guest_code=exc.code))
             self._calls.pop(exc.stream, None)
         else:
             self.guest_log.warning("malformed frame: %s", exc.message)
@@ -602,7 +322,7 @@ class GuestChannel:
             self._hello.set_exception(errors.ChannelError(reason))
             self._hello.exception()  # mark retrieved: nobody may be waiting for it
         for call in list(self._calls.values()):
-            call._fail(errors.ChannelError(reason))
+            call.fail(errors.ChannelError(reason))
         self._calls.clear()
 
     @property
