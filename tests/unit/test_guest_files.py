@@ -15,7 +15,7 @@ import pytest
 
 from space.guest.watch import PollWatcher
 from space.protocol.frames import Channel, FrameType
-from tests.unit.guest_harness import Guest
+from tests.support.guest_harness import Guest
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 from space.protocol.flow import FRAME_OVERHEAD, MIN_WINDOW, encode_window, frame_cost, window_increment
 from space.protocol.frames import CHUNK_SIZE, Channel, FrameType, encode_data, encode_eof, encode_json
-from tests.unit.guest_harness import Guest
+from tests.support.guest_harness import Guest
 
 WINDOW = MIN_WINDOW  # the host's grant per stream in these tests: smaller than one file-read chunk
 

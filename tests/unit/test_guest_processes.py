@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from space.protocol.frames import Channel, FrameType
-from tests.unit.guest_harness import Guest, Reply
+from tests.support.guest_harness import Guest, Reply
 
 
 @pytest.fixture(scope="module", params=["per-child", "reap-all"])

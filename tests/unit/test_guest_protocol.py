@@ -21,7 +21,7 @@ from space.protocol.frames import (
     encode_json,
 )
 from space.protocol.version import PROTOCOL_VERSION
-from tests.unit.guest_harness import Guest
+from tests.support.guest_harness import Guest
 
 
 @pytest.fixture(scope="module")
