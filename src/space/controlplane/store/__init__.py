@@ -3,6 +3,8 @@
 The only package of SPACE that imports SQLAlchemy: everything else uses `Store` and its records.
 """
 
+from space.controlplane.store.database import Clock, utcnow
+from space.controlplane.store.digests import hash_request, hash_secret
 from space.controlplane.store.engine import make_engine, sqlite_url
 from space.controlplane.store.migrate import head_revision, migrate
 from space.controlplane.store.records import (
@@ -23,12 +25,8 @@ from space.controlplane.store.store import (
     DESIRABLE_STATES,
     OBSERVED_FIELDS,
     TRANSITION_FIELDS,
-    Clock,
     Store,
-    hash_request,
-    hash_secret,
     open_store,
-    utcnow,
 )
 
 __all__ = [

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final, Literal, cast
 
 from sqlalchemy import delete, or_, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from space.controlplane.credentials.spec import (
     SCOPE_PRECEDENCE,
@@ -34,7 +34,6 @@ from space.controlplane.credentials.spec import (
     default_env_var,
     new_placeholder,
 )
-from space.controlplane.store.errors import translate_db_errors
 from space.controlplane.store.models import (
     Credential,
     CredentialAudit,
@@ -238,12 +237,10 @@ class CredentialStore:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._sessions = sessionmaker(store.engine, expire_on_commit=False)
+        self.database = store.database
 
-    @contextmanager
-    def _tx(self, what: str) -> Iterator[Session]:
-        with translate_db_errors(what), self._sessions.begin() as session:
-            yield session
+    def _tx(self, what: str) -> AbstractContextManager[Session]:
+        return self.database.transaction(what)
 
     def now(self) -> datetime:
         return self.store.now()

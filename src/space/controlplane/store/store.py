@@ -25,20 +25,27 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
 from typing import Any, Final, cast, get_args
 
 from sqlalchemy import ColumnElement, Engine, and_, case, delete, func, or_, select, text, tuple_, update
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from space.controlplane.store.database import Clock, Database, utcnow
+from space.controlplane.store.digests import (
+    API_KEY_DISPLAY_CHARS,
+    API_KEY_PREFIX,
+    MAX_SECRET_LENGTH,
+    hash_secret,
+    new_api_key_secret,
+)
+from space.controlplane.store.digests import new_node_identity as new_node_identity  # noqa: PLC0414  # issue-10-shim
 from space.controlplane.store.engine import make_engine
-from space.controlplane.store.errors import translate_db_errors
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.models import (
     ApiKey,
@@ -64,6 +71,8 @@ from space.controlplane.store.records import (
     SnapshotRecord,
     SnapshotState,
 )
+from space.controlplane.store.values import aware, seconds
+from space.controlplane.store.values import text as text_
 from space.core import ids, lifecycle
 from space.core.errors import (
     AlreadyExists,
@@ -75,13 +84,6 @@ from space.core.errors import (
 )
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
-
-Clock = Callable[[], datetime]
-
-API_KEY_PREFIX: Final = "space_"
-API_KEY_RANDOM_CHARS: Final = 40  # secrets.token_urlsafe(30) is exactly 40 url-safe characters
-API_KEY_DISPLAY_CHARS: Final = 12  # "space_" + 6 random characters: enough to tell keys apart
-_MAX_SECRET_LENGTH: Final = 256  # never hash megabytes sent as a bearer token
 
 # The states a user may ask for; in-progress states and one-shot operations (checkpoint, rollback) are
 # not places to be, they are recorded with transition() instead.
@@ -153,54 +155,6 @@ _IN_PROGRESS_VALUES: Final = tuple(sorted(s.value for s in lifecycle.IN_PROGRESS
 _ROLES: Final = frozenset(get_args(Role))
 _NODE_STATUSES: Final = frozenset(get_args(NodeStatus))
 _SNAPSHOT_KINDS: Final = frozenset(get_args(SnapshotKind))
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def hash_secret(secret: str) -> str:
-    """SHA-256 hex of a secret (API key or node token). Secrets are 240-bit random, so no salt/KDF is
-    needed: nobody can brute-force the preimage, and a plain digest allows an indexed lookup."""
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
-def hash_request(*parts: bytes | str) -> str:
-    """A stable digest of a request (method, path, canonical body ...) for begin_idempotent."""
-    digest = hashlib.sha256()
-    for part in parts:
-        data = part.encode("utf-8") if isinstance(part, str) else part
-        # Length-prefix every part so ("ab", "c") and ("a", "bc") differ.
-        digest.update(len(data).to_bytes(8, "big"))
-        digest.update(data)
-    return digest.hexdigest()
-
-
-def new_api_key_secret() -> str:
-    return API_KEY_PREFIX + secrets.token_urlsafe(30)
-
-
-def new_node_identity() -> str:
-    """A fresh per-node secret (240-bit random), issued at each registration of a node (ADR 0019)."""
-    return secrets.token_urlsafe(30)
-
-
-def _text(value: object, field: str, max_length: int) -> str:
-    if not isinstance(value, str) or not value or len(value) > max_length:
-        raise InvalidArgument(f"invalid {field}: expected 1 to {max_length} characters", field=field)
-    return value
-
-
-def _aware(value: datetime, field: str) -> datetime:
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise InvalidArgument(f"{field} must be a timezone-aware datetime", field=field)
-    return value.astimezone(UTC)
-
-
-def _seconds(value: float, field: str) -> timedelta:
-    if not value >= 0:  # also rejects NaN
-        raise InvalidArgument(f"{field} must be a non-negative number of seconds", field=field)
-    return timedelta(seconds=value)
 
 
 def _org(row: Org) -> OrgRecord:
@@ -320,16 +274,13 @@ class Store:
     """Typed operations on the control plane database; see the module invariants."""
 
     def __init__(self, url_or_engine: str | URL | Engine, *, clock: Clock = utcnow) -> None:
-        self._owns_engine = not isinstance(url_or_engine, Engine)
-        self.engine: Engine = (
-            url_or_engine if isinstance(url_or_engine, Engine) else make_engine(url_or_engine)
-        )
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._clock = clock
+        owns_engine = not isinstance(url_or_engine, Engine)
+        engine = url_or_engine if isinstance(url_or_engine, Engine) else make_engine(url_or_engine)
+        self.database = Database(engine, clock=clock, owns_engine=owns_engine)
+        self.engine: Engine = engine
 
     def close(self) -> None:
-        if self._owns_engine:
-            self.engine.dispose()
+        self.database.close()
 
     def __enter__(self) -> Store:
         return self
@@ -342,13 +293,11 @@ class Store:
         return self.engine.dialect.name
 
     def now(self) -> datetime:
-        return _aware(self._clock(), "clock")
+        return self.database.now()
 
-    @contextmanager
-    def _tx(self, what: str) -> Iterator[Session]:
-        """One transaction; commits on success, rolls back on any exception, translates DB errors."""
-        with translate_db_errors(what), self._sessions.begin() as session:
-            yield session
+    def _tx(self, what: str) -> AbstractContextManager[Session]:
+        """One transaction of the shared Database (database.py)."""
+        return self.database.transaction(what)
 
     def ping(self) -> None:
         """Raise Unavailable unless the database answers (for /healthz)."""
@@ -358,7 +307,7 @@ class Store:
     # ---- orgs, projects -------------------------------------------------------------------------------
 
     def create_org(self, name: str) -> OrgRecord:
-        name = _text(name, "name", 128)
+        name = text_(name, "name", 128)
         row = Org(id=ids.new_org_id(), name=name, created_at=self.now())
         with self._tx(f"creating org {name!r}") as session:
             session.add(row)
@@ -375,7 +324,7 @@ class Store:
             return _org(row) if row else None
 
     def create_project(self, org_id: str, name: str) -> ProjectRecord:
-        name = _text(name, "name", 128)
+        name = text_(name, "name", 128)
         row = Project(id=ids.new_project_id(), org_id=org_id, name=name, created_at=self.now())
         with self._tx(f"creating project {name!r}") as session:
             session.add(row)
@@ -427,7 +376,7 @@ class Store:
         if (
             not isinstance(secret, str)
             or not secret.startswith(API_KEY_PREFIX)
-            or len(secret) > _MAX_SECRET_LENGTH
+            or len(secret) > MAX_SECRET_LENGTH
         ):
             return None
         digest = hash_secret(secret)
@@ -607,7 +556,7 @@ class Store:
         values = dict(fields)
         for name in ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at"):
             if values.get(name) is not None:
-                values[name] = _aware(values[name], name)
+                values[name] = aware(values[name], name)
         if "desired_state" in values:
             desired = lifecycle.parse_state(values["desired_state"])
             if desired not in DESIRABLE_STATES:
@@ -727,7 +676,7 @@ class Store:
             "attempts": Sandbox.attempts + 1,
             "error": error,
             "error_permanent": permanent,
-            "next_attempt_at": now + _seconds(retry_in_s, "retry_in_s"),
+            "next_attempt_at": now + seconds(retry_in_s, "retry_in_s"),
             "updated_at": now,
         }
         return self._update_sandbox(
@@ -737,7 +686,7 @@ class Store:
     def record_activity(self, sandbox_id: str, at: datetime | None = None) -> None:
         """Move last_activity_at forward to `at` (default now); never backwards, so late reports are
         harmless."""
-        when = _aware(at, "at") if at is not None else self.now()
+        when = aware(at, "at") if at is not None else self.now()
         statement = update(Sandbox).where(Sandbox.id == sandbox_id, Sandbox.last_activity_at < when)
         with self._tx("recording sandbox activity") as session:
             session.execute(
@@ -794,11 +743,11 @@ class Store:
         A sandbox needs work when a step is in progress, when state != desired_state (and no step gave
         up permanently), or when its TTL expired; and its next_attempt_at has come and its lease is free
         or expired. Oldest next_attempt_at first. Concurrent claimers get disjoint sets."""
-        owner = _text(owner, "owner", 128)
+        owner = text_(owner, "owner", 128)
         if limit <= 0:
             return []
         now = self.now()
-        until = now + _seconds(lease_s, "lease_s")
+        until = now + seconds(lease_s, "lease_s")
         lease_free = or_(Sandbox.lease_until.is_(None), Sandbox.lease_until <= now)
         candidates = (
             select(Sandbox.id)
@@ -846,7 +795,7 @@ class Store:
 
     def renew(self, sandbox_id: str, owner: str, lease_s: float) -> bool:
         """Extend `owner`'s lease; False if the lease now belongs to someone else (stop working on it)."""
-        until = self.now() + _seconds(lease_s, "lease_s")
+        until = self.now() + seconds(lease_s, "lease_s")
         statement = (
             update(Sandbox)
             .where(Sandbox.id == sandbox_id, Sandbox.lease_owner == owner)
@@ -887,10 +836,10 @@ class Store:
 
         Trusted and unchecked (operators' tools, tests): the node-facing API enrols with `enrol_node` and
         re-registers with `reregister_node`, which never let one node take another's url (ADR 0021)."""
-        url = _text(url, "url", 512)
-        token = _text(token, "token", _MAX_SECRET_LENGTH)
+        url = text_(url, "url", 512)
+        token = text_(token, "token", MAX_SECRET_LENGTH)
         if identity is not None:
-            identity = _text(identity, "identity", _MAX_SECRET_LENGTH)
+            identity = text_(identity, "identity", MAX_SECRET_LENGTH)
         for _attempt in range(2):
             now = self.now()
             try:
@@ -916,7 +865,7 @@ class Store:
     def authenticate_node(self, node_id: str, identity: str) -> NodeRecord | None:
         """The node `node_id` if `identity` is the secret issued at its latest registration, else None
         (hashes compared in constant time; the cluster's bootstrap token is never an identity)."""
-        if not isinstance(identity, str) or not identity or len(identity) > _MAX_SECRET_LENGTH:
+        if not isinstance(identity, str) or not identity or len(identity) > MAX_SECRET_LENGTH:
             return None
         digest = hash_secret(identity)
         with self._tx("authenticating a node") as session:
@@ -954,8 +903,8 @@ class Store:
         `enrolment_token`, one use of it is consumed in the same transaction (Unauthenticated if it is
         unknown, expired or used up), so a refused enrolment uses nothing. The identity is kept hashed."""
         ids.parse_node_id(node_id)
-        url = _text(url, "url", 512)
-        identity = _text(identity, "identity", _MAX_SECRET_LENGTH)
+        url = text_(url, "url", 512)
+        identity = text_(identity, "identity", MAX_SECRET_LENGTH)
         now = self.now()
         with self._tx(f"enrolling node {url}") as session:
             if enrolment_token is not None:
@@ -1001,8 +950,8 @@ class Store:
         its enrolment (None if it does not: the caller answers 401). It keeps its id and identity and
         becomes ready; its url, RPC token, capacity and templates are replaced. A url held by another node
         is AlreadyExists."""
-        url = _text(url, "url", 512)
-        if not isinstance(identity, str) or not identity or len(identity) > _MAX_SECRET_LENGTH:
+        url = text_(url, "url", 512)
+        if not isinstance(identity, str) or not identity or len(identity) > MAX_SECRET_LENGTH:
             return None
         digest = hash_secret(identity)
         now = self.now()
@@ -1037,7 +986,7 @@ class Store:
         if not isinstance(uses, int) or not 1 <= uses <= 10_000:
             raise InvalidArgument("uses must be 1 to 10000", field="uses")
         now = self.now()
-        expires = now + _seconds(ttl_s, "ttl_s") if ttl_s is not None else None
+        expires = now + seconds(ttl_s, "ttl_s") if ttl_s is not None else None
         secret = "enrol_" + secrets.token_urlsafe(30)
         token_id = "enrol-" + secrets.token_hex(10)
         with self._tx("creating an enrolment token") as session:
@@ -1052,7 +1001,7 @@ class Store:
     def enrolment_token_usable(self, secret: str) -> bool:
         """Whether `secret` is an enrolment token with a use left (a check before a request body is read;
         the use itself is taken by enrol_node)."""
-        if not isinstance(secret, str) or not secret or len(secret) > _MAX_SECRET_LENGTH:
+        if not isinstance(secret, str) or not secret or len(secret) > MAX_SECRET_LENGTH:
             return False
         with self._tx("checking an enrolment token") as session:
             found = session.scalars(
@@ -1096,7 +1045,7 @@ class Store:
             if row is None:
                 raise NotFound(f"node {node_id} not registered")
             for sandbox_id, at in sorted((activity or {}).items()):
-                when = _aware(at, "activity")
+                when = aware(at, "activity")
                 session.execute(
                     update(Sandbox)
                     .where(
@@ -1122,7 +1071,7 @@ class Store:
     def mark_lost(self, older_than_s: float) -> list[str]:
         """Mark nodes whose last heartbeat is older than `older_than_s` lost; return their ids (only
         the ones this call changed, so exactly one caller acts on each loss)."""
-        cutoff = self.now() - _seconds(older_than_s, "older_than_s")
+        cutoff = self.now() - seconds(older_than_s, "older_than_s")
         statement = (
             update(Node)
             .where(Node.status.in_(("ready", "draining")), Node.last_heartbeat_at < cutoff)
@@ -1212,7 +1161,7 @@ class Store:
         """Set SNAPSHOT_FIELDS of a snapshot (where its copies are, sizes, errors); NotFound if absent."""
         values = self._fields(fields, SNAPSHOT_FIELDS)
         if values.get("uploaded_at") is not None:
-            values["uploaded_at"] = _aware(values["uploaded_at"], "uploaded_at")
+            values["uploaded_at"] = aware(values["uploaded_at"], "uploaded_at")
         with self._tx(f"updating snapshot {snapshot_id}") as session:
             row = session.get(Snapshot, snapshot_id, with_for_update=True)
             if row is None:
@@ -1284,9 +1233,9 @@ class Store:
 
         Conflict if the key was used with another request_hash. With stale_after_s, an in-progress
         record older than that (its request died with its process) is taken over and reported "new"."""
-        scope = _text(scope, "scope", 64)
-        key = _text(key, "idempotency key", 128)
-        request_hash = _text(request_hash, "request_hash", 64)
+        scope = text_(scope, "scope", 64)
+        key = text_(key, "idempotency key", 128)
+        request_hash = text_(request_hash, "request_hash", 64)
         for _attempt in range(3):
             now = self.now()
             row = IdempotencyRecord(
@@ -1313,7 +1262,7 @@ class Store:
                     raise Conflict("this Idempotency-Key was already used with a different request", key=key)
                 if existing.status_code is not None:
                     return IdempotentBegin("replay", view, existing.status_code, existing.response_body)
-                if stale_after_s is not None and existing.created_at <= now - _seconds(
+                if stale_after_s is not None and existing.created_at <= now - seconds(
                     stale_after_s, "stale_after_s"
                 ):
                     # Row lock held (FOR UPDATE / BEGIN IMMEDIATE): only one taker wins the takeover.
@@ -1371,7 +1320,7 @@ class Store:
         """Delete at most `limit` idempotency records older than `older_than_s` (keys are replayable that
         long), oldest first; the number deleted (== limit: there may be more). One short transaction: a
         large backlog is worked off in batches without holding locks for long."""
-        cutoff = self.now() - _seconds(older_than_s, "older_than_s")
+        cutoff = self.now() - seconds(older_than_s, "older_than_s")
         oldest = (
             select(IdempotencyRecord.scope, IdempotencyRecord.key)
             .where(IdempotencyRecord.created_at < cutoff)
@@ -1403,7 +1352,7 @@ class Store:
             row = session.get(Sandbox, sandbox_id)
             if row is None or row.state not in live or (node_id is not None and row.node_id != node_id):
                 return None
-            if observed_at is not None and row.updated_at > _aware(observed_at, "observed_at"):
+            if observed_at is not None and row.updated_at > aware(observed_at, "observed_at"):
                 return None
             state, generation, crashes = row.state, row.generation, row.crash_count or 0
         try:
