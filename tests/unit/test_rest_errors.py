@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -102,3 +105,12 @@ def test_routing_failures_have_the_same_shape(client: TestClient) -> None:
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
     wrong = client.delete("/things")
     assert (wrong.status_code, wrong.json()["error"]["code"]) == (405, "method_not_allowed")
+
+
+def test_the_documented_status_table_is_the_map() -> None:
+    api_md = pathlib.Path(__file__).resolve().parents[2] / "docs" / "api.md"
+    documented: dict[str, int] = {}
+    for codes, status in re.findall(r"^\| ([a-z_ /]+) \| (\d{3}) \|", api_md.read_text(), re.MULTILINE):
+        for code in codes.split(" / "):
+            documented[code.strip()] = int(status)
+    assert documented == rest_errors.STATUS_BY_CODE
