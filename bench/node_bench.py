@@ -22,7 +22,8 @@ from space.core.ids import new_snapshot_id
 from space.node.agent.agent import NodeAgent, SandboxHandle
 from space.node.drivers.base import SandboxSpec
 from space.node.local import LocalNode
-from space.objectstore.base import ObjectStore, open_store
+from space.objectstore.backends import open_store
+from space.objectstore.base import ObjectStore
 
 TARGETS = {
     "create_cold": "p50 <= 300 ms (create to first exec answered)",

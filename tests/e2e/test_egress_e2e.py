@@ -57,10 +57,10 @@ from space.node.agent.egress_wiring import (
 from space.node.agent.server import create_app
 from space.node.drivers.base import SandboxSpec
 from space.node.egress import Credential, StaticCredentials, StaticResolver
-from space.node.helper.network import node_tag
+from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode, connect_agent
 from space.node.rpc_client import NodeClient
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from tests.support.egress_net import Upstream, UpstreamCA, leftovers, start_upstream
 from tests.support.host import network_traces
 from tests.support.loop import BackgroundLoop

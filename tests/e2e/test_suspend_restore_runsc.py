@@ -20,7 +20,7 @@ import pytest
 
 from space.core.lifecycle import State
 from space.objectstore.artifacts import read_manifest
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from space.sdk import NotFound, Sandbox, SpaceError
 from tests.support import cluster as c
 from tests.support.host import processes_mentioning

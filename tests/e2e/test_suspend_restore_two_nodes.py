@@ -36,7 +36,7 @@ from space.controlplane.store.store import Store
 from space.core.lifecycle import State
 from space.node.agent.identity import default_rpc_token_file
 from space.node.local import LocalNode, ensure_local_store
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from space.sdk import NotFound, Sandbox, Space
 from tests.support import cluster as c
 

@@ -30,7 +30,7 @@ from space.controlplane.failpoints import POINTS
 from space.controlplane.store.records import SandboxRecord
 from space.core.lifecycle import IN_PROGRESS_STATES, State
 from space.objectstore.artifacts import read_manifest
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from tests.support import cluster as c
 
 LOST_AFTER_S = 15.0  # api.app.NODE_LOST_AFTER_S

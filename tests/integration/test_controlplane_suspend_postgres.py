@@ -14,7 +14,7 @@ import pytest
 from space.controlplane.reconciler.loop import LEASE_S
 from space.controlplane.store.records import SandboxRecord
 from space.core.lifecycle import State
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from tests.integration.test_controlplane_postgres import fresh_database
 from tests.support import cluster as c
 from tests.support import postgres

@@ -39,7 +39,7 @@ from space.node.agent.server import NodeService
 from space.node.drivers.base import SandboxSpec
 from space.node.local import LocalNode
 from space.objectstore.artifacts import read_manifest, verify
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from tests.conftest import assert_no_leaks, require_root, sandbox_ids_in
 from tests.support.host import cgroups_under
 from tests.support.loop import BackgroundLoop

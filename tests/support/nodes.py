@@ -23,7 +23,8 @@ from space.node.agent.agent import NodeAgent
 from space.node.layout import NodeLayout
 from space.node.local import LocalNode
 from space.node.rpc_client import NodeClient
-from space.objectstore.base import ObjectStore, open_store
+from space.objectstore.backends import open_store
+from space.objectstore.base import ObjectStore
 from tests.support.node_capability import NodeAuth
 
 

@@ -50,11 +50,12 @@ from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
 from space.core.lifecycle import State
 from space.node.agent.identity import default_rpc_token_file
-from space.node.helper.network import node_tag
+from space.node.helper.netaddr import node_tag
 from space.node.layout import NodeLayout
 from space.node.local import LocalNode, ensure_local_store
 from space.objectstore.artifacts import read_manifest
-from space.objectstore.base import ObjectStore, open_store
+from space.objectstore.backends import open_store
+from space.objectstore.base import ObjectStore
 from space.objectstore.local import TEMP_MARK
 from space.sdk import Space
 from tests.support import cluster as c

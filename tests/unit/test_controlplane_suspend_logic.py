@@ -37,8 +37,8 @@ from space.core.lifecycle import State
 from space.crypto.envelope import DataKey
 from space.node.agent import rpc_models as rm
 from space.objectstore.artifacts import ArtifactWriter, read_entry_bytes, read_manifest, verify
+from space.objectstore.backends import open_store as open_objects
 from space.objectstore.base import ObjectStore
-from space.objectstore.base import open_store as open_objects
 
 
 class Killed(BaseException):

@@ -24,7 +24,7 @@ from space.node.drivers.base import SandboxSpec
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from space.objectstore.artifacts import read_manifest, restorable
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 from space.objectstore.local import LocalDirectoryStore
 from tests.support.loop import BackgroundLoop
 

@@ -22,7 +22,7 @@ from space.node.helper.verbs import HelperContext
 from space.node.layout import NodeLayout
 from space.node.volumes import sendstream
 from space.objectstore.artifacts import ArtifactWriter, read_manifest
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 
 
 @pytest.fixture

@@ -11,12 +11,14 @@ Invariants:
   from space.core.errors (`raise ... from exc`), never as library exceptions.
 - A store URL may carry S3 credentials (access_key/secret_key); reprs and error messages show it only
   through `redact_url`.
+- This module knows no backend: `backends.open_store(url)` picks one, and the backends import this module.
 """
 
 from __future__ import annotations
 
 import abc
 import re
+from typing import Any  # issue-10-shim
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from space.core import errors
@@ -105,20 +107,9 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query, safe=":/*")))
 
 
-def open_store(url: str) -> ObjectStore:
-    """`file:///abs/dir` -> LocalDirectoryStore; `s3://bucket[/prefix]?endpoint=...&region=...` -> S3Store."""
-    try:
-        scheme = urlsplit(url).scheme  # also parses the netloc: "s3://[x" is a ValueError
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"invalid object store url {redact_url(url)!r}: {exc}") from exc
-    if scheme == "file":
-        from space.objectstore.local import LocalDirectoryStore
+def __getattr__(name: str) -> Any:  # issue-10-shim: open_store moved to space.objectstore.backends
+    if name == "open_store":  # issue-10-shim
+        from space.objectstore.backends import open_store  # issue-10-shim
 
-        return LocalDirectoryStore.from_url(url)
-    if scheme == "s3":
-        from space.objectstore.s3 import S3Store
-
-        return S3Store.from_url(url)
-    raise errors.InvalidArgument(
-        f"unsupported object store url {redact_url(url)!r} (use file:///dir or s3://bucket)"
-    )
+        return open_store  # issue-10-shim
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # issue-10-shim
