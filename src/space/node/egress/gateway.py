@@ -27,6 +27,8 @@ from typing import Any
 import h11
 
 from space.core import errors
+from space.node.egress.addresses import plain_ip
+from space.node.egress.context import AuditCallback, GatewayContext, SandboxEntry
 from space.node.egress.credentials import CredentialSource
 from space.node.egress.dns import (
     MAX_QUERIES_PER_SOURCE,
@@ -37,8 +39,8 @@ from space.node.egress.dns import (
     Resolver,
     SystemResolver,
 )
+from space.node.egress.handlers import Handlers
 from space.node.egress.policy import CompiledPolicy, EgressPolicy, IPNetwork
-from space.node.egress.proxy import AuditCallback, GatewayContext, Handlers, SandboxEntry, _plain_ip
 from space.node.egress.tls import CertificateAuthority, upstream_context
 
 PORT_NAMES = ("proxy", "transparent_http", "transparent_tls", "dns")
@@ -133,7 +135,7 @@ class EgressGateway:
     def _wrap(self, handler: ConnectionHandler) -> ConnectionHandler:
         async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = writer.get_extra_info("peername")
-            source = _plain_ip(str(peer[0])) if isinstance(peer, tuple) else ""
+            source = plain_ip(str(peer[0])) if isinstance(peer, tuple) else ""
             if self._per_source[source] >= self.max_connections_per_source:
                 entry = self.ctx.lookup(source)
                 if entry is not None:
@@ -189,7 +191,7 @@ class EgressGateway:
         return self.ca.certificate_pem
 
     def set_policy(self, sandbox_id: str, source_addr: str, policy: EgressPolicy) -> None:
-        source = _plain_ip(source_addr)
+        source = plain_ip(source_addr)
         owner = self.ctx.by_source.get(source)
         if owner is not None and owner != sandbox_id:
             raise errors.Conflict(
