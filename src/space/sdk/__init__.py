@@ -24,7 +24,7 @@ from space.core.errors import (
     Unauthenticated,
     Unavailable,
 )
-from space.sdk.aio import (
+from space.sdk._async import (
     AsyncFiles,
     AsyncProcess,
     AsyncProcesses,

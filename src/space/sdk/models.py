@@ -192,6 +192,32 @@ class ProcessEvent:
         )
 
 
+class OutputCollector:
+    """Gathers the stdout/stderr events of one command into the ExecResult of its exit event."""
+
+    def __init__(self) -> None:
+        self.stdout: list[bytes] = []
+        self.stderr: list[bytes] = []
+
+    def keep(self, event: ProcessEvent) -> None:
+        """Keep the data of a stdout or stderr event (any other event is ignored)."""
+        if event.type == "stdout":
+            self.stdout.append(event.data)
+        elif event.type == "stderr":
+            self.stderr.append(event.data)
+
+    def result(self, exit_event: ProcessEvent, process_id: str | None) -> ExecResult:
+        return ExecResult(
+            exit_code=exit_event.exit_code,
+            stdout_bytes=b"".join(self.stdout),
+            stderr_bytes=b"".join(self.stderr),
+            process_id=process_id,
+            signal=exit_event.signal,
+            timed_out=exit_event.timed_out,
+            data=exit_event.raw,
+        )
+
+
 def _opt_int(value: Any) -> int | None:
     if value is None or isinstance(value, bool):
         return None

@@ -1,0 +1,26 @@
+"""The async SDK: the one hand-written source of both clients.
+
+scripts/gen_sync_sdk.py generates the sync SDK (space.sdk._sync) from these modules with `unasync`:
+`async`/`await` go, `Async*` names become their sync twins (AsyncSpace -> Space, AsyncHTTP -> SyncHTTP).
+What differs beyond that lives in space.sdk._backend; what needs no I/O lives in space.sdk.models and
+space.sdk._policy. `make check` fails while the generated copy is stale.
+"""
+
+from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
+from space.sdk._async.client import AsyncSpace
+from space.sdk._async.files import AsyncFiles
+from space.sdk._async.processes import AsyncProcess, AsyncProcesses
+from space.sdk._async.sandboxes import AsyncSandbox, AsyncSandboxes, AsyncSnapshots
+
+__all__ = [
+    "AsyncCredentials",
+    "AsyncFiles",
+    "AsyncKeys",
+    "AsyncProcess",
+    "AsyncProcesses",
+    "AsyncProjects",
+    "AsyncSandbox",
+    "AsyncSandboxes",
+    "AsyncSnapshots",
+    "AsyncSpace",
+]

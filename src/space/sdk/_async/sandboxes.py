@@ -1,0 +1,280 @@
+"""Sandboxes: create/get/list, and a sandbox's lifecycle, egress policy, commands and snapshots.
+
+Invariants:
+- A handle holds the server's last answer in `.data`; calls that change a sandbox replace it with the
+  answer (lifecycle calls wait for the sandbox to settle by default, `wait=True`).
+- exec returns when the command has ended; exec_stream hands output to its callbacks as it arrives (a
+  channel without a callback is collected into the result, a channel with one is not kept).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload
+
+from space.core.errors import SpaceError
+from space.sdk._async.files import AsyncFiles
+from space.sdk._async.http import AsyncHTTP, AsyncSandboxRef
+from space.sdk._async.processes import AsyncProcesses
+from space.sdk._backend import AsyncBackend, AsyncOnData
+from space.sdk.models import (
+    Command,
+    ExecResult,
+    OutputCollector,
+    ProcessEvent,
+    Snapshot,
+    create_body,
+    egress_body,
+    exec_body,
+    sandboxes_of,
+    seg,
+    snapshot_id,
+)
+
+__all__ = ["AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots"]
+
+
+class AsyncSandboxes:
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def create(
+        self,
+        template: str = "python",
+        *,
+        env: Mapping[str, str] | None = None,
+        limits: Mapping[str, Any] | None = None,
+        idle_timeout_s: int | None = None,
+        ttl_s: int | None = None,
+        allow: Sequence[str] | None = None,
+        credentials: Sequence[str] | None = None,
+        deny: Sequence[str] | None = None,
+        snapshot_policy: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        wait: bool = True,
+    ) -> AsyncSandbox:
+        body = create_body(
+            template=template,
+            env=env,
+            limits=limits,
+            idle_timeout_s=idle_timeout_s,
+            ttl_s=ttl_s,
+            allow=allow,
+            credentials=credentials,
+            wait=wait,
+            deny=deny,
+            snapshot_policy=snapshot_policy,
+        )
+        data = await self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
+        return AsyncSandbox(self._http, data)
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        return AsyncSandbox(self._http, await self._http.json("GET", f"/v1/sandboxes/{seg(sandbox_id)}"))
+
+    async def list(self) -> builtins.list[AsyncSandbox]:
+        answer = await self._http.json("GET", "/v1/sandboxes")
+        return [AsyncSandbox(self._http, item) for item in sandboxes_of(answer)]
+
+    def ref(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle on a sandbox by id, without asking the server (state unknown until refresh())."""
+        seg(sandbox_id)
+        return AsyncSandbox(self._http, {"id": sandbox_id})
+
+
+class AsyncSandbox:
+    def __init__(self, http: AsyncHTTP, data: Mapping[str, Any]) -> None:
+        self._http = http
+        self.data: dict[str, Any] = dict(data)
+        if not self.data.get("id"):
+            raise SpaceError("unexpected answer: a sandbox without an id")
+        self.files = AsyncFiles(self)
+        self.processes = AsyncProcesses(self)
+        self.snapshots = AsyncSnapshots(self)
+
+    @property
+    def id(self) -> str:
+        return str(self.data["id"])
+
+    @property
+    def state(self) -> str:
+        return str(self.data.get("state", "unknown"))
+
+    @property
+    def path(self) -> str:
+        return f"/v1/sandboxes/{seg(self.id)}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id!r}, state={self.state!r})"
+
+    def _update(self, data: Any) -> AsyncSandbox:
+        if isinstance(data, dict) and data.get("id"):
+            self.data = dict(data)
+        return self
+
+    async def refresh(self) -> AsyncSandbox:
+        return self._update(await self._http.json("GET", self.path))
+
+    # lifecycle ---------------------------------------------------------------------------------------
+
+    async def _action(self, action: str, wait: bool, idempotency_key: str | None) -> AsyncSandbox:
+        answer = await self._http.json(
+            "POST", f"{self.path}/{action}", params={"wait": wait}, idempotency_key=idempotency_key
+        )
+        return self._update(answer)
+
+    async def pause(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("pause", wait, idempotency_key)
+
+    async def resume(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("resume", wait, idempotency_key)
+
+    async def stop(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("stop", wait, idempotency_key)
+
+    async def start(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("start", wait, idempotency_key)
+
+    async def suspend(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("suspend", wait, idempotency_key)
+
+    async def restore(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
+        return await self._action("restore", wait, idempotency_key)
+
+    async def set_snapshot_policy(self, policy: Mapping[str, Any] | None) -> AsyncSandbox:
+        """Scheduled snapshots and retention: {"disk_every_s", "full_every_s", "upload_full", "tiers":
+        [{"every_s", "for_s"}, ...]}; None removes the policy."""
+        body = {"snapshot_policy": dict(policy) if policy is not None else None}
+        return self._update(await self._http.json("PATCH", self.path, json_body=body))
+
+    async def delete(self, *, idempotency_key: str | None = None) -> AsyncSandbox:
+        return self._update(await self._http.json("DELETE", self.path, idempotency_key=idempotency_key))
+
+    @overload
+    async def fork(self, count: None = None, *, idempotency_key: str | None = None) -> AsyncSandbox: ...
+    @overload
+    async def fork(
+        self, count: int, *, idempotency_key: str | None = None
+    ) -> builtins.list[AsyncSandbox]: ...
+    async def fork(
+        self, count: int | None = None, *, idempotency_key: str | None = None
+    ) -> AsyncSandbox | builtins.list[AsyncSandbox]:
+        """A new sandbox from this one's processes and files; fork(count=n) makes n and returns a list."""
+        body = {"count": 1 if count is None else count}
+        answer = await self._http.json(
+            "POST", f"{self.path}/fork", json_body=body, idempotency_key=idempotency_key
+        )
+        children = [AsyncSandbox(self._http, item) for item in sandboxes_of(answer)]
+        if count is not None:
+            return children
+        if not children:
+            raise SpaceError("unexpected answer: fork returned no sandbox")
+        return children[0]
+
+    async def rollback(
+        self, snapshot: Snapshot | Mapping[str, Any] | str, *, idempotency_key: str | None = None
+    ) -> AsyncSandbox:
+        body = {"snapshot_id": snapshot_id(snapshot)}
+        answer = await self._http.json(
+            "POST", f"{self.path}/rollback", json_body=body, idempotency_key=idempotency_key
+        )
+        return self._update(answer)
+
+    # egress ------------------------------------------------------------------------------------------
+
+    async def egress(self) -> dict[str, Any]:
+        """The sandbox's egress policy: {"allow", "deny", "credentials", "version"}."""
+        return dict(await self._http.json("GET", f"{self.path}/egress"))
+
+    async def set_egress(
+        self,
+        *,
+        allow: Sequence[str] | None = None,
+        deny: Sequence[str] | None = None,
+        credentials: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Change the egress policy at run time (a list left out keeps its value); the answer says whether
+        the node applied it at once ("applied")."""
+        body = egress_body(allow, deny, credentials)
+        return dict(await self._http.json("PUT", f"{self.path}/egress", json_body=body))
+
+    # commands ----------------------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        cmd: Command,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+        idempotency_key: str | None = None,
+    ) -> ExecResult:
+        """Run a command to completion: a str runs in a shell, a list is argv."""
+        body = exec_body(cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin, stream=False)
+        answer = await self._http.json(
+            "POST",
+            f"{self.path}/exec",
+            json_body=body,
+            idempotency_key=idempotency_key,
+            timeout=self._http.timeout(None if timeout is None else timeout + 60),
+        )
+        return ExecResult.from_wire(answer)
+
+    async def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        on_stdout: AsyncOnData | None = None,
+        on_stderr: AsyncOnData | None = None,
+        on_started: Callable[[str], object] | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run a command, handing output to the callbacks as it arrives. Output of a channel without a
+        callback is collected into the result; a channel with one is not kept."""
+        body = exec_body(cmd, env=env, cwd=cwd, user=user, timeout=timeout, stdin=stdin, stream=True)
+        output = OutputCollector()
+        process_id: str | None = None
+        async with self._http.stream(
+            "POST", f"{self.path}/exec", json_body=body, timeout=self._http.timeout(None)
+        ) as response:
+            async for raw in self._http.iter_ndjson(response):
+                event = ProcessEvent.from_wire(raw)
+                if event.type == "started":
+                    process_id = event.process_id
+                    if on_started is not None and process_id is not None:
+                        await AsyncBackend.call(on_started, process_id)
+                elif event.type in {"stdout", "stderr"}:
+                    handler = on_stdout if event.type == "stdout" else on_stderr
+                    if handler is None:
+                        output.keep(event)
+                    else:
+                        await AsyncBackend.call(handler, event.data)
+                elif event.type == "exit":
+                    return output.result(event, event.process_id or process_id)
+        raise SpaceError("the exec stream ended before the command's exit", process_id=process_id)
+
+
+class AsyncSnapshots:
+    def __init__(self, sandbox: AsyncSandboxRef) -> None:
+        self._sandbox = sandbox
+        self._http = sandbox._http
+
+    async def create(self, *, full: bool = False, idempotency_key: str | None = None) -> Snapshot:
+        """A disk snapshot, or with full=True a full checkpoint (processes and memory too)."""
+        answer = await self._http.json(
+            "POST",
+            f"{self._sandbox.path}/snapshots",
+            json_body={"full": full},
+            idempotency_key=idempotency_key,
+        )
+        return Snapshot(answer)
+
+    async def list(self) -> builtins.list[Snapshot]:
+        answer = await self._http.json("GET", f"{self._sandbox.path}/snapshots")
+        return [Snapshot(item) for item in answer.get("snapshots", [])]
