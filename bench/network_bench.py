@@ -19,7 +19,8 @@ import time
 from typing import Any
 
 from bench.stats import print_table, summarize, write_json
-from space.node.helper.network import GatewayPorts, SandboxNetworks
+from space.node.helper.network import SandboxNetworks
+from space.node.helper.params import GatewayPorts
 from space.node.layout import NodeLayout
 from space.node.local import LocalNode
 

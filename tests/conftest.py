@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from space.node.agent.agent import NodeAgent
-from space.node.helper.network import node_tag
+from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode
 from tests.support.host import (
     cgroups_under,

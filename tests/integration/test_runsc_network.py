@@ -27,7 +27,9 @@ from pydantic import ValidationError
 
 from space.node.agent.agent import NodeAgent
 from space.node.agent.guest import GuestSession
-from space.node.helper.network import SANDBOX_ADDR, GatewayPorts, SandboxNetworks, node_tag
+from space.node.helper.netaddr import SANDBOX_ADDR, node_tag
+from space.node.helper.network import SandboxNetworks
+from space.node.helper.params import GatewayPorts
 from space.node.layout import NodeLayout
 from space.node.local import LocalNode
 from tests.support.host import network_traces

@@ -30,7 +30,7 @@ from space.node.agent.agent import NodeAgent, SandboxHandle
 from space.node.agent.egress_wiring import EgressRequest, EgressSettings, EgressWiring, install
 from space.node.egress import dns as egress_dns
 from space.node.egress.dns import SystemResolver
-from space.node.helper.network import node_tag
+from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode
 from tests.integration.test_runsc_limits import NeighbourProbe, node_healthy
 from tests.support.egress_net import REPO, leftovers, veth_namespace

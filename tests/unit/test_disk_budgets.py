@@ -303,9 +303,9 @@ def test_storage_verbs_validate_their_arguments(tmp_path: pathlib.Path) -> None:
     import os
 
     from space.core.ids import new_sandbox_id
+    from space.node.helper.context import HelperContext
     from space.node.helper.runsc import Runsc
     from space.node.helper.server import dispatch
-    from space.node.helper.context import HelperContext
     from space.node.layout import NodeLayout
 
     layout = NodeLayout(tmp_path / "data")

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from space.core.ids import new_sandbox_id, new_snapshot_id
+from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import HelperServer, dispatch
-from space.node.helper.verbs import VERBS, HelperContext
+from space.node.helper.verbs import VERBS
 from space.node.layout import NodeLayout
 
 

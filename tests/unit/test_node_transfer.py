@@ -16,9 +16,9 @@ from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.agent import transfer as agent_transfer
 from space.node.helper import transfer
+from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
-from space.node.helper.verbs import HelperContext
 from space.node.layout import NodeLayout
 from space.node.volumes import sendstream
 from space.objectstore.artifacts import ArtifactWriter, read_manifest

@@ -10,15 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from space.core import errors
-from space.node.helper.network import (
-    SANDBOX_ADDR,
-    SANDBOX_GATEWAY,
-    GatewayPorts,
-    SandboxNetworks,
-    node_tag,
-    prepare_launch,
-    set_bundle_netns,
-)
+from space.node.helper.netaddr import SANDBOX_ADDR, SANDBOX_GATEWAY, node_tag
+from space.node.helper.network import SandboxNetworks, prepare_launch, set_bundle_netns
+from space.node.helper.params import GatewayPorts
 from space.node.layout import NodeLayout
 
 PORTS = GatewayPorts(proxy=3128, transparent_http=3129, transparent_tls=3130, dns=3053)

@@ -34,9 +34,10 @@ from pydantic import ValidationError
 from space.core import errors
 from space.core.settings import NodeSettings
 from space.node.filemodes import set_owner_only_umask
+from space.node.helper.context import HelperContext
 from space.node.helper.network import SandboxNetworks
 from space.node.helper.runsc import Runsc
-from space.node.helper.verbs import VERBS, HelperContext
+from space.node.helper.verbs import VERBS
 from space.node.layout import NodeLayout
 from space.node.rlimits import raise_fd_limit
 

@@ -22,32 +22,15 @@ import contextlib
 import json
 import os
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from space.core import errors
-from space.node.helper import transfer
-from space.node.helper.params import Params, SandboxId
+from space.node.helper.context import HelperContext, Progress
+from space.node.helper.params import DiskParams, StorageParams
+from space.node.helper.usage import usage_records
 from space.node.volumes import btrfs
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from space.node.helper.verbs import HelperContext
-
-    Progress = Callable[[str], None]
-
 LINEAGE_FILE = ".lineage.json"
-
-
-class StorageParams(Params):
-    sandbox_id: SandboxId
-    # Commit first, so that data written since the last commit is counted. Not needed right after a
-    # snapshot (creating one flushes the sandbox's data and commits): the agent's checks skip it.
-    sync: bool = True
-
-
-class DiskParams(Params):
-    pass
 
 
 def allocated_bytes(root: pathlib.Path) -> int:
@@ -80,7 +63,7 @@ def _lineage(ctx: HelperContext, sandbox_id: str) -> set[int]:
     for snap in snapdir.iterdir() if snapdir.is_dir() else []:
         if btrfs.is_subvolume(snap):
             found.add(btrfs.subvolume_id(snap))
-    for record in transfer._usage_records(ctx, sandbox_id).values():
+    for record in usage_records(ctx, sandbox_id).values():
         qgroup = _qgroup_id(record.get("rootfs_qgroup"))
         if qgroup is not None:
             found.add(qgroup)

@@ -38,49 +38,21 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
-
-from pydantic import Field
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from space.core import errors
-from space.core.settings import SandboxLimits
 from space.node.helper import oci
-from space.node.helper.params import EnvName, EnvValue, Params, SandboxId, SnapshotId, TemplateName
+from space.node.helper.context import HelperContext, Progress
+from space.node.helper.params import ImportParams, NoTransferParams, StagingParams, TransferParams
+from space.node.helper.usage import write_json
 from space.node.volumes import btrfs, sendstream, templates
 
-if TYPE_CHECKING:
-    from space.node.helper.verbs import HelperContext
-
-Progress = Callable[[str], None]
 FICLONE = 0x40049409  # _IOW(0x94, 9, int): share the extents of one file with another (reflink)
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_IMAGE_FILES = 256
 DISK_STREAM = "disk.stream"
 BASE_STREAM = "base.stream"
-
-
-class TransferParams(Params):
-    sandbox_id: SandboxId
-    snapshot_id: SnapshotId
-
-
-class ImportParams(Params):
-    sandbox_id: SandboxId
-    snapshot_id: SnapshotId
-    template: TemplateName = "python"
-    limits: SandboxLimits = Field(default_factory=SandboxLimits)
-    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
-
-
-class StagingParams(Params):
-    kind: Literal["export", "import", "base-export", "base-import"]
-    sandbox_id: SandboxId | None = None
-    snapshot_id: SnapshotId | None = None
-
-
-class NoTransferParams(Params):
-    pass
 
 
 # -- staging ---------------------------------------------------------------------------------------------
@@ -265,14 +237,6 @@ def _take_ownership(directory: pathlib.Path) -> None:
         os.close(dir_fd)
 
 
-def _write_json(path: pathlib.Path, data: dict[str, Any], uid: int | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    if uid is not None:
-        os.chown(tmp, uid, -1)
-    tmp.replace(path)
-
-
 def _base(ctx: HelperContext) -> tuple[pathlib.Path, str]:
     status = templates.base_status(ctx.layout.templates)
     if not status["present"]:
@@ -343,7 +307,7 @@ def snapshot_export(ctx: HelperContext, params: TransferParams, _progress: Progr
         },
         "timings": timings,
     }
-    _write_json(marker, result, ctx.owner_uid)
+    write_json(marker, result, ctx.owner_uid)
     return result
 
 
@@ -422,7 +386,7 @@ def base_export(ctx: HelperContext, _params: NoTransferParams, _progress: Progre
                      "base_version": info["version"], "base_identity": info["identity"]},
         "timings": {},
     }  # fmt: skip
-    _write_json(marker, result, ctx.owner_uid)
+    write_json(marker, result, ctx.owner_uid)
     return result
 
 
@@ -432,61 +396,3 @@ def base_import(ctx: HelperContext, _params: NoTransferParams, progress: Progres
         result = templates.import_base(ctx.layout.templates, stream, progress=progress)
     _remove(staged)
     return result
-
-
-# -- what a disk snapshot costs ----------------------------------------------------------------------------
-# Full qgroups answer directly (the snapshot's exclusive bytes). Simple quotas charge every extent to the
-# subvolume that allocated it, so a snapshot (which allocates nothing) always shows ~0: there, what a snapshot
-# pins is what the sandbox wrote between the previous snapshot and it, read from the root filesystem's qgroup
-# at snapshot time (the snapshot's commit made those numbers current, so no extra sync is paid).
-def _usage_file(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
-    return ctx.layout.snapshots_root / sandbox_id / f".{snapshot_id}.usage.json"
-
-
-def record_snapshot_usage(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> None:
-    rootfs = ctx.layout.rootfs(sandbox_id)
-    try:
-        usage = btrfs.qgroup_usage(rootfs, sync_first=False)
-    except errors.SpaceError:
-        return  # no quotas: the listing reports no size rather than failing the snapshot
-    record = {"rootfs_exclusive": usage.exclusive, "rootfs_qgroup": usage.qgroup, "taken_at": time.time()}
-    _write_json(_usage_file(ctx, sandbox_id, snapshot_id), record)
-
-
-def snapshot_cost(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
-    disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
-    if not btrfs.is_subvolume(disk):
-        raise errors.NotFound(f"snapshot {snapshot_id} of {sandbox_id} is not on this node")
-    own = btrfs.qgroup_usage(disk)
-    mode = btrfs.quota_mode(disk)
-    result = {"exclusive_bytes": own.exclusive, "referenced_bytes": own.referenced,
-              "qgroup_exclusive_bytes": own.exclusive, "quota_mode": mode}  # fmt: skip
-    if mode != "simple":
-        return result
-    records = _usage_records(ctx, sandbox_id)
-    mine = records.get(snapshot_id)
-    if mine is None:
-        return result  # e.g. a received snapshot: it allocated its own delta, so its qgroup is right
-    earlier = [r for r in records.values() if r["taken_at"] < mine["taken_at"]]
-    previous = max(earlier, key=lambda r: r["taken_at"]) if earlier else None
-    cost = int(mine["rootfs_exclusive"])
-    if previous is not None and previous.get("rootfs_qgroup") == mine.get("rootfs_qgroup"):
-        cost = max(0, cost - int(previous["rootfs_exclusive"]))
-    result["exclusive_bytes"] = cost
-    return result
-
-
-def _usage_records(ctx: HelperContext, sandbox_id: str) -> dict[str, dict[str, Any]]:
-    """Usage records of the sandbox's snapshots that still exist."""
-    found: dict[str, dict[str, Any]] = {}
-    root = ctx.layout.snapshots_root / sandbox_id
-    for path in root.glob(".*.usage.json") if root.is_dir() else []:
-        snapshot_id = path.name[1 : -len(".usage.json")]
-        if not btrfs.is_subvolume(root / snapshot_id):
-            continue
-        with contextlib.suppress(OSError, json.JSONDecodeError, TypeError, ValueError):
-            record = json.loads(path.read_text())
-            if isinstance(record, dict):
-                record["taken_at"] = float(record["taken_at"])
-                found[snapshot_id] = record
-    return found

@@ -1,0 +1,53 @@
+"""Verb handlers for the node as a whole: prepare it (filesystem, quotas, directories, runtimes, network)
+and tear it down (every sandbox, the network, the filesystem).
+
+Invariants:
+- `node.prepare` converges: every step finds what a previous run made and keeps it.
+- `node.teardown` destroys each sandbox under its own lock, then the node's network, then unmounts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from space.node.helper import transfer
+from space.node.helper.context import HelperContext, Progress
+from space.node.helper.params import NoParams, SandboxParams
+from space.node.helper.sandbox_verbs import sandbox_destroy
+from space.node.volumes import btrfs, filesystem
+
+
+def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> dict[str, Any]:
+    fs = filesystem.ensure_btrfs(ctx.layout.data_dir)
+    for path in (
+        ctx.layout.templates,
+        ctx.layout.sandboxes,
+        ctx.layout.snapshots_root,
+        ctx.layout.checkpoints_root,
+    ):
+        path.mkdir(parents=True, exist_ok=True)
+    for path in (ctx.layout.run, ctx.layout.runsc_root):
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o755)
+    if not fs.quota:
+        btrfs.enable_quota(fs.root)
+    transfer.prepare_agent_dirs(ctx)
+    ctx.runtimes.sweep()
+    ctx.runtimes.prime()
+    net = ctx.network.prepare() if ctx.network is not None else {"mode": "none"}
+    return {"fs": str(fs.root), "quota": btrfs.quota_mode(fs.root), "network": net}
+
+
+def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:
+    """Destroy every sandbox and unmount the node's filesystem (tests, `space down --purge`)."""
+    destroyed = []
+    root = ctx.layout.sandboxes
+    for entry in sorted(root.iterdir()) if root.exists() else []:
+        with ctx.lock(entry.name):
+            sandbox_destroy(ctx, SandboxParams(sandbox_id=entry.name), progress)
+        destroyed.append(entry.name)
+    ctx.runtimes.sweep()
+    if ctx.network is not None:
+        ctx.network.teardown()
+    filesystem.unmount_btrfs(ctx.layout.data_dir)
+    return {"destroyed": destroyed}
