@@ -13,6 +13,7 @@ check: setup
 	$(VENV)/bin/ruff format --check src tests bench examples scripts
 	$(VENV)/bin/mypy
 	$(PY) scripts/check_imports.py
+	$(PY) scripts/gen_sync_sdk.py --check
 
 test: check
 	$(PY) -m pytest tests -q

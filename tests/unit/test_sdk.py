@@ -686,7 +686,7 @@ def rate_limited(retry_after: str | None = "7") -> httpx.Response:
 @pytest.fixture
 def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     waits: list[float] = []
-    monkeypatch.setattr("space.sdk._http.time.sleep", waits.append)
+    monkeypatch.setattr("space.sdk._backend.time.sleep", waits.append)
     return waits
 
 

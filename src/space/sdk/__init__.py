@@ -8,6 +8,9 @@
 Errors are the typed classes of space.core.errors (NotFound, InvalidState with `.state`, StorageExhausted
 (HTTP 507: a disk budget or reserve), ...), plus RateLimited (HTTP 429) and TransportError (cannot reach
 the server; an Unavailable).
+
+The async client is the source (space.sdk._async); the sync client (space.sdk._sync) is generated from it
+by scripts/gen_sync_sdk.py, so the two have the same names, arguments and behaviour.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from space.sdk._async import (
     AsyncSnapshots,
     AsyncSpace,
 )
-from space.sdk.client import Files, Process, Processes, Sandbox, Sandboxes, Snapshots, Space
+from space.sdk._sync import Files, Process, Processes, Sandbox, Sandboxes, Snapshots, Space
 from space.sdk.config import ClientConfig, config_path, resolve_config, write_config_file
 from space.sdk.errors import ConfigurationError, RateLimited, TransportError
 from space.sdk.models import ApiKey, Credential, ExecResult, ProcessEvent, Project, Record, Snapshot
