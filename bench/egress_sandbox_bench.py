@@ -34,7 +34,9 @@ from tests.support.egress_net import UpstreamCA, start_upstream
 
 from bench.stats import print_table, summarize, write_json
 from space.core.ids import new_sandbox_id
-from space.node.agent.egress_wiring import CA_BUNDLE_PATH, EgressRequest, EgressSettings, install
+from space.node.agent.egress_sandbox import CA_BUNDLE_PATH
+from space.node.agent.egress_settings import EgressRequest, EgressSettings
+from space.node.agent.egress_wiring import install
 from space.node.egress import Credential, StaticCredentials, StaticResolver
 from space.node.local import LocalNode
 

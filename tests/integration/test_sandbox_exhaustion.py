@@ -27,7 +27,8 @@ import pytest
 
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent, SandboxHandle
-from space.node.agent.egress_wiring import EgressRequest, EgressSettings, EgressWiring, install
+from space.node.agent.egress_settings import EgressRequest, EgressSettings
+from space.node.agent.egress_wiring import EgressWiring, install
 from space.node.egress import dns as egress_dns
 from space.node.egress.dns import SystemResolver
 from space.node.helper.netaddr import node_tag

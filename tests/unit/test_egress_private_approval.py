@@ -9,9 +9,9 @@ import ipaddress
 import pathlib
 from typing import Any
 
-from space.node.agent.egress_wiring import EgressRequest
+from space.node.agent.egress_settings import EgressRequest
 from space.node.egress.policy import CompiledPolicy, EgressPolicy, normalize_host
-from tests.unit.test_egress_wiring import FakeControlPlane, _wiring
+from tests.support.egress_wiring_fakes import FakeControlPlane, fake_wiring
 
 INSIDE = ipaddress.ip_address("10.1.2.3")
 
@@ -48,7 +48,7 @@ def test_a_node_with_a_control_plane_requires_the_approvals(tmp_path: pathlib.Pa
             "sb-b": {"allow": ["10.1.2.0/24"], "deny": [], "version": 1, "private_networks": ["10.1.0.0/16"]},
         }
     )
-    wiring, gateway, helper = _wiring(tmp_path, cp)
+    wiring, gateway, helper = fake_wiring(tmp_path, cp)
     helper.addresses.update({"sb-a": "100.64.0.2", "sb-b": "100.64.0.3", "sb-c": "100.64.0.4"})
 
     async def scenario() -> dict[str, Any]:

@@ -8,23 +8,16 @@ import asyncio
 import ipaddress
 import json
 import pathlib
-from typing import Any
 
 import pytest
 
 from space.core import errors
-from space.node.agent.egress_wiring import (
-    CA_BEGIN,
-    CA_END,
-    DEFAULT_PORTS,
-    EgressDriver,
-    EgressRequest,
-    EgressWiring,
-    load_settings,
-    with_node_ca,
-)
+from space.node.agent.egress_sandbox import CA_BEGIN, CA_END, with_node_ca
+from space.node.agent.egress_settings import DEFAULT_PORTS, EgressRequest, load_settings
+from space.node.agent.egress_wiring import EgressDriver
 from space.node.drivers.base import SandboxSpec
 from space.node.egress import EgressPolicy, StaticResolver
+from tests.support.egress_wiring_fakes import FakeControlPlane, fake_wiring
 
 CA = b"-----BEGIN CERTIFICATE-----\nNODE-A\n-----END CERTIFICATE-----\n"
 OTHER_CA = b"-----BEGIN CERTIFICATE-----\nNODE-B\n-----END CERTIFICATE-----\n"
@@ -67,56 +60,9 @@ def test_a_malformed_policy_is_a_typed_error() -> None:
     assert EgressRequest(allow=["API.test."]).policy().allow == ["api.test"]
 
 
-class FakeGateway:
-    def __init__(self) -> None:
-        self.policies: dict[str, tuple[str, EgressPolicy]] = {}
-        self.ports = dict(DEFAULT_PORTS)
-        self.ca_certificate_pem = CA
-        self.listen_host = "100.64.0.1"
-
-    def set_policy(self, sandbox_id: str, source: str, policy: EgressPolicy) -> None:
-        self.policies[sandbox_id] = (source, policy)
-
-    def forget(self, sandbox_id: str) -> None:
-        self.policies.pop(sandbox_id, None)
-
-
-class FakeHelper:
-    def __init__(self) -> None:
-        self.addresses: dict[str, str] = {}
-
-    async def call(self, verb: str, params: dict[str, Any] | None = None, **_kw: Any) -> dict[str, Any]:
-        assert verb == "sandbox.network" and params is not None
-        return {"host_addr": self.addresses[params["sandbox_id"]]}
-
-
-class FakeControlPlane:
-    def __init__(self, policies: dict[str, dict[str, Any]]) -> None:
-        self.policies = policies
-        self.forgotten: list[str] = []
-
-    async def policy(self, sandbox_id: str) -> dict[str, Any]:
-        if sandbox_id not in self.policies:
-            raise errors.PermissionDenied("not assigned")
-        return self.policies[sandbox_id]
-
-    def forget(self, sandbox_id: str) -> None:
-        self.forgotten.append(sandbox_id)
-
-
-def _wiring(
-    tmp_path: pathlib.Path, control_plane: Any = None
-) -> tuple[EgressWiring, FakeGateway, FakeHelper]:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    gateway, helper = FakeGateway(), FakeHelper()
-    info = {"sandbox_gateway_addr": "10.99.0.1", "gateway_addr": "100.64.0.1"}
-    wiring = EgressWiring(helper, gateway, info, tmp_path, control_plane=control_plane)  # type: ignore[arg-type]
-    return wiring, gateway, helper
-
-
 def test_policy_precedence_versions_and_persistence(tmp_path: pathlib.Path) -> None:
     cp = FakeControlPlane({"sb-b": {"allow": ["b.test"], "deny": [], "version": 2}})
-    wiring, gateway, helper = _wiring(tmp_path, cp)
+    wiring, gateway, helper = fake_wiring(tmp_path, cp)
     helper.addresses.update(
         {"sb-a": "100.64.0.2", "sb-b": "100.64.0.3", "sb-c": "100.64.0.4", "sb-d": "100.64.0.5"}
     )
@@ -133,7 +79,7 @@ def test_policy_precedence_versions_and_persistence(tmp_path: pathlib.Path) -> N
         assert gateway.policies["sb-b"][1].allow == ["b.test"]
         assert "sb-c" not in gateway.policies and "sb-d" not in gateway.policies
         # node-only: a fork child takes its parent's record
-        node_only, node_gateway, node_helper = _wiring(tmp_path / "node-only")
+        node_only, node_gateway, node_helper = fake_wiring(tmp_path / "node-only")
         node_helper.addresses.update(helper.addresses)
         node_only.remember("sb-a", EgressRequest(allow=["a.test"]))
         await node_only.runtime_up("sb-d", None, fresh=False, source_sandbox_id="sb-a")
@@ -162,14 +108,14 @@ def test_policy_precedence_versions_and_persistence(tmp_path: pathlib.Path) -> N
             task.cancel()
 
     asyncio.run(scenario())
-    again, _gateway, _helper = _wiring(tmp_path)
+    again, _gateway, _helper = fake_wiring(tmp_path)
     assert again.recorded("sb-a") == EgressRequest(allow=["pushed.test"], version=9)
     assert again.recorded("sb-c") == EgressRequest(allow=["c.test"], version=5)
     assert again.recorded("sb-d") is None
 
 
 def test_a_reused_host_address_moves_to_its_new_sandbox(tmp_path: pathlib.Path) -> None:
-    wiring, gateway, helper = _wiring(tmp_path)
+    wiring, gateway, helper = fake_wiring(tmp_path)
     helper.addresses.update({"sb-old": "100.64.0.9", "sb-new": "100.64.0.9"})
     wiring.remember("sb-old", EgressRequest(allow=["old.test"]))
     wiring.remember("sb-new", EgressRequest(allow=["new.test"]))
@@ -199,7 +145,7 @@ class FakeDriver:
 
 
 def test_the_driver_gives_every_sandbox_the_proxy_environment(tmp_path: pathlib.Path) -> None:
-    wiring, gateway, _helper = _wiring(tmp_path)
+    wiring, gateway, _helper = fake_wiring(tmp_path)
     inner = FakeDriver()
     driver = EgressDriver(inner, wiring)  # type: ignore[arg-type]
     spec = SandboxSpec(sandbox_id="sb-a", env={"MINE": "1", "NO_PROXY": "example.com"})

@@ -26,40 +26,33 @@ Invariants:
   store again (the block between the SPACE markers is replaced), and resolv.conf points at the gateway.
 - No credential value ever passes through here: the sandbox gets placeholders only (put into its env by
   the control plane, or by the caller of a node-only create); the gateway fetches values itself.
+
+Beside this module: egress_settings (operator settings, the policy as callers send it), egress_sandbox
+(what a sandbox must contain), egress_records (the node's persisted record of policies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import json
 import logging
-import os
 import pathlib
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from space.core import errors
+from space.node.agent import egress_sandbox, egress_settings
 from space.node.agent.channel import GuestChannel
 from space.node.agent.credential_manager import AuditForwarder, ControlPlaneCredentials
+from space.node.agent.egress_records import PolicyRecord, load_records, save_records
+from space.node.agent.egress_settings import EgressRequest, EgressSettings
 from space.node.agent.guest import GuestSession
 from space.node.agent.identity import IdentityAuth, NodeIdentity
 from space.node.drivers.base import CheckpointInfo, Driver, SandboxSpec
-from space.node.egress import (
-    CredentialSource,
-    EgressGateway,
-    EgressPolicy,
-    Resolver,
-    StaticCredentials,
-    StaticResolver,
-)
-from space.node.egress.policy import IPNetwork
+from space.node.egress import CredentialSource, EgressGateway, EgressPolicy, StaticCredentials
 
 if TYPE_CHECKING:
     from space.node.agent.agent import NodeAgent
@@ -67,65 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Where the gateway listens on the node's gateway address. Fixed (not "any free port") because the proxy
-#: port is part of every sandbox's environment, which must stay right across agent restarts and nodes.
-DEFAULT_PORTS: dict[str, int] = {
-    "proxy": 3128,
-    "transparent_http": 3080,
-    "transparent_tls": 3443,
-    "dns": 3053,
-}
-#: In the sandbox: the system bundle (the node's CA appended between markers) and the CA alone.
-CA_BUNDLE_PATH = "/etc/ssl/certs/ca-certificates.crt"
-CA_FILE_PATH = "/usr/local/share/ca-certificates/space-egress-ca.crt"
-RESOLV_CONF_PATH = "/etc/resolv.conf"
-CA_BEGIN = b"# BEGIN SPACE node egress CA (rewritten by the node on every start and restore)\n"
-CA_END = b"# END SPACE node egress CA\n"
-POLICIES_FILE = "policies.json"
 RECENT_AUDIT = 1000
 CP_POLICY_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)
-
-
-class EgressRequest(BaseModel):
-    """An egress policy as callers send it (create request, policy push): domains/CIDRs + a version."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    allow: list[str] = Field(default_factory=list)
-    deny: list[str] = Field(default_factory=list)
-    version: int = Field(default=0, ge=0)
-    # What an org admin approved for the project (from the control plane; ADR 0026). None: not sent.
-    private_networks: list[str] | None = None
-
-    def policy(self, *, approvals_required: bool = False) -> EgressPolicy:
-        """The gateway's policy. `approvals_required` (a node with a control plane): a policy that came
-        without `private_networks` opens no private range at all."""
-        private = self.private_networks
-        if private is None and approvals_required:
-            private = []
-        try:
-            return EgressPolicy(allow=self.allow, deny=self.deny, private_networks=private)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise errors.InvalidArgument(f"egress policy: {first.get('msg')}", field="egress") from exc
-
-
-@dataclass
-class EgressSettings:
-    """How the node's gateway is set up (operator configuration, never a tenant's)."""
-
-    state_dir: pathlib.Path  # the CA key and recorded policies; owned by the agent's user, mode 0700
-    ports: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_PORTS))
-    resolver: Resolver | None = None  # default: the node's own resolver
-    trust_store: pathlib.Path | None = None  # upstream certificates; default: the system store
-    operator_allowed_networks: Sequence[IPNetwork] = ()
-    credentials: CredentialSource | None = None  # node-only use; with a control plane it is the CP's
-
-
-@dataclass
-class _Record:
-    policy: EgressRequest
-    credentials: list[str] = field(default_factory=list)
 
 
 class EgressWiring:
@@ -149,7 +85,7 @@ class EgressWiring:
         self.control_plane = control_plane
         self.audit_forwarder = audit_forwarder
         self._http = http
-        self._records: dict[str, _Record] = self._load_records()
+        self._records: dict[str, PolicyRecord] = load_records(state_dir)
         self._sources: dict[str, str] = {}  # sandbox id -> host-side address, while its runtime is up
         self._retries: dict[str, asyncio.Task[None]] = {}
         self.recent_audit: deque[dict[str, Any]] = deque(maxlen=RECENT_AUDIT)
@@ -193,42 +129,19 @@ class EgressWiring:
 
     def sandbox_env(self) -> dict[str, str]:
         """Environment every sandbox of this node gets (the same on every node with the default ports)."""
-        proxy = self.proxy_url
-        return {
-            "HTTP_PROXY": proxy, "HTTPS_PROXY": proxy, "http_proxy": proxy, "https_proxy": proxy,
-            "NO_PROXY": "", "no_proxy": "",
-            "SSL_CERT_FILE": CA_BUNDLE_PATH, "REQUESTS_CA_BUNDLE": CA_BUNDLE_PATH,
-            "CURL_CA_BUNDLE": CA_BUNDLE_PATH, "NODE_EXTRA_CA_CERTS": CA_FILE_PATH,
-        }  # fmt: skip
+        return egress_sandbox.sandbox_env(self.proxy_url)
 
     async def install_files(self, session: GuestSession) -> None:
         """The node's CA into the sandbox's trust store (replacing another node's), DNS to the gateway."""
-        ca = self.gateway.ca_certificate_pem
-        try:
-            installed = await session.read_file(CA_FILE_PATH)
-        except errors.SpaceError:
-            installed = b""
-        # Fast path (a restart or restore on the node that wrote them): both files are written together,
-        # the CA file last, so this node's CA there means its block in the bundle is in place too.
-        if installed != ca:
-            try:
-                current = await session.read_file(CA_BUNDLE_PATH)
-            except errors.SpaceError:
-                current = b""
-            wanted = with_node_ca(current, ca)
-            if wanted != current:
-                await session.write_file(CA_BUNDLE_PATH, wanted, mode=0o644)
-            await session.mkdir(os.path.dirname(CA_FILE_PATH), parents=True)
-            await session.write_file(CA_FILE_PATH, ca, mode=0o644)
-        await session.write_file(
-            RESOLV_CONF_PATH, f"nameserver {self.sandbox_gateway_addr}\n".encode(), mode=0o644
+        await egress_sandbox.install_files(
+            session, self.gateway.ca_certificate_pem, self.sandbox_gateway_addr
         )
 
     # -- policies ------------------------------------------------------------------------------------------
     def remember(self, sandbox_id: str, policy: EgressRequest, credentials: Sequence[str] = ()) -> None:
         """Record the policy a sandbox is created with (applied when its runtime comes up)."""
-        self._records[sandbox_id] = _Record(policy, list(credentials))
-        self._save_records()
+        self._records[sandbox_id] = PolicyRecord(policy, list(credentials))
+        save_records(self.state_dir, self._records)
 
     def recorded(self, sandbox_id: str) -> EgressRequest | None:
         record = self._records.get(sandbox_id)
@@ -244,8 +157,8 @@ class EgressWiring:
             return {"applied": False, "reason": "stale", "version": known.policy.version}
         compiled = self._policy(policy)
         names = list(credentials) if credentials is not None else (known.credentials if known else [])
-        self._records[sandbox_id] = _Record(policy, names)
-        self._save_records()
+        self._records[sandbox_id] = PolicyRecord(policy, names)
+        save_records(self.state_dir, self._records)
         if self.control_plane is not None:
             self.control_plane.forget(sandbox_id)  # bindings may have changed: fetch them again
         source = self._sources.get(sandbox_id)
@@ -258,29 +171,9 @@ class EgressWiring:
         return request.policy(approvals_required=self.control_plane is not None)
 
     async def _policy_for(self, sandbox_id: str, source_sandbox_id: str | None) -> EgressPolicy | None:
-        record = self._records.get(sandbox_id)
         if self.control_plane is not None:
-            # The control plane is the truth (it also resolves fork children to their parent's policy); the
-            # node's record is the last push, used when it is newer or the control plane cannot be asked.
-            try:
-                found = await self.control_plane.policy(sandbox_id)
-            except errors.SpaceError as exc:
-                if record is not None:
-                    return self._policy(record.policy)
-                log.warning("egress policy of %s unavailable (no egress until it is): %s", sandbox_id,
-                            exc.message)  # fmt: skip
-                self._retry_later(sandbox_id)
-                return None
-            version = int(found.get("version") or 0)
-            if record is not None and record.policy.version > version:
-                return self._policy(record.policy)
-            allow, deny = list(found.get("allow") or []), list(found.get("deny") or [])
-            approved = list(found.get("private_networks") or [])
-            if allow or deny or version:
-                return self._policy(
-                    EgressRequest(allow=allow, deny=deny, version=version, private_networks=approved)
-                )
-            return self._policy(record.policy) if record is not None else None
+            return await self._control_plane_policy(self.control_plane, sandbox_id)
+        record = self._records.get(sandbox_id)
         if record is not None:
             return record.policy.policy()
         if source_sandbox_id is not None and source_sandbox_id != sandbox_id:
@@ -289,6 +182,32 @@ class EgressWiring:
                 self.remember(sandbox_id, parent.policy, parent.credentials)
                 return parent.policy.policy()
         return None
+
+    async def _control_plane_policy(
+        self, control_plane: ControlPlaneCredentials, sandbox_id: str
+    ) -> EgressPolicy | None:
+        """The control plane is the truth (it also resolves fork children to their parent's policy); the
+        node's record is the last push, used when it is newer or the control plane cannot be asked."""
+        record = self._records.get(sandbox_id)
+        try:
+            found = await control_plane.policy(sandbox_id)
+        except errors.SpaceError as exc:
+            if record is not None:
+                return self._policy(record.policy)
+            log.warning("egress policy of %s unavailable (no egress until it is): %s", sandbox_id,
+                        exc.message)  # fmt: skip
+            self._retry_later(sandbox_id)
+            return None
+        version = int(found.get("version") or 0)
+        if record is not None and record.policy.version > version:
+            return self._policy(record.policy)
+        allow, deny = list(found.get("allow") or []), list(found.get("deny") or [])
+        approved = list(found.get("private_networks") or [])
+        if allow or deny or version:
+            return self._policy(
+                EgressRequest(allow=allow, deny=deny, version=version, private_networks=approved)
+            )
+        return self._policy(record.policy) if record is not None else None
 
     def _retry_later(self, sandbox_id: str) -> None:
         if sandbox_id in self._retries:
@@ -369,42 +288,7 @@ class EgressWiring:
     def sandbox_deleted(self, sandbox_id: str) -> None:
         self.runtime_gone(sandbox_id)
         if self._records.pop(sandbox_id, None) is not None:
-            self._save_records()
-
-    # -- persistence ---------------------------------------------------------------------------------------
-    def _load_records(self) -> dict[str, _Record]:
-        try:
-            raw = json.loads((self.state_dir / POLICIES_FILE).read_text())
-        except (OSError, ValueError):
-            return {}
-        records: dict[str, _Record] = {}
-        for sandbox_id, item in raw.items() if isinstance(raw, dict) else []:
-            with contextlib.suppress(ValidationError, KeyError, TypeError):
-                records[sandbox_id] = _Record(EgressRequest.model_validate(item["policy"]),
-                                              [str(n) for n in item.get("credentials", [])])  # fmt: skip
-        return records
-
-    def _save_records(self) -> None:
-        data = {
-            sid: {"policy": r.policy.model_dump(), "credentials": r.credentials}
-            for sid, r in self._records.items()
-        }
-        path = self.state_dir / POLICIES_FILE
-        tmp = path.with_name(f".{POLICIES_FILE}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-
-
-def with_node_ca(bundle: bytes, ca_pem: bytes) -> bytes:
-    """`bundle` with exactly one SPACE block, holding `ca_pem` (a previous node's block is dropped)."""
-    kept = bundle
-    while CA_BEGIN in kept:
-        head, _, rest = kept.partition(CA_BEGIN)
-        _, found, tail = rest.partition(CA_END)
-        kept = head + (tail if found else b"")
-    if kept and not kept.endswith(b"\n"):
-        kept += b"\n"
-    return kept + CA_BEGIN + ca_pem.rstrip(b"\n") + b"\n" + CA_END
+            save_records(self.state_dir, self._records)
 
 
 class EgressDriver:
@@ -556,30 +440,5 @@ def wiring_of(agent: NodeAgent) -> EgressWiring | None:
     return driver.wiring if isinstance(driver, EgressDriver) else None
 
 
-def load_settings(state_dir: pathlib.Path, config: pathlib.Path | None) -> EgressSettings:
-    """EgressSettings from an operator's JSON file (all keys optional):
-    {"ports": {"proxy", "transparent_http", "transparent_tls", "dns"}, "hosts": {name: [address, ...]},
-     "trust_store": "/path/ca.pem", "allow_networks": ["CIDR", ...]}. `hosts` replaces the system resolver
-    (air-gapped nodes, tests); `allow_networks` opens ranges that are otherwise never reachable."""
-    settings = EgressSettings(state_dir=state_dir)
-    if config is None:
-        return settings
-    try:
-        raw = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise errors.InvalidArgument(f"egress config {config}: {exc}", field="egress_config") from exc
-    if not isinstance(raw, dict):
-        raise errors.InvalidArgument(f"egress config {config} is not a JSON object", field="egress_config")
-    try:
-        if "ports" in raw:
-            settings.ports = {**DEFAULT_PORTS, **{str(k): int(v) for k, v in raw["ports"].items()}}
-        if "hosts" in raw:
-            settings.resolver = StaticResolver({str(k): [str(a) for a in v] for k, v in raw["hosts"].items()})
-        if raw.get("trust_store"):
-            settings.trust_store = pathlib.Path(str(raw["trust_store"]))
-        settings.operator_allowed_networks = [
-            ipaddress.ip_network(str(n)) for n in raw.get("allow_networks") or []
-        ]
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise errors.InvalidArgument(f"egress config {config}: {exc}", field="egress_config") from exc
-    return settings
+load_settings = egress_settings.load_settings  # issue-10-shim
+__all__ = ["EgressRequest", "EgressSettings", "load_settings"]  # issue-10-shim
