@@ -356,6 +356,17 @@ class _Symlinks:
         self._taken(parts)
 
 
+def _check_foreign_path_attrs(command: Command, index: int) -> None:
+    """Path attributes travel only on the commands whose paths the checker examined: a path it did not
+    look at is refused, not forwarded."""
+    cmd = command.cmd
+    for kind in (A_PATH_TO, A_CLONE_PATH):
+        if kind in command.attrs and cmd not in (C_RENAME, C_CLONE):
+            raise _corrupt(f"{command.name} (command {index}) carries path attribute {kind}")
+    if A_PATH_LINK in command.attrs and cmd not in (C_SYMLINK, C_LINK):
+        raise _corrupt(f"{command.name} (command {index}) carries a link target")
+
+
 class StreamChecker:
     """Checks a stream command by command against what the caller expects (see the module invariants)."""
 
@@ -378,18 +389,9 @@ class StreamChecker:
     def next(self, command: Command) -> None:
         index = self.commands
         self.commands += 1
-        if self.header is None:
-            raise _corrupt("commands before the subvolume")
-        if self.ended:
-            raise _corrupt(f"command {index} ({command.name}) follows END", command_index=index)
-        cmd = command.cmd
-        if cmd in (C_SUBVOL, C_SNAPSHOT):
-            raise _corrupt(f"command {index} starts a second subvolume", command_index=index)
-        if cmd == C_END:
-            if command.attrs:
-                raise _corrupt("END carries attributes")
-            self.ended = True
+        if self._is_end(command, index):
             return
+        cmd = command.cmd
         path = self._path(command, A_PATH, index, allow_root=cmd in _ROOT_COMMANDS)
         if cmd == C_SYMLINK:
             content = _attr(command, A_PATH_LINK, None, index)
@@ -406,18 +408,33 @@ class StreamChecker:
         elif cmd in (C_UNLINK, C_RMDIR):
             self._symlinks.remove(path)
         elif cmd == C_CLONE:
-            source = format_uuid(_attr(command, A_CLONE_UUID, 16, index))
-            if source not in self._clone_sources:
-                raise _corrupt(
-                    f"CLONE (command {index}) reads from subvolume {source}, neither this stream's nor "
-                    "its parent", command_index=index,
-                )  # fmt: skip
-            self._path(command, A_CLONE_PATH, index, allow_root=False)
-        for kind in (A_PATH_TO, A_CLONE_PATH):
-            if kind in command.attrs and cmd not in (C_RENAME, C_CLONE):
-                raise _corrupt(f"{command.name} (command {index}) carries path attribute {kind}")
-        if A_PATH_LINK in command.attrs and cmd not in (C_SYMLINK, C_LINK):
-            raise _corrupt(f"{command.name} (command {index}) carries a link target")
+            self._check_clone(command, index)
+        _check_foreign_path_attrs(command, index)
+
+    def _is_end(self, command: Command, index: int) -> bool:
+        """Whether `command` is the stream's END; refuses one out of place (before the subvolume, after END,
+        a second subvolume)."""
+        if self.header is None:
+            raise _corrupt("commands before the subvolume")
+        if self.ended:
+            raise _corrupt(f"command {index} ({command.name}) follows END", command_index=index)
+        if command.cmd in (C_SUBVOL, C_SNAPSHOT):
+            raise _corrupt(f"command {index} starts a second subvolume", command_index=index)
+        if command.cmd != C_END:
+            return False
+        if command.attrs:
+            raise _corrupt("END carries attributes")
+        self.ended = True
+        return True
+
+    def _check_clone(self, command: Command, index: int) -> None:
+        source = format_uuid(_attr(command, A_CLONE_UUID, 16, index))
+        if source not in self._clone_sources:
+            raise _corrupt(
+                f"CLONE (command {index}) reads from subvolume {source}, neither this stream's nor "
+                "its parent", command_index=index,
+            )  # fmt: skip
+        self._path(command, A_CLONE_PATH, index, allow_root=False)
 
     def _path(self, command: Command, kind: int, index: int, *, allow_root: bool) -> tuple[bytes, ...]:
         what = {A_PATH: "path", A_PATH_TO: "rename target", A_PATH_LINK: "link target"}.get(kind, "path")
