@@ -37,7 +37,7 @@ from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
 from space.node.layout import NodeLayout
-from space.node.volumes import btrfs, sendstream, templates
+from space.node.volumes import btrfs, btrfs_ioctl, btrfs_receive, sendstream, templates
 from space.node.volumes.filesystem import ensure_btrfs, unmount_btrfs
 from tests.support import sendstreams as sb
 
@@ -118,7 +118,7 @@ def _outside_subvolumes(root: Path) -> set[str]:
             full = Path(dirpath) / name
             found.add(str(full.relative_to(root)))
             st = os.lstat(full)
-            if not (st.st_ino == btrfs.BTRFS_FIRST_FREE_OBJECTID and st.st_dev != root_dev):
+            if not (st.st_ino == btrfs_ioctl.BTRFS_FIRST_FREE_OBJECTID and st.st_dev != root_dev):
                 keep.append(name)
         dirnames[:] = keep
         found.update(str((Path(dirpath) / name).relative_to(root)) for name in filenames)
@@ -136,7 +136,7 @@ class Watch:
         after = _outside_subvolumes(self.node.layout.fs)
         new = {p for p in after - self.before if not any(p == a or p.startswith(a + "/") for a in allowed)}
         assert new == set(), f"the filesystem gained entries outside any subvolume: {sorted(new)[:10]}"
-        leftovers = [p for p in after if Path(p).name.startswith(btrfs.STAGING_PREFIX)]
+        leftovers = [p for p in after if Path(p).name.startswith(btrfs_receive.STAGING_PREFIX)]
         assert leftovers == [], f"receive staging left behind: {leftovers}"
 
 
@@ -412,13 +412,13 @@ def test_chroot_contains_writes_through_a_symlink_the_parent_holds(node: Node) -
         watch = Watch(node)
         for data in (through_root, through_sentinel):
             with pytest.raises(errors.ArtifactCorrupt) as info:
-                btrfs.receive(_stream_file(data, node), dest, expected=expected)
+                btrfs_receive.receive(_stream_file(data, node), dest, expected=expected)
             assert "send stream refused" in info.value.message
             assert list(dest.iterdir()) == []
             watch.assert_nothing_escaped(allowed={"scratch", "chroot-target", "incoming"})
         assert "outside its subvolume" in _message_of(through_root, node, dest, expected)
         # Unpatched, it is received and moved into place.
-        got = btrfs.receive(_stream_file(real, node), dest, expected=expected)
+        got = btrfs_receive.receive(_stream_file(real, node), dest, expected=expected)
         assert (got / "ok").read_text() == "fine\n" and os.readlink(got / "x") == "/"
         btrfs.delete_subvolume(got)
     finally:
@@ -435,7 +435,7 @@ def _stream_file(data: bytes, node: Node) -> Path:
 
 def _message_of(data: bytes, node: Node, dest: Path, expected: sendstream.Expected) -> str:
     try:
-        btrfs.receive(_stream_file(data, node), dest, expected=expected)
+        btrfs_receive.receive(_stream_file(data, node), dest, expected=expected)
     except errors.ArtifactCorrupt as exc:
         return exc.message
     raise AssertionError("accepted")
@@ -455,13 +455,13 @@ def test_streams_are_opened_once_and_never_through_a_link_or_fifo(node: Node, tm
         for path in (fifo, Path("/dev/null")):
             code, _message = _failure(_call(node, "template.receive", {"name": "evil", "stream": str(path)}))
             assert code == "invalid_argument"
-        with btrfs.open_stream(real_dir / "s.stream") as f:
+        with btrfs_receive.open_stream(real_dir / "s.stream") as f:
             assert f.read() == b"btrfs-stream\0"
         with pytest.raises(errors.InvalidArgument, match="symlink"):
             os.symlink(real_dir / "s.stream", incoming / "link.stream")
-            btrfs.open_stream(incoming / "link.stream")
+            btrfs_receive.open_stream(incoming / "link.stream")
         with pytest.raises(errors.InvalidArgument, match="not a regular file"):
-            btrfs.open_stream(fifo)
+            btrfs_receive.open_stream(fifo)
         # A directory on the way swapped for a link (after the path was checked) is not followed either.
         os.symlink(real_dir, incoming / "linkdir")
         root = node.layout.data_dir.resolve()

@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 
 from space.core.errors import AlreadyExists, InvalidArgument, NotFound
-from space.node.volumes import btrfs, sendstream, templates
+from space.node.volumes import (
+    btrfs,
+    btrfs_ioctl,
+    btrfs_quota,
+    btrfs_receive,
+    sendstream,
+    templates,
+)
 from space.node.volumes.filesystem import BtrfsFs, ensure_btrfs, mount_source, unmount_btrfs
 from space.node.volumes.mirror import find_mirror
 
@@ -98,17 +105,17 @@ def _write_random(path: Path, size: int) -> None:
 # --- ioctl numbers ----------------------------------------------------------------------------------------
 def test_ioctl_numbers_match_the_kernel_uapi() -> None:
     # Values from linux/btrfs.h as compiled on x86_64/arm64 (cross-checked with strace of btrfs-progs).
-    assert btrfs.BTRFS_IOC_SUBVOL_CREATE == 0x5000940E
-    assert btrfs.BTRFS_IOC_SNAP_DESTROY == 0x5000940F
-    assert btrfs.BTRFS_IOC_SNAP_CREATE_V2 == 0x50009417
-    assert btrfs.BTRFS_IOC_SNAP_DESTROY_V2 == 0x5000943F
-    assert btrfs.BTRFS_IOC_SUBVOL_GETFLAGS == 0x80089419
-    assert btrfs.BTRFS_IOC_SUBVOL_SETFLAGS == 0x4008941A
-    assert btrfs.BTRFS_IOC_SYNC == 0x9408
-    assert btrfs.BTRFS_IOC_TREE_SEARCH == 0xD0009411
-    assert btrfs.BTRFS_IOC_INO_LOOKUP == 0xD0009412
-    assert btrfs.BTRFS_IOC_QGROUP_LIMIT == 0x8030942B
-    assert btrfs.BTRFS_IOC_QUOTA_CTL == 0xC0109428
+    assert btrfs_ioctl.BTRFS_IOC_SUBVOL_CREATE == 0x5000940E
+    assert btrfs_ioctl.BTRFS_IOC_SNAP_DESTROY == 0x5000940F
+    assert btrfs_ioctl.BTRFS_IOC_SNAP_CREATE_V2 == 0x50009417
+    assert btrfs_ioctl.BTRFS_IOC_SNAP_DESTROY_V2 == 0x5000943F
+    assert btrfs_ioctl.BTRFS_IOC_SUBVOL_GETFLAGS == 0x80089419
+    assert btrfs_ioctl.BTRFS_IOC_SUBVOL_SETFLAGS == 0x4008941A
+    assert btrfs_ioctl.BTRFS_IOC_SYNC == 0x9408
+    assert btrfs_ioctl.BTRFS_IOC_TREE_SEARCH == 0xD0009411
+    assert btrfs_ioctl.BTRFS_IOC_INO_LOOKUP == 0xD0009412
+    assert btrfs_ioctl.BTRFS_IOC_QGROUP_LIMIT == 0x8030942B
+    assert btrfs_ioctl.BTRFS_IOC_QUOTA_CTL == 0xC0109428
 
 
 # --- filesystem -------------------------------------------------------------------------------------------
@@ -238,19 +245,19 @@ def test_delete_subvolume_with_data_and_nested_subvolumes(work: Path) -> None:
 
 # --- quotas -----------------------------------------------------------------------------------------------
 def test_quota_limit_is_enforced(node_fs: BtrfsFs, work: Path) -> None:
-    assert btrfs.quota_enabled(node_fs.root)
+    assert btrfs_quota.quota_enabled(node_fs.root)
     sv = btrfs.create_subvolume(work / "limited")
-    btrfs.set_limit(sv, 8 * MB)
+    btrfs_quota.set_limit(sv, 8 * MB)
     with pytest.raises(OSError) as info:
         _write_random(sv / "big", 32 * MB)
     assert info.value.errno in (errno.EDQUOT, errno.ENOSPC)
     # Lifting the limit lets writes through again.
     (sv / "big").unlink()
     btrfs.sync(sv)
-    btrfs.set_limit(sv, None)
+    btrfs_quota.set_limit(sv, None)
     _write_random(sv / "big", 16 * MB)
     with pytest.raises(InvalidArgument):
-        btrfs.set_limit(sv, 0)
+        btrfs_quota.set_limit(sv, 0)
 
 
 def test_exclusive_bytes_of_a_snapshot_count_only_its_own_writes(
@@ -258,12 +265,12 @@ def test_exclusive_bytes_of_a_snapshot_count_only_its_own_writes(
 ) -> None:
     snap = btrfs.snapshot(template.path, work / "rootfs")
     _write_random(snap / "ten", 10 * MB)
-    usage = btrfs.qgroup_usage(snap)
+    usage = btrfs_quota.qgroup_usage(snap)
     assert 9 * MB <= usage.exclusive <= 11 * MB
-    assert btrfs.exclusive_bytes(snap) == usage.exclusive
-    assert btrfs.referenced_bytes(snap) >= usage.exclusive
+    assert btrfs_quota.exclusive_bytes(snap) == usage.exclusive
+    assert btrfs_quota.referenced_bytes(snap) >= usage.exclusive
     # The ioctl reader agrees with btrfs-progs.
-    shown = btrfs.qgroup_show(node_fs.root)
+    shown = btrfs_quota.qgroup_show(node_fs.root)
     assert shown[usage.qgroup] == (usage.referenced, usage.exclusive)
 
 
@@ -273,9 +280,10 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
 ) -> None:
     # Ship the template to the other node once, as a full stream.
     full = tmp_path / "template.stream"
-    btrfs.send(template.path, full)
+    btrfs_receive.send(template.path, full)
     dest = other_node_fs.root / "templates"
-    received_template = btrfs.receive(full, dest, expected=sendstream.Expected.full(template.path.name))
+    expected = sendstream.Expected.full(template.path.name)
+    received_template = btrfs_receive.receive(full, dest, expected=expected)
     assert received_template == dest / template.path.name
     assert btrfs.get_readonly(received_template)
 
@@ -287,15 +295,15 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
     snap = btrfs.snapshot(rootfs, work / "snap-1", readonly=True)
     delta = tmp_path / "snap-1.stream"
     with pytest.raises(InvalidArgument):
-        btrfs.send(rootfs, delta)  # writable: refused
+        btrfs_receive.send(rootfs, delta)  # writable: refused
     with open(delta, "wb") as f:  # an open file object works as well as a path
-        btrfs.send(snap, f, parent=template.path)
+        btrfs_receive.send(snap, f, parent=template.path)
     assert 5 * MB <= delta.stat().st_size <= 7 * MB
 
     target = other_node_fs.root / "snapshots"
     parent = btrfs.subvolume_identity(template.path)
     expected = sendstream.Expected.delta("snap-1", {parent.received_uuid or parent.uuid})
-    got = btrfs.receive(delta, target, expected=expected)
+    got = btrfs_receive.receive(delta, target, expected=expected)
     assert (got / "work" / "data.bin").read_bytes() == payload
     assert (got / "etc" / "hostname").read_text() == "changed\n"
     assert (got / "usr" / "bin" / "python3").exists()
@@ -304,7 +312,7 @@ def test_send_delta_against_template_is_received_on_another_filesystem(
     btrfs.delete_subvolume(got)
     btrfs.delete_subvolume(received_template)
     with pytest.raises(NotFound):
-        btrfs.receive(delta, target, expected=expected)
+        btrfs_receive.receive(delta, target, expected=expected)
     for leftover in target.iterdir():
         if btrfs.is_subvolume(leftover):
             btrfs.delete_subvolume(leftover)

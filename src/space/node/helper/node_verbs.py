@@ -14,7 +14,7 @@ from space.node.helper import transfer
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import NoParams, SandboxParams
 from space.node.helper.sandbox_verbs import sandbox_destroy
-from space.node.volumes import btrfs, filesystem
+from space.node.volumes import btrfs_quota, filesystem
 
 
 def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> dict[str, Any]:
@@ -30,12 +30,12 @@ def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> 
         path.mkdir(parents=True, exist_ok=True)
         path.chmod(0o755)
     if not fs.quota:
-        btrfs.enable_quota(fs.root)
+        btrfs_quota.enable_quota(fs.root)
     transfer.prepare_agent_dirs(ctx)
     ctx.runtimes.sweep()
     ctx.runtimes.prime()
     net = ctx.network.prepare() if ctx.network is not None else {"mode": "none"}
-    return {"fs": str(fs.root), "quota": btrfs.quota_mode(fs.root), "network": net}
+    return {"fs": str(fs.root), "quota": btrfs_quota.quota_mode(fs.root), "network": net}
 
 
 def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from space.node.helper import oci, transfer
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import CreateParams, NoParams, SandboxParams
 from space.node.helper.warm import warm_ready
-from space.node.volumes import btrfs, templates
+from space.node.volumes import btrfs, btrfs_quota, templates
 
 
 def _init_argv_env(ctx: HelperContext, template: str) -> tuple[list[str], dict[str, str]]:
@@ -44,7 +44,7 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
     use_warm = params.warm and warm_ready(ctx, params.template)
     bundle.mkdir(parents=True, exist_ok=True)
     btrfs.snapshot(warm / "rootfs" if use_warm else template_path, rootfs, readonly=False)
-    btrfs.set_limit(rootfs, params.limits.disk_mb << 20)
+    btrfs_quota.set_limit(rootfs, params.limits.disk_mb << 20)
     (bundle / "limits.json").write_text(params.limits.model_dump_json())
     (bundle / "spec.json").write_text(json.dumps({"template": params.template, "env": params.env}))
     config = oci.bundle_config(
@@ -149,7 +149,7 @@ def sandbox_usage(ctx: HelperContext, params: SandboxParams, _progress: Progress
                 (pathlib.Path("/sys/fs/cgroup/memory") / cgroup / "memory.usage_in_bytes").read_text()
             )
     rootfs = ctx.layout.rootfs(params.sandbox_id)
-    disk = btrfs.exclusive_bytes(rootfs) if btrfs.is_subvolume(rootfs) else None
+    disk = btrfs_quota.exclusive_bytes(rootfs) if btrfs.is_subvolume(rootfs) else None
     return {"memory_bytes": memory_bytes, "disk_exclusive_bytes": disk, "cgroup": cgroup}
 
 

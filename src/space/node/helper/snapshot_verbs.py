@@ -28,7 +28,7 @@ from space.node.helper.params import (
     SnapshotParams,
 )
 from space.node.helper.sandbox_verbs import stored_limits, tree_bytes
-from space.node.volumes import btrfs
+from space.node.volumes import btrfs, btrfs_quota
 
 
 def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: Progress) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
         btrfs.delete_subvolume(rootfs)
     btrfs.snapshot(disk, rootfs, readonly=False)
     limits = params.limits or stored_limits(ctx, source)
-    btrfs.set_limit(rootfs, limits.disk_mb << 20)
+    btrfs_quota.set_limit(rootfs, limits.disk_mb << 20)
     (bundle / "limits.json").write_text(limits.model_dump_json())
     source_spec = ctx.layout.bundle(source) / "spec.json"
     if source != sandbox_id and source_spec.exists():
@@ -148,7 +148,7 @@ def sandbox_reset_rootfs(ctx: HelperContext, params: ResetParams, _progress: Pro
     if btrfs.is_subvolume(rootfs):
         btrfs.delete_subvolume(rootfs)
     btrfs.snapshot(disk, rootfs, readonly=False)
-    btrfs.set_limit(rootfs, stored_limits(ctx, params.sandbox_id).disk_mb << 20)
+    btrfs_quota.set_limit(rootfs, stored_limits(ctx, params.sandbox_id).disk_mb << 20)
     return {"rootfs": str(rootfs)}
 
 

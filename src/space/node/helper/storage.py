@@ -28,7 +28,7 @@ from space.core import errors
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import DiskParams, StorageParams
 from space.node.helper.usage import usage_records
-from space.node.volumes import btrfs
+from space.node.volumes import btrfs, btrfs_quota
 
 LINEAGE_FILE = ".lineage.json"
 
@@ -84,14 +84,14 @@ def sandbox_storage(ctx: HelperContext, params: StorageParams, _progress: Progre
     images = allocated_bytes(ctx.layout.checkpoints_root / sandbox_id)
     snapdir = ctx.layout.snapshots_root / sandbox_id
     count = sum(1 for p in snapdir.iterdir() if btrfs.is_subvolume(p)) if snapdir.is_dir() else 0
-    mode = btrfs.quota_mode(fs)
+    mode = btrfs_quota.quota_mode(fs)
     files: int | None = None
     if mode is not None:
         if params.sync:
             btrfs.sync(fs)  # accounting happens at commit: one commit, then every qgroup is current
         files = 0
         for qgroup in _lineage(ctx, sandbox_id):
-            usage = btrfs.qgroup_usage_by_id(fs, qgroup)
+            usage = btrfs_quota.qgroup_usage_by_id(fs, qgroup)
             files += usage.exclusive if usage is not None else 0
     return {
         "used_bytes": (files or 0) + images,

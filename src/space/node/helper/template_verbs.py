@@ -20,7 +20,7 @@ from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import AdoptWarmParams, SandboxParams, TemplateParams, TemplateReceiveParams
 from space.node.helper.sandbox_verbs import sandbox_destroy
 from space.node.helper.warm import discard_warm, template_stamp, warm_ready
-from space.node.volumes import btrfs, sendstream, templates
+from space.node.volumes import btrfs, btrfs_receive, sendstream, templates
 
 
 def template_ensure(ctx: HelperContext, params: TemplateParams, progress: Progress) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def template_receive(
             raise errors.AlreadyExists(f"template {params.name!r} is already on this node")
         expected = sendstream.Expected.delta(params.name, {transfer.base_identity(ctx)})
         try:
-            btrfs.receive(stream, ctx.layout.templates, expected=expected)
+            btrfs_receive.receive(stream, ctx.layout.templates, expected=expected)
         except errors.ArtifactCorrupt as exc:
             raise errors.InvalidArgument(exc.message, **{**exc.details, "field": "stream"}) from exc
     return {"name": params.name, "path": str(dest)}

@@ -24,7 +24,7 @@ Invariants:
   the bundle files are rewritten every time (config last). What is already complete is kept.
 - A delta is received only onto the base it was made against (its parent UUID is checked first), and
   nothing is imported for a sandbox whose runtime is alive on this node. Staged streams are opened once
-  and read only through that descriptor; `btrfs.receive` confines and checks them (ADR 0023).
+  and read only through that descriptor; `btrfs_receive.receive` confines and checks them (ADR 0023).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from space.node.helper import oci
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import ImportParams, NoTransferParams, StagingParams, TransferParams
 from space.node.helper.usage import write_json
-from space.node.volumes import btrfs, sendstream, templates
+from space.node.volumes import btrfs, btrfs_receive, sendstream, templates
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int): share the extents of one file with another (reflink)
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -151,7 +151,7 @@ def _open_staged_at(dir_fd: int, name: str, shown: str) -> Iterator[BinaryIO]:
         raise errors.NotFound(f"{shown} does not exist", field=name) from exc
     except OSError as exc:
         raise errors.InvalidArgument(f"{shown} cannot be opened: {exc.strerror}", field=name) from exc
-    # Unbuffered: the fd itself is what `btrfs.receive` reads (through its own buffer).
+    # Unbuffered: the fd itself is what `btrfs_receive.receive` reads (through its own buffer).
     with os.fdopen(fd, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise errors.InvalidArgument(f"{shown} is not a regular file", field=name)
@@ -277,7 +277,7 @@ def snapshot_export(ctx: HelperContext, params: TransferParams, _progress: Progr
     timings: dict[str, float] = {}
     mark = time.monotonic()
     with open(out / DISK_STREAM, "wb") as f:
-        btrfs.send(disk, f, parent=base)
+        btrfs_receive.send(disk, f, parent=base)
     timings["send_ms"] = (time.monotonic() - mark) * 1000
     with open(out / DISK_STREAM, "rb") as f:
         header = sendstream.read_header(f)
@@ -331,7 +331,7 @@ def snapshot_import(ctx: HelperContext, params: ImportParams, _progress: Progres
                 btrfs.delete_subvolume(disk)  # half-received by a killed import
             disk.parent.mkdir(parents=True, exist_ok=True)
             mark = time.monotonic()
-            btrfs.receive(stream, disk.parent, expected=expected)
+            btrfs_receive.receive(stream, disk.parent, expected=expected)
             timings["receive_ms"] = (time.monotonic() - mark) * 1000
         if not _received(disk):
             raise errors.RuntimeFailure(f"receiving the disk of {snapshot_id} left no finished subvolume")

@@ -22,7 +22,7 @@ from typing import Any
 
 from space.core import errors
 from space.node.helper.context import HelperContext
-from space.node.volumes import btrfs
+from space.node.volumes import btrfs, btrfs_quota
 
 
 def write_json(path: pathlib.Path, data: dict[str, Any], uid: int | None = None) -> None:
@@ -41,7 +41,7 @@ def usage_file(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> pathlib
 def record_snapshot_usage(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> None:
     rootfs = ctx.layout.rootfs(sandbox_id)
     try:
-        usage = btrfs.qgroup_usage(rootfs, sync_first=False)
+        usage = btrfs_quota.qgroup_usage(rootfs, sync_first=False)
     except errors.SpaceError:
         return  # no quotas: the listing reports no size rather than failing the snapshot
     record = {"rootfs_exclusive": usage.exclusive, "rootfs_qgroup": usage.qgroup, "taken_at": time.time()}
@@ -52,8 +52,8 @@ def snapshot_cost(ctx: HelperContext, sandbox_id: str, snapshot_id: str) -> dict
     disk = ctx.layout.snapshot(sandbox_id, snapshot_id)
     if not btrfs.is_subvolume(disk):
         raise errors.NotFound(f"snapshot {snapshot_id} of {sandbox_id} is not on this node")
-    own = btrfs.qgroup_usage(disk)
-    mode = btrfs.quota_mode(disk)
+    own = btrfs_quota.qgroup_usage(disk)
+    mode = btrfs_quota.quota_mode(disk)
     result = {"exclusive_bytes": own.exclusive, "referenced_bytes": own.referenced,
               "qgroup_exclusive_bytes": own.exclusive, "quota_mode": mode}  # fmt: skip
     if mode != "simple":

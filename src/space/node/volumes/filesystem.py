@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure
-from space.node.volumes import btrfs
+from space.node.volumes import btrfs, btrfs_quota
 
 IMAGE_NAME = "btrfs.img"
 MOUNT_NAME = "fs"
@@ -261,7 +261,7 @@ def ensure_btrfs(
         except OSError as exc:
             raise RuntimeFailure(f"cannot create the layout under {fs.root}: {exc}") from exc
         want_quota = quota if quota is not None else fs.image is not None
-        mode = btrfs.enable_quota(fs.root) if want_quota else btrfs.quota_mode(fs.root)
+        mode = btrfs_quota.enable_quota(fs.root) if want_quota else btrfs_quota.quota_mode(fs.root)
         return dataclasses.replace(fs, quota=mode)
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure, SpaceError
-from space.node.volumes import btrfs, filesystem, sendstream
+from space.node.volumes import btrfs, btrfs_receive, filesystem, sendstream
 from space.node.volumes.mirror import find_mirror
 
 Progress = Callable[[str], None]
@@ -339,7 +339,7 @@ def _build_base_into_cache(templates: Path, cache: Path, mirror: str | None, pro
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            btrfs.send(base, f)
+            btrfs_receive.send(base, f)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, cache)  # a present cache file is always a complete stream
@@ -369,8 +369,8 @@ def ensure_base(
             t0 = time.monotonic()
             progress(f"space: receiving cached base {cache}")
             try:
-                with btrfs.open_stream(cache) as stream:
-                    btrfs.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
+                with btrfs_receive.open_stream(cache) as stream:
+                    btrfs_receive.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
             except SpaceError as exc:
                 # A corrupt or foreign cache file: drop it and rebuild from the mirror.
                 progress(f"space: cached base unusable ({exc.message}); rebuilding")
@@ -512,7 +512,7 @@ def base_status(templates: Path, *, cache_dir: Path | None = None) -> dict[str, 
 def _cache_stream_uuid(cache_dir: Path | None) -> str | None:
     cache = (cache_dir or default_cache_dir()) / CACHE_NAME
     try:
-        with btrfs.open_stream(cache) as f:
+        with btrfs_receive.open_stream(cache) as f:
             return sendstream.read_header(f).uuid
     except (OSError, SpaceError):
         return None
@@ -529,7 +529,7 @@ def export_base(templates: Path, out: Path, *, cache_dir: Path | None = None) ->
     ident = btrfs.subvolume_identity(base)
     if ident.received_uuid is None:
         with open(out, "wb") as f:
-            btrfs.send(base, f)
+            btrfs_receive.send(base, f)
     else:
         shutil.copyfile((cache_dir or default_cache_dir()) / CACHE_NAME, out)
     with open(out, "rb") as f:
@@ -546,7 +546,8 @@ def import_base(
     """Install the base from an original full stream (downloaded and verified by the caller); idempotent:
     a complete base already here is kept. Serialised with template builds by the templates lock.
 
-    `stream` is read once, by `btrfs.receive`, which refuses anything but a full stream of BASE_NAME."""
+    `stream` is read once, by `btrfs_receive.receive`, which refuses anything but a full stream of
+    BASE_NAME."""
     with _flock(templates / ".lock"):
         status = base_status(templates)
         if status["present"]:
@@ -554,7 +555,7 @@ def import_base(
         (templates / f"{BASE_NAME}.json").unlink(missing_ok=True)
         _discard_subvolume(templates / BASE_NAME)  # half-received by a killed run
         t0 = time.monotonic()
-        got = btrfs.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
+        got = btrfs_receive.receive(stream, templates, expected=sendstream.Expected.full(BASE_NAME))
         progress(f"space: base received from object storage in {time.monotonic() - t0:.1f} s")
         identity = btrfs.subvolume_identity(got).received_uuid
         meta = _base_metadata(got, _now(), built_here=False)
