@@ -11,38 +11,24 @@ from typing import Any
 import httpx
 import pytest
 import typer
-from typer.testing import CliRunner
 
-from space.cli import _common, admin
+from space.cli import admin
 from space.cli import main as cli_main
-from space.cli.main import app
-from space.sdk import Space
-from tests.unit.test_sdk import FakeServer, b64, error_response, ndjson, sandbox_json
-
-runner = CliRunner()
+from tests.support.sdk_server import (
+    FakeServer,
+    b64,
+    error_response,
+    invoke,
+    ndjson,
+    runner,
+    sandbox_json,
+    serve_the_cli,
+)
 
 
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
-    fake = FakeServer()
-    made: list[tuple[str | None, str | None]] = []
-
-    def factory(url: str | None, api_key: str | None) -> Space:
-        made.append((url, api_key))
-        return Space(
-            url=url or "http://space.test",
-            api_key=api_key or "k",
-            transport=httpx.MockTransport(fake),
-            retry_backoff=0,
-        )
-
-    monkeypatch.setattr(_common.state, "factory", factory)
-    fake.made = made  # type: ignore[attr-defined]
-    return fake
-
-
-def invoke(*args: str, input: bytes | str | None = None) -> Any:
-    return runner.invoke(app, list(args), input=input)
+    return serve_the_cli(monkeypatch)
 
 
 # ---- sandbox -----------------------------------------------------------------------------------------

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
-from tests.unit.test_cli import invoke, server
-from tests.unit.test_sdk import FakeServer, sandbox_json
+from tests.support.sdk_server import FakeServer, invoke, sandbox_json, serve_the_cli
 
-__all__ = ["server"]  # the fixture, imported for pytest
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    return serve_the_cli(monkeypatch)
 
 
 def test_create_with_a_snapshot_policy(server: FakeServer) -> None:

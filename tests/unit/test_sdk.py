@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -26,83 +24,16 @@ from space.sdk import (
     write_config_file,
 )
 from space.sdk.errors import error_from_response
-
-URL = "http://space.test"
-KEY = "sk-test"
-
-Handler = Callable[[httpx.Request], httpx.Response]
-
-
-def sandbox_json(sandbox_id: str = "sb-1", state: str = "running", **extra: Any) -> dict[str, Any]:
-    return {
-        "id": sandbox_id,
-        "project_id": "prj-1",
-        "template": "python",
-        "state": state,
-        "desired_state": state,
-        "generation": 1,
-        "node_id": "node-1",
-        "env": {},
-        "created_at": "2024-01-01T00:00:00Z",
-        **extra,
-    }
-
-
-def error_response(status: int, code: str, message: str, **details: Any) -> httpx.Response:
-    return httpx.Response(status, json={"error": {"code": code, "message": message, "details": details}})
-
-
-def ndjson(*events: dict[str, Any]) -> httpx.Response:
-    body = "".join(json.dumps(e) + "\n" for e in events).encode()
-    return httpx.Response(200, content=body, headers={"Content-Type": "application/x-ndjson"})
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _replay(answer: httpx.Response) -> Handler:
-    def handler(_request: httpx.Request) -> httpx.Response:
-        return httpx.Response(answer.status_code, content=answer.content, headers=answer.headers)
-
-    return handler
-
-
-class FakeServer:
-    """Routes (METHOD, path) to handlers and records every request (body read)."""
-
-    def __init__(self) -> None:
-        self.routes: dict[tuple[str, str], Handler | list[Handler]] = {}
-        self.requests: list[httpx.Request] = []
-
-    def on(self, method: str, path: str, *answers: httpx.Response | Handler) -> None:
-        handlers: list[Handler] = []
-        for answer in answers:
-            handlers.append(_replay(answer) if isinstance(answer, httpx.Response) else answer)
-        self.routes[(method, path)] = handlers if len(handlers) > 1 else handlers[0]
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        key = (request.method, request.url.raw_path.split(b"?")[0].decode())
-        self.requests.append(request)
-        route = self.routes.get(key)
-        if route is None:
-            return error_response(404, "not_found", f"no route {key}")
-        if not isinstance(route, list):
-            return route(request)
-        return (route.pop(0) if len(route) > 1 else route[0])(request)
-
-    def last(self) -> httpx.Request:
-        return self.requests[-1]
-
-    def body(self, index: int = -1) -> Any:
-        return json.loads(self.requests[index].content)
-
-
-class LazyMockTransport(httpx.MockTransport):
-    """MockTransport that hands the handler the request body unread (httpx's reads it first)."""
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        return self.handler(request)  # type: ignore[return-value]
+from tests.support.sdk_server import (
+    KEY,
+    URL,
+    FakeServer,
+    LazyMockTransport,
+    b64,
+    error_response,
+    ndjson,
+    sandbox_json,
+)
 
 
 def lazy_client(server: FakeServer) -> Space:

@@ -11,7 +11,7 @@ import pytest
 
 from space.core import errors as core_errors
 from space.sdk import AsyncSandbox, AsyncSpace, RateLimited, TransportError
-from tests.unit.test_sdk import KEY, URL, FakeServer, b64, error_response, ndjson, sandbox_json
+from tests.support.sdk_server import KEY, URL, FakeServer, b64, error_response, ndjson, sandbox_json
 
 T = TypeVar("T")
 

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 
 from space.sdk import AsyncSpace, Space
-from tests.unit.test_sdk import KEY, URL, FakeServer, sandbox_json
+from tests.support.sdk_server import KEY, URL, FakeServer, sandbox_json
 
 POLICY = {"disk_every_s": 300, "full_every_s": 3600, "upload_full": True}
 SNAPSHOT = {
