@@ -37,7 +37,7 @@ from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
 from space.node.layout import NodeLayout
-from space.node.volumes import btrfs, btrfs_ioctl, btrfs_receive, sendstream, templates
+from space.node.volumes import btrfs, btrfs_ioctl, btrfs_receive, sendstream, template_base
 from space.node.volumes.filesystem import ensure_btrfs, unmount_btrfs
 from tests.support import sendstreams as sb
 
@@ -70,7 +70,7 @@ def _new_node(tmp: Path, name: str, *, with_base: bool) -> Iterator[Node]:
         for path in (layout.templates, layout.snapshots_root, layout.checkpoints_root, layout.sandboxes):
             path.mkdir(parents=True, exist_ok=True)
         if with_base:
-            templates.ensure_base(layout.templates)  # from the machine's rootfs cache (seconds)
+            template_base.ensure_base(layout.templates)  # from the machine's rootfs cache (seconds)
         sentinel = tmp / f"sentinel-{name}"
         sentinel.mkdir()
         ctx = HelperContext(layout=layout, runsc=Runsc(root=layout.runsc_root, binary="/nonexistent/runsc"),
@@ -148,7 +148,7 @@ def _send(subvol: Path, parent: Path | None = None) -> bytes:
 
 def _crafted_delta(node: Node) -> bytes:
     """A real delta against the node's base: a few files, a symlink `work/x -> /`, named "crafted"."""
-    base = node.layout.templates / templates.BASE_NAME
+    base = node.layout.templates / template_base.BASE_NAME
     scratch = node.layout.fs / "scratch"
     scratch.mkdir(exist_ok=True)
     child = scratch / "crafted"
@@ -260,7 +260,7 @@ def test_template_receive_refuses_every_hostile_stream(node: Node) -> None:
 
 def test_template_receive_refuses_a_delta_onto_another_parent(node: Node) -> None:
     """Made against the wrong parent, or claiming the base while cloning another subvolume."""
-    base = node.layout.templates / templates.BASE_NAME
+    base = node.layout.templates / template_base.BASE_NAME
     scratch = node.layout.fs / "scratch"
     scratch.mkdir(exist_ok=True)
     other = scratch / "other-tenant"
@@ -292,7 +292,7 @@ def test_template_receive_refuses_a_delta_onto_another_parent(node: Node) -> Non
 
 
 def _identity(node: Node) -> str:
-    ident = btrfs.subvolume_identity(node.layout.templates / templates.BASE_NAME)
+    ident = btrfs.subvolume_identity(node.layout.templates / template_base.BASE_NAME)
     return ident.received_uuid or ident.uuid
 
 
@@ -355,17 +355,17 @@ def _base_import(node: Node, data: bytes) -> dict[str, object]:
 
 
 def test_base_import_refuses_every_hostile_stream(node: Node, bare_node: Node) -> None:
-    crafted = _crafted_full(bare_node, templates.BASE_NAME)
+    crafted = _crafted_full(bare_node, template_base.BASE_NAME)
     watch = Watch(bare_node)
     for attack, data in _hostile_variants(crafted, bare_node.sentinel).items():
         code, message = _failure(_base_import(bare_node, data))
         assert code == "artifact_corrupt", (attack, message)
         assert "send stream refused" in message, (attack, message)
-        assert not os.path.lexists(bare_node.layout.templates / templates.BASE_NAME), attack
+        assert not os.path.lexists(bare_node.layout.templates / template_base.BASE_NAME), attack
         watch.assert_nothing_escaped(allowed={"staging", "scratch", "templates/.lock"})
 
     # A delta (here one made on the other node against its base) is not a base: refused, whatever it names.
-    code, message = _failure(_base_import(bare_node, _named(_crafted_delta(node), templates.BASE_NAME)))
+    code, message = _failure(_base_import(bare_node, _named(_crafted_delta(node), template_base.BASE_NAME)))
     assert code == "artifact_corrupt" and "delta stream where a full" in message, message
     # Nor is a full stream of anything but the base.
     code, message = _failure(_base_import(bare_node, _named(crafted, "python")))
@@ -375,10 +375,10 @@ def test_base_import_refuses_every_hostile_stream(node: Node, bare_node: Node) -
     # The unpatched stream is accepted as the base (and removed again for the next test run).
     answer = _base_import(bare_node, crafted)
     assert answer["ok"] is True, answer
-    base = bare_node.layout.templates / templates.BASE_NAME
+    base = bare_node.layout.templates / template_base.BASE_NAME
     assert (base / "work" / "hello").read_text() == "hello\n" and btrfs.get_readonly(base)
     btrfs.delete_subvolume(base)
-    (bare_node.layout.templates / f"{templates.BASE_NAME}.json").unlink()
+    (bare_node.layout.templates / f"{template_base.BASE_NAME}.json").unlink()
 
 
 # --- the layer behind the checker: --chroot into empty staging -------------------------------------------
@@ -538,22 +538,22 @@ def test_the_real_helper_process_refuses_hostile_streams_with_typed_errors(
 def test_a_hostile_rootfs_cache_is_refused_dropped_and_never_applied(bare_node: Node, tmp_path: Path) -> None:
     """The cache is root's own file, but it is a stream like any other: a tampered one is refused by the
     checker, deleted, and the base rebuilt (here from an unreachable mirror, so the rebuild fails too)."""
-    crafted = _crafted_full(bare_node, templates.BASE_NAME)
+    crafted = _crafted_full(bare_node, template_base.BASE_NAME)
     cache_dir = tmp_path / "rootfs-cache"
     cache_dir.mkdir()
     watch = Watch(bare_node)
     for attack, data in _hostile_variants(crafted, bare_node.sentinel).items():
-        (cache_dir / templates.CACHE_NAME).write_bytes(data)
+        (cache_dir / template_base.CACHE_NAME).write_bytes(data)
         lines: list[str] = []
         with pytest.raises(errors.RuntimeFailure, match="debootstrap"):
-            templates.ensure_base(bare_node.layout.templates, cache_dir=cache_dir,
+            template_base.ensure_base(bare_node.layout.templates, cache_dir=cache_dir,
                                   mirror="http://127.0.0.1:9/debian", progress=lines.append)  # fmt: skip
         assert any("cached base unusable" in line and "send stream refused" in line for line in lines), attack
-        assert not (cache_dir / templates.CACHE_NAME).exists(), f"{attack}: the refused cache was kept"
-        base_or_lock = {f"templates/{templates.BASE_NAME}", "templates/.lock"}
+        assert not (cache_dir / template_base.CACHE_NAME).exists(), f"{attack}: the refused cache was kept"
+        base_or_lock = {f"templates/{template_base.BASE_NAME}", "templates/.lock"}
         watch.assert_nothing_escaped(allowed={"scratch", "staging", *base_or_lock})
     # What the failed rebuild left is a half-built base, never a received one.
-    base = bare_node.layout.templates / templates.BASE_NAME
+    base = bare_node.layout.templates / template_base.BASE_NAME
     if btrfs.is_subvolume(base):
         assert btrfs.subvolume_identity(base).received_uuid is None
         btrfs.delete_subvolume(base)

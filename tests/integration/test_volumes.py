@@ -25,6 +25,7 @@ from space.node.volumes import (
     btrfs_quota,
     btrfs_receive,
     sendstream,
+    template_base,
     templates,
 )
 from space.node.volumes.filesystem import BtrfsFs, ensure_btrfs, mount_source, unmount_btrfs
@@ -375,7 +376,7 @@ def test_ensure_template_is_idempotent_and_fast_when_cached(
 def test_guest_code_change_rebuilds_only_the_cheap_layer(
     node_fs: BtrfsFs, template: templates.Template, tmp_path: Path
 ) -> None:
-    base = node_fs.templates / templates.BASE_NAME
+    base = node_fs.templates / template_base.BASE_NAME
     base_id = btrfs.subvolume_id(base)
     src = tmp_path / "space"
     real = templates.default_guest_src()
@@ -401,18 +402,18 @@ def test_guest_code_change_rebuilds_only_the_cheap_layer(
 def test_half_built_layers_from_a_killed_run_are_rebuilt(node_fs: BtrfsFs) -> None:
     tdir = node_fs.templates
     # Killed while building the guest layer: staging subvolume present, metadata gone.
-    btrfs.snapshot(tdir / templates.BASE_NAME, tdir / ".python.new")
+    btrfs.snapshot(tdir / template_base.BASE_NAME, tdir / ".python.new")
     (tdir / "python.json").unlink()
     rebuilt = templates.ensure_template(node_fs.root)
     assert (tdir / "python.json").exists() and not (tdir / ".python.new").exists()
     assert btrfs.get_readonly(rebuilt.path)
     # Killed while receiving the base: the marker (written last) is missing → base received again.
-    (tdir / f"{templates.BASE_NAME}.json").unlink()
+    (tdir / f"{template_base.BASE_NAME}.json").unlink()
     (tdir / "python.json").unlink()
     t0 = time.monotonic()
     again = templates.ensure_template(node_fs.root)
     assert time.monotonic() - t0 < 60
-    assert (tdir / f"{templates.BASE_NAME}.json").exists()
+    assert (tdir / f"{template_base.BASE_NAME}.json").exists()
     proc = _chroot_python(again.path, "-c", "print(1)")
     assert proc.returncode == 0, proc.stderr
 

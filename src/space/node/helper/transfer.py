@@ -46,7 +46,7 @@ from space.node.helper import oci
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import ImportParams, NoTransferParams, StagingParams, TransferParams
 from space.node.helper.usage import write_json
-from space.node.volumes import btrfs, btrfs_receive, sendstream, templates
+from space.node.volumes import btrfs, btrfs_receive, sendstream, template_base, templates
 
 FICLONE = 0x40049409  # _IOW(0x94, 9, int): share the extents of one file with another (reflink)
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -238,10 +238,10 @@ def _take_ownership(directory: pathlib.Path) -> None:
 
 
 def _base(ctx: HelperContext) -> tuple[pathlib.Path, str]:
-    status = templates.base_status(ctx.layout.templates)
+    status = template_base.base_status(ctx.layout.templates)
     if not status["present"]:
-        raise errors.NotFound(f"the template base {templates.BASE_NAME} is not on this node")
-    return ctx.layout.templates / templates.BASE_NAME, str(status["identity"])
+        raise errors.NotFound(f"the template base {template_base.BASE_NAME} is not on this node")
+    return ctx.layout.templates / template_base.BASE_NAME, str(status["identity"])
 
 
 def prepare_agent_dirs(ctx: HelperContext) -> None:
@@ -299,8 +299,8 @@ def snapshot_export(ctx: HelperContext, params: TransferParams, _progress: Progr
             "kind": "full-checkpoint",
             "sandbox_id": sandbox_id,
             "snapshot_id": snapshot_id,
-            "base": templates.BASE_NAME,
-            "base_version": templates.BASE_VERSION,
+            "base": template_base.BASE_NAME,
+            "base_version": template_base.BASE_VERSION,
             "base_identity": identity,
             "disk_stream_bytes": files[DISK_STREAM],
             "image_bytes": sum(size for name, size in files.items() if name.startswith("image/")),
@@ -366,7 +366,7 @@ def _received(disk: pathlib.Path) -> bool:
 
 # -- the template base -----------------------------------------------------------------------------------
 def base_status(ctx: HelperContext, _params: NoTransferParams, _progress: Progress) -> dict[str, Any]:
-    return templates.base_status(ctx.layout.templates)
+    return template_base.base_status(ctx.layout.templates)
 
 
 def base_export(ctx: HelperContext, _params: NoTransferParams, _progress: Progress) -> dict[str, Any]:
@@ -377,12 +377,12 @@ def base_export(ctx: HelperContext, _params: NoTransferParams, _progress: Progre
         if isinstance(done, dict):
             return done
     _fresh_dir(ctx, out)
-    info = templates.export_base(ctx.layout.templates, out / BASE_STREAM)
+    info = template_base.export_base(ctx.layout.templates, out / BASE_STREAM)
     _chown_tree(out, ctx.owner_uid)
     result = {
         "dir": str(out),
         "files": {BASE_STREAM: info["bytes"]},
-        "metadata": {"format": 1, "kind": "template-base", "base": templates.BASE_NAME,
+        "metadata": {"format": 1, "kind": "template-base", "base": template_base.BASE_NAME,
                      "base_version": info["version"], "base_identity": info["identity"]},
         "timings": {},
     }  # fmt: skip
@@ -393,6 +393,6 @@ def base_export(ctx: HelperContext, _params: NoTransferParams, _progress: Progre
 def base_import(ctx: HelperContext, _params: NoTransferParams, progress: Progress) -> dict[str, Any]:
     staged = ctx.layout.base_import_dir()
     with _open_staged(staged, BASE_STREAM) as stream:
-        result = templates.import_base(ctx.layout.templates, stream, progress=progress)
+        result = template_base.import_base(ctx.layout.templates, stream, progress=progress)
     _remove(staged)
     return result
