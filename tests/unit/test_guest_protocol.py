@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 import time
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from space.guest.daemon import HANDLERS
+from space.protocol import methods as m
 from space.protocol.frames import (
     HEADER,
     MAGIC,
@@ -115,6 +118,14 @@ def test_sys_reseed_regenerates_boot_id() -> None:
 def test_unknown_method(guest: Guest) -> None:
     assert guest.call("no.such").error["code"] == "unknown_method"
     assert_alive(guest)
+
+
+def test_every_protocol_method_has_a_handler_and_nothing_else_does() -> None:
+    # The handler table keys on the protocol's names; a method added on one side only fails here.
+    assert set(HANDLERS) == m.METHODS
+    assert m.BODY_METHODS <= m.METHODS
+    for module_name, function_name in HANDLERS.values():
+        assert callable(getattr(importlib.import_module(module_name), function_name))
 
 
 def test_params_must_be_an_object(guest: Guest) -> None:

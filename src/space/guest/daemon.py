@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, error_payload
 from space.guest.children import ChildWatcher
+from space.protocol import methods as m
 from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
 from space.protocol.flow import announced_window, window_increment
 from space.protocol.frames import Frame, FrameDecoder, FrameType, encode_json
@@ -45,34 +46,34 @@ CHANNEL_FD_MIN = 100  # the channel's fds sit above anything a library or child 
 READ_SIZE = 1 << 20
 RECENT_STREAMS = 4096
 MAX_IDLE_WORKERS = 8
-BODY_METHODS = frozenset({"process.start", "process.input", "files.write"})
 # Credit granted to the host per call for request bodies (announced in HELLO): bigger than the host's
 # default, since it is the sandbox's own memory (within channel.BODY_BUDGET) and uploads cross a slower
 # round trip (the sandbox's wake-ups) than downloads.
 BODY_WINDOW = 4 << 20
 
-# method -> (module, function); modules are imported on first use to keep start-up fast.
+# method -> (module, function); modules are imported on first use to keep start-up fast. Keys are exactly
+# the protocol's methods.METHODS.
 HANDLERS: dict[str, tuple[str, str]] = {
-    "sys.ping": (__name__, "sys_ping"),
-    "sys.info": (__name__, "sys_info"),
-    "sys.sync": (__name__, "sys_sync"),
-    "sys.reseed": (__name__, "sys_reseed"),
-    "sys.configure": (__name__, "sys_configure"),
-    "process.start": ("space.guest.processes", "process_start"),
-    "process.attach": ("space.guest.processes", "process_attach"),
-    "process.input": ("space.guest.processes", "process_input"),
-    "process.signal": ("space.guest.processes", "process_signal"),
-    "process.resize": ("space.guest.processes", "process_resize"),
-    "process.list": ("space.guest.processes", "process_list"),
-    "files.read": ("space.guest.files", "files_read"),
-    "files.write": ("space.guest.files", "files_write"),
-    "files.list": ("space.guest.files", "files_list"),
-    "files.stat": ("space.guest.files", "files_stat"),
-    "files.mkdir": ("space.guest.files", "files_mkdir"),
-    "files.remove": ("space.guest.files", "files_remove"),
-    "files.rename": ("space.guest.files", "files_rename"),
-    "files.chmod": ("space.guest.files", "files_chmod"),
-    "files.watch": ("space.guest.watch", "files_watch"),
+    m.SYS_PING: (__name__, "sys_ping"),
+    m.SYS_INFO: (__name__, "sys_info"),
+    m.SYS_SYNC: (__name__, "sys_sync"),
+    m.SYS_RESEED: (__name__, "sys_reseed"),
+    m.SYS_CONFIGURE: (__name__, "sys_configure"),
+    m.PROCESS_START: ("space.guest.processes", "process_start"),
+    m.PROCESS_ATTACH: ("space.guest.processes", "process_attach"),
+    m.PROCESS_INPUT: ("space.guest.processes", "process_input"),
+    m.PROCESS_SIGNAL: ("space.guest.processes", "process_signal"),
+    m.PROCESS_RESIZE: ("space.guest.processes", "process_resize"),
+    m.PROCESS_LIST: ("space.guest.processes", "process_list"),
+    m.FILES_READ: ("space.guest.files", "files_read"),
+    m.FILES_WRITE: ("space.guest.files", "files_write"),
+    m.FILES_LIST: ("space.guest.files", "files_list"),
+    m.FILES_STAT: ("space.guest.files", "files_stat"),
+    m.FILES_MKDIR: ("space.guest.files", "files_mkdir"),
+    m.FILES_REMOVE: ("space.guest.files", "files_remove"),
+    m.FILES_RENAME: ("space.guest.files", "files_rename"),
+    m.FILES_CHMOD: ("space.guest.files", "files_chmod"),
+    m.FILES_WATCH: ("space.guest.watch", "files_watch"),
 }
 
 
@@ -254,7 +255,7 @@ class Daemon:
             return
         method = request.get("method")
         params = request.get("params", {})
-        if not (isinstance(method, str) and method.startswith("sys.")):
+        if not (isinstance(method, str) and method.startswith(m.SYSTEM_PREFIX)):
             self.touch()  # the node's own health and activity polls must not keep a sandbox "busy"
         if not isinstance(method, str):
             self._send_error(stream, "malformed_payload", "CALL without a string 'method'")
@@ -277,7 +278,7 @@ class Daemon:
             send_window=window,
             receive_window=BODY_WINDOW if window is not None else None,
         )
-        if method not in BODY_METHODS:
+        if method not in m.BODY_METHODS:
             call.inbound.refuse()
         with self._lock:
             self._calls[stream] = call

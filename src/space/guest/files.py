@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from space.guest.channel import Call, Cancelled, GuestError
 from space.guest.params import REQUIRED, get_bool, get_int, get_str
+from space.protocol import methods as m
 from space.protocol.frames import CHUNK_SIZE, MAX_PAYLOAD, Channel
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ def files_list(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, 
     for entry in entries:
         size = len(entry["path"]) * 2 + len(str(entry.get("target") or "")) + 200
         if batch and batch_bytes + size > LIST_BATCH_BYTES:
-            call.event({"type": "entries", "entries": batch})
+            call.event({"type": m.EVENT_ENTRIES, "entries": batch})
             batch, batch_bytes = [], 0
         batch.append(entry)
         batch_bytes += size

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from space.guest.channel import Call, Cancelled, GuestError
 from space.guest.outputlog import OutputLog
 from space.guest.params import get_bool, get_float, get_int, get_str, get_str_map
+from space.protocol import methods as m
 from space.protocol.frames import Channel
 
 if TYPE_CHECKING:
@@ -506,7 +507,7 @@ def process_start(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[st
         raise _errno_error(exc) from exc
     if process.background:
         return {"process_id": process.process_id, "pid": process.pid}
-    call.event({"type": "started", "process_id": process.process_id, "pid": process.pid})
+    call.event({"type": m.EVENT_STARTED, "process_id": process.process_id, "pid": process.pid})
     if process.stdin_fd is None:
         call.inbound.refuse()
     else:
@@ -534,7 +535,7 @@ def _follow(call: Call, process: Process, offset: int, follow: bool, announce: b
     call.add_waker(log.wake)
     try:
         if announce:
-            call.event({"type": "attached", "offset": offset, "truncated": truncated})
+            call.event({"type": m.EVENT_ATTACHED, "offset": offset, "truncated": truncated})
         stop_at = None if follow else log.end
         while stop_at is None or offset < stop_at:
             try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from space.guest.channel import Call, Cancelled
 from space.guest.files import resolve
 from space.guest.params import get_bool
+from space.protocol import methods as m
 
 if TYPE_CHECKING:
     from space.guest.daemon import Daemon
@@ -245,13 +246,14 @@ def files_watch(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
     os.stat(root)  # a missing path is not_found now, not a silent empty watch
     watcher = open_watcher(root, recursive)
     try:
-        call.event({"type": "watching", "backend": watcher.backend})
+        call.event({"type": m.EVENT_WATCHING, "backend": watcher.backend})
         while not call.cancelled.is_set():
             found = watcher.changes(POLL_INTERVAL)
             if found:
                 daemon.touch()
                 try:
-                    call.event({"type": "changes", "changes": [{"path": p, "kind": k} for p, k in found]})
+                    changes = [{"path": path, "kind": kind} for path, kind in found]
+                    call.event({"type": m.EVENT_CHANGES, "changes": changes})
                 except Cancelled:
                     if call.finished:
                         raise

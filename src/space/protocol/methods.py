@@ -1,5 +1,8 @@
 """The calls `spaced` answers, and the error codes it uses (standard library only).
 
+Both ends use the names below, never string literals: spaced's handler table keys on them
+(space.guest.daemon), and the node's client of the daemon calls through them (space.node.agent.guest).
+
 A call is a CALL frame {"method": M, "params": {...}} on a fresh stream id chosen by the host. The daemon
 answers on the same stream with any number of EVENT / DATA / EOF frames and exactly one terminal frame:
 RESULT (a JSON object) or ERROR ({"code": one of GUEST_ERROR_CODES, "message": str}). The host may send
@@ -71,6 +74,8 @@ Details and extensions fixed by the daemon (spaced, space.guest); hosts ignore f
 
 from __future__ import annotations
 
+# --- method names (the "method" of a CALL frame) ----------------------------------------------------------
+
 SYS_PING = "sys.ping"
 SYS_INFO = "sys.info"
 SYS_SYNC = "sys.sync"
@@ -91,6 +96,48 @@ FILES_REMOVE = "files.remove"
 FILES_RENAME = "files.rename"
 FILES_CHMOD = "files.chmod"
 FILES_WATCH = "files.watch"
+
+#: Every method spaced answers; any other name is answered with ERROR "unknown_method".
+METHODS = frozenset(
+    {
+        SYS_PING,
+        SYS_INFO,
+        SYS_SYNC,
+        SYS_RESEED,
+        SYS_CONFIGURE,
+        PROCESS_START,
+        PROCESS_ATTACH,
+        PROCESS_INPUT,
+        PROCESS_SIGNAL,
+        PROCESS_RESIZE,
+        PROCESS_LIST,
+        FILES_READ,
+        FILES_WRITE,
+        FILES_LIST,
+        FILES_STAT,
+        FILES_MKDIR,
+        FILES_REMOVE,
+        FILES_RENAME,
+        FILES_CHMOD,
+        FILES_WATCH,
+    }
+)
+
+#: The methods that take a request body (host DATA/EOF BODY frames after the CALL); spaced drops the BODY
+#: frames sent to any other call.
+BODY_METHODS = frozenset({PROCESS_START, PROCESS_INPUT, FILES_WRITE})
+
+#: Calls whose method starts with this are the node's own health and activity polls: they do not count as
+#: activity of the sandbox (sys.info's "last_activity" / "idle_seconds").
+SYSTEM_PREFIX = "sys."
+
+# --- EVENT frames: the value of their "type" field --------------------------------------------------------
+
+EVENT_STARTED = "started"  # process.start (foreground): {"process_id", "pid"}
+EVENT_ATTACHED = "attached"  # process.attach: {"offset", "truncated"}
+EVENT_ENTRIES = "entries"  # files.list: {"entries": [stat]}, a batch before the RESULT
+EVENT_WATCHING = "watching"  # files.watch: {"backend"}, once the watch is in place
+EVENT_CHANGES = "changes"  # files.watch: {"changes": [{"path", "kind"}]}
 
 GUEST_ERROR_CODES = frozenset(
     {

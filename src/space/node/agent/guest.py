@@ -136,7 +136,7 @@ class GuestSession:
                     buf += item.data[:room]
                 if on_output is not None:
                     on_output(item.channel, item.data)
-            elif item.kind == FrameType.EVENT and item.event.get("type") == "started":
+            elif item.kind == FrameType.EVENT and item.event.get("type") == m.EVENT_STARTED:
                 process_id = str(item.event.get("process_id", ""))
         result = await call.result()
         return ExecResult(
@@ -256,7 +256,7 @@ class GuestSession:
         call = await self.channel.open(m.FILES_LIST, {"path": path})
         entries: list[dict[str, Any]] = []
         async for item in call.events():  # large listings arrive in batches before the result
-            if item.kind == FrameType.EVENT and item.event.get("type") == "entries":
+            if item.kind == FrameType.EVENT and item.event.get("type") == m.EVENT_ENTRIES:
                 entries.extend(item.event.get("entries", []))
         entries.extend((await call.result()).get("entries", []))
         return entries
