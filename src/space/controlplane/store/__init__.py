@@ -1,4 +1,4 @@
-"""The control plane's state store (SQLite embedded, PostgreSQL shared); see store.py for invariants.
+"""The control plane's state store (SQLite embedded, PostgreSQL shared); see store.py for its map.
 
 The only package of SPACE that imports SQLAlchemy: everything else uses `Store` and its records.
 """
@@ -21,13 +21,9 @@ from space.controlplane.store.records import (
     SnapshotRecord,
     SnapshotState,
 )
-from space.controlplane.store.store import (
-    DESIRABLE_STATES,
-    OBSERVED_FIELDS,
-    TRANSITION_FIELDS,
-    Store,
-    open_store,
-)
+from space.controlplane.store.sandbox_state import OBSERVED_FIELDS, TRANSITION_FIELDS
+from space.controlplane.store.sandboxes import DESIRABLE_STATES
+from space.controlplane.store.store import Store, open_store
 
 __all__ = [
     "DESIRABLE_STATES",

@@ -1,0 +1,296 @@
+"""Nodes: registration, enrolment, re-registration, heartbeats and liveness.
+
+Invariants:
+- A node's url is unique. `enrol_node` (a NEW node) never takes a url another node holds, and
+  `reregister_node` (an EXISTING node) requires the identity of its enrolment (ADR 0021); only the
+  trusted `register_node` (operators' tools, tests) registers by url unchecked.
+- Secrets are kept as SHA-256 digests (the node's identity); the node's RPC token, which the control
+  plane must present, only sealed by the caller (ADR 0021).
+- Every registration stamps the same fields (`_set_registration`): RPC token, capacity, templates,
+  labels, status and heartbeat time.
+- A heartbeat moves a sandbox's last activity only for sandboxes assigned to that node, never backwards.
+- `mark_lost` returns only the nodes it changed, so exactly one caller acts on each loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, Final, get_args
+
+from sqlalchemy import case, select, update
+from sqlalchemy.orm import Session
+
+from space.controlplane.store.database import Repository
+from space.controlplane.store.digests import MAX_SECRET_LENGTH, hash_secret, matches, plausible_secret
+from space.controlplane.store.enrolment_tokens import consume_enrolment
+from space.controlplane.store.mapping import node_record
+from space.controlplane.store.models import Node, Sandbox
+from space.controlplane.store.records import NodeRecord, NodeStatus
+from space.controlplane.store.values import aware, seconds, text
+from space.core import ids
+from space.core.errors import AlreadyExists, Conflict, InvalidArgument, NotFound
+
+_NODE_STATUSES: Final = frozenset(get_args(NodeStatus))
+URL_LENGTH: Final = 512
+
+
+def _set_registration(
+    row: Node,
+    now: datetime,
+    *,
+    rpc_token_sealed: bytes | None,
+    capacity: Mapping[str, Any] | None,
+    templates: Sequence[str],
+    labels: Mapping[str, str] | None,
+    status: str,
+) -> None:
+    """What every kind of registration records about the node that (re)announced itself."""
+    row.rpc_token_sealed = rpc_token_sealed
+    row.capacity = dict(capacity or {})
+    row.templates = list(templates)
+    row.labels = dict(labels or {})
+    row.status = status
+    row.last_heartbeat_at = now
+
+
+def _url_holder(session: Session, url: str) -> Node | None:
+    return session.scalars(select(Node).where(Node.url == url).with_for_update()).one_or_none()
+
+
+def _move_activity(session: Session, node_id: str, activity: Mapping[str, datetime]) -> None:
+    """Move the last activity of `node_id`'s sandboxes forward to what it reported (never backwards)."""
+    for sandbox_id, at in sorted(activity.items()):
+        when = aware(at, "activity")
+        session.execute(
+            update(Sandbox)
+            .where(Sandbox.id == sandbox_id, Sandbox.node_id == node_id, Sandbox.last_activity_at < when)
+            .values(last_activity_at=when)
+            .execution_options(synchronize_session=False)
+        )
+
+
+class NodeRepository(Repository):
+    """The nodes table."""
+
+    def register_node(
+        self,
+        url: str,
+        token: str,
+        *,
+        capacity: Mapping[str, Any] | None = None,
+        templates: Sequence[str] = (),
+        labels: Mapping[str, str] | None = None,
+        identity: str | None = None,
+        rpc_token_sealed: bytes | None = None,
+    ) -> NodeRecord:
+        """Register a node, idempotent by url: a node that registers again (after a restart) keeps its
+        id and becomes ready; its token, capacity, templates and labels are replaced. `identity` is the
+        per-node secret the caller issued for this registration (only its hash is kept); it replaces the
+        previous one, so an identity from an earlier registration stops working (None: none works).
+
+        Trusted and unchecked (operators' tools, tests): the node-facing API enrols with `enrol_node` and
+        re-registers with `reregister_node`, which never let one node take another's url (ADR 0021)."""
+        url = text(url, "url", URL_LENGTH)
+        token = text(token, "token", MAX_SECRET_LENGTH)
+        if identity is not None:
+            identity = text(identity, "identity", MAX_SECRET_LENGTH)
+        for _attempt in range(2):
+            now = self.now()
+            try:
+                with self._tx(f"registering node {url}") as session:
+                    row = _url_holder(session, url)
+                    if row is None:
+                        row = Node(id=ids.new_node_id(), url=url, registered_at=now, used={})
+                        session.add(row)
+                    row.token_hash = hash_secret(token)
+                    row.identity_hash = hash_secret(identity) if identity is not None else None
+                    _set_registration(
+                        row,
+                        now,
+                        rpc_token_sealed=rpc_token_sealed,
+                        capacity=capacity,
+                        templates=templates,
+                        labels=labels,
+                        status="ready",
+                    )
+                    session.flush()
+                    return node_record(row)
+            except AlreadyExists:
+                continue  # a concurrent first registration of the same url won; take its row
+        raise Conflict(f"node {url} is being registered concurrently; retry")
+
+    def authenticate_node(self, node_id: str, identity: str) -> NodeRecord | None:
+        """The node `node_id` if `identity` is the secret issued at its latest registration, else None
+        (hashes compared in constant time; the cluster's bootstrap token is never an identity)."""
+        if not plausible_secret(identity):
+            return None
+        with self._tx("authenticating a node") as session:
+            row = session.get(Node, node_id)
+            if row is None or not matches(row.identity_hash, identity):
+                return None
+            return node_record(row)
+
+    def node_endpoint(self, node_id: str) -> tuple[str, bytes | None] | None:
+        """(url, sealed RPC token) of a node, for the node pool only (ADR 0021); None if not registered."""
+        with self._tx("reading a node's endpoint") as session:
+            row = session.get(Node, node_id)
+            return (row.url, row.rpc_token_sealed) if row is not None else None
+
+    def enrol_node(
+        self,
+        node_id: str,
+        url: str,
+        *,
+        identity: str,
+        seal_rpc_token: Callable[[str], bytes],
+        capacity: Mapping[str, Any] | None = None,
+        templates: Sequence[str] = (),
+        labels: Mapping[str, str] | None = None,
+        enrolment_token: str | None = None,
+    ) -> NodeRecord:
+        """A NEW node (ADR 0021) with id `node_id`: `url` must not be held by any node (AlreadyExists: the
+        node that holds it re-registers with its identity, `reregister_node`; nobody takes it over with a
+        bootstrap token). The one exception is a record from before per-node RPC tokens (no sealed token,
+        its identity was never persisted by its node): the upgraded node at that url adopts it, keeping
+        its id. `seal_rpc_token(final node id)` gives the sealed RPC token to store. With
+        `enrolment_token`, one use of it is consumed in the same transaction (Unauthenticated if it is
+        unknown, expired or used up), so a refused enrolment uses nothing. The identity is kept hashed."""
+        ids.parse_node_id(node_id)
+        url = text(url, "url", URL_LENGTH)
+        identity = text(identity, "identity", MAX_SECRET_LENGTH)
+        now = self.now()
+        with self._tx(f"enrolling node {url}") as session:
+            if enrolment_token is not None:
+                consume_enrolment(session, enrolment_token, now)
+            row = _url_holder(session, url)
+            if row is not None and row.rpc_token_sealed is not None:
+                raise AlreadyExists(
+                    f"{url} is registered to node {row.id}: that node re-registers with its identity",
+                    field="url",
+                )
+            if row is None:
+                # token_hash (ADR 0009) is superseded by rpc_token_sealed: nothing checks it any more.
+                row = Node(id=node_id, url=url, registered_at=now, used={}, token_hash="")
+                session.add(row)
+            row.identity_hash = hash_secret(identity)
+            _set_registration(
+                row,
+                now,
+                rpc_token_sealed=bytes(seal_rpc_token(row.id)),
+                capacity=capacity,
+                templates=templates,
+                labels=labels,
+                status="ready",
+            )
+            session.flush()
+            return node_record(row)
+
+    def reregister_node(
+        self,
+        node_id: str,
+        identity: str,
+        url: str,
+        *,
+        rpc_token_sealed: bytes,
+        capacity: Mapping[str, Any] | None = None,
+        templates: Sequence[str] = (),
+    ) -> NodeRecord | None:
+        """An EXISTING node registers again (a restart, a new address): it must present the identity of
+        its enrolment (None if it does not: the caller answers 401). It keeps its id, identity and labels
+        and becomes ready (a draining node stays draining); its url, RPC token, capacity and templates are
+        replaced. A url held by another node is AlreadyExists."""
+        url = text(url, "url", URL_LENGTH)
+        if not plausible_secret(identity):
+            return None
+        now = self.now()
+        with self._tx(f"re-registering node {node_id}") as session:
+            row = session.get(Node, node_id, with_for_update=True)
+            if row is None or not matches(row.identity_hash, identity):
+                return None
+            if row.url != url:
+                holder = _url_holder(session, url)
+                if holder is not None:
+                    raise AlreadyExists(f"{url} is registered to node {holder.id}", field="url")
+                row.url = url
+            _set_registration(
+                row,
+                now,
+                rpc_token_sealed=bytes(rpc_token_sealed),
+                capacity=capacity,
+                templates=templates,
+                labels=row.labels,  # kept
+                status="ready" if row.status == "lost" else row.status,  # a draining node stays draining
+            )
+            session.flush()
+            return node_record(row)
+
+    def get_node(self, node_id: str) -> NodeRecord | None:
+        with self._tx("reading a node") as session:
+            row = session.get(Node, node_id)
+            return node_record(row) if row else None
+
+    def heartbeat(
+        self,
+        node_id: str,
+        *,
+        used: Mapping[str, Any],
+        templates: Sequence[str] | None = None,
+        activity: Mapping[str, datetime] | None = None,
+        capacity: Mapping[str, Any] | None = None,
+    ) -> NodeRecord:
+        """A node's periodic report: resource use, templates present, and per-sandbox last activity
+        (applied only to sandboxes assigned to this node, never moving backwards). A lost node that
+        reports again is ready; a draining one stays draining. NotFound: register again."""
+        now = self.now()
+        statement = (
+            update(Node)
+            .where(Node.id == node_id)
+            .values(
+                used=dict(used),
+                last_heartbeat_at=now,
+                status=case((Node.status == "lost", "ready"), else_=Node.status),
+                **({"templates": list(templates)} if templates is not None else {}),
+                **({"capacity": dict(capacity)} if capacity is not None else {}),
+            )
+            .returning(Node)
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx(f"heartbeat of node {node_id}") as session:
+            row = session.scalars(statement).one_or_none()
+            if row is None:
+                raise NotFound(f"node {node_id} not registered")
+            _move_activity(session, node_id, activity or {})
+            return node_record(row)
+
+    def set_node_status(self, node_id: str, status: NodeStatus) -> NodeRecord:
+        if status not in _NODE_STATUSES:
+            raise InvalidArgument(f"invalid node status {status!r}", field="status")
+        with self._tx(f"setting node {node_id} {status}") as session:
+            row = session.get(Node, node_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"node {node_id} not registered")
+            row.status = status
+            return node_record(row)
+
+    def mark_lost(self, older_than_s: float) -> list[str]:
+        """Mark nodes whose last heartbeat is older than `older_than_s` lost; return their ids (only
+        the ones this call changed, so exactly one caller acts on each loss)."""
+        cutoff = self.now() - seconds(older_than_s, "older_than_s")
+        statement = (
+            update(Node)
+            .where(Node.status.in_(("ready", "draining")), Node.last_heartbeat_at < cutoff)
+            .values(status="lost")
+            .returning(Node.id)
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx("marking lost nodes") as session:
+            return sorted(session.scalars(statement))
+
+    def list_nodes(self, status: NodeStatus | None = "ready") -> list[NodeRecord]:
+        """Nodes with `status` (default: ready ones, for the scheduler); None lists all."""
+        query = select(Node)
+        if status is not None:
+            query = query.where(Node.status == status)
+        with self._tx("listing nodes") as session:
+            return [node_record(row) for row in session.scalars(query.order_by(Node.registered_at, Node.id))]

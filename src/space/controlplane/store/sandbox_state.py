@@ -1,0 +1,283 @@
+"""Sandbox state changes: compare-and-swap transitions, wishes, observations, failures and crashes.
+
+Invariants:
+- A sandbox's `state` changes only in `transition()`, as a compare-and-swap
+  `UPDATE ... WHERE id = :id AND state = :expected AND generation = :gen` that bumps `generation`, after
+  space.core.lifecycle.transition() has allowed (expected state, event). A lost race is `Conflict` (the
+  caller re-reads and decides again); a refused event is `InvalidState` naming the state. So two writers
+  (API replicas, reconcilers, a restarted process replaying a step) can never both move one sandbox.
+- `desired_state` is what users asked for; `set_desired` never touches `state` or `generation`.
+  Deletion is irrevocable: once desired is `deleted` it cannot be changed back.
+- Callers set only the columns of TRANSITION_FIELDS (with a state change) or OBSERVED_FIELDS (without
+  one); ids, project, state, generation, lease and timestamps are owned by the store.
+- `last_activity_at` never moves backwards, so late reports are harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Final
+
+from sqlalchemy import ColumnElement, update
+from sqlalchemy.orm import Session
+
+from space.controlplane.store.database import Repository
+from space.controlplane.store.mapping import sandbox_record
+from space.controlplane.store.models import Sandbox
+from space.controlplane.store.records import SandboxRecord
+from space.controlplane.store.sandboxes import desirable
+from space.controlplane.store.values import aware, seconds, settable
+from space.core import lifecycle
+from space.core.errors import Conflict, InvalidState, NotFound
+from space.core.lifecycle import Event, State
+
+# Columns a caller may set alongside a state change / as an observation. Everything else (ids, project,
+# state, generation, lease, timestamps) is owned by the store.
+TRANSITION_FIELDS: Final = frozenset(
+    {
+        "node_id",
+        "error",
+        "error_permanent",
+        "attempts",
+        "next_attempt_at",
+        "last_activity_at",
+        "fork_snapshot_id",
+        "expires_at",
+        "desired_state",
+        *[
+            "suspended_snapshot_id",
+            "suspended_prefix",
+            "recovered_at",
+            "recovered_from",
+            "crash_count",
+            "notice",
+            "data_key_id",
+        ],
+    }
+)
+OBSERVED_FIELDS: Final = frozenset(
+    {
+        "node_id",
+        "error",
+        "error_permanent",
+        "attempts",
+        "next_attempt_at",
+        "last_activity_at",
+        "fork_snapshot_id",
+        *[
+            "suspended_snapshot_id",
+            "suspended_prefix",
+            "recovered_from",
+            "notice",
+            "data_key_id",
+            "snapshot_policy",
+        ],
+    }
+)
+_TIME_FIELDS: Final = ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at")
+
+
+def sandbox_values(fields: Mapping[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
+    """`fields` checked against `allowed`, times made aware UTC, a desired state validated."""
+    values = settable(fields, allowed)
+    for name in _TIME_FIELDS:
+        if values.get(name) is not None:
+            values[name] = aware(values[name], name)
+    if "desired_state" in values:
+        values["desired_state"] = desirable(values["desired_state"]).value
+    return values
+
+
+def _conflict(session: Session, sandbox_id: str, what: str) -> Conflict | NotFound:
+    """The error for a compare-and-swap that matched nothing, naming what the row is now."""
+    current = session.get(Sandbox, sandbox_id)
+    if current is None:
+        return NotFound(f"sandbox {sandbox_id} not found")
+    return Conflict(
+        f"{what}: sandbox {sandbox_id} changed concurrently (now '{current.state}', "
+        f"generation {current.generation})",
+        state=current.state,
+        generation=current.generation,
+    )
+
+
+def _deleted_refusal(current: Sandbox | None, desired: State) -> InvalidState | None:
+    """InvalidState if `desired` may not be asked of `current` because it is (being) deleted for good."""
+    if current is None:
+        return None
+    deleted = State.DELETED.value
+    if current.state != deleted and (current.desired_state != deleted or desired is State.DELETED):
+        return None
+    gone = "deleted" if current.state == deleted else "being deleted"
+    return InvalidState(
+        f"cannot ask for '{desired}': sandbox is {gone} (state '{current.state}')",
+        state=current.state,
+        desired_state=current.desired_state,
+    )
+
+
+class SandboxStateRepository(Repository):
+    """Every write to an existing sandbox row."""
+
+    def _update_sandbox(
+        self,
+        sandbox_id: str,
+        conditions: list[ColumnElement[bool]],
+        values: dict[str, Any],
+        what: str,
+    ) -> SandboxRecord:
+        """UPDATE one sandbox where `conditions` still hold (the compare of compare-and-swap) and return
+        it; Conflict (or NotFound) naming what the row is now if someone else changed it first."""
+        statement = (
+            update(Sandbox)
+            .where(Sandbox.id == sandbox_id, *conditions)
+            .values(values)
+            .returning(Sandbox)
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx(what) as session:
+            row = session.scalars(statement).one_or_none()
+            if row is None:
+                raise _conflict(session, sandbox_id, what)
+            return sandbox_record(row)
+
+    def transition(
+        self,
+        sandbox_id: str,
+        expected_state: State | str,
+        expected_generation: int,
+        event: Event | str,
+        **fields: Any,
+    ) -> SandboxRecord:
+        """Apply `event` to a sandbox believed to be in (expected_state, expected_generation).
+
+        InvalidState if the lifecycle table refuses the event in expected_state (naming that state);
+        Conflict if the row is no longer at that (state, generation); NotFound if it does not exist.
+        A state change starts a fresh step: attempts, error and error_permanent reset and
+        next_attempt_at becomes now, unless given in `fields` (see TRANSITION_FIELDS). Reaching
+        `deleted` stamps deleted_at. The lease is left as it is (the holder releases it)."""
+        target = lifecycle.transition(expected_state, event)
+        current = lifecycle.parse_state(expected_state)
+        now = self.now()
+        values: dict[str, Any] = {
+            "attempts": 0,
+            "error": None,
+            "error_permanent": False,
+            "next_attempt_at": now,
+        }
+        values.update(sandbox_values(fields, TRANSITION_FIELDS))
+        values.update(state=target.value, generation=Sandbox.generation + 1, updated_at=now)
+        if target is State.DELETED:
+            values["deleted_at"] = now
+        conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
+        return self._update_sandbox(
+            sandbox_id, conditions, values, f"{lifecycle.parse_event(event)} on sandbox {sandbox_id}"
+        )
+
+    def set_desired(
+        self, sandbox_id: str, desired_state: State | str, expected_generation: int | None = None
+    ) -> SandboxRecord:
+        """Record what the user wants; the reconciler makes it so. Does not change state or generation.
+
+        With expected_generation, Conflict unless the sandbox is still at that generation (the API
+        passes the generation it validated the request against). Resets the retry bookkeeping (a new
+        wish deserves a fresh attempt now). InvalidState if the sandbox is deleted or being deleted
+        for good (desired 'deleted' is final)."""
+        desired = desirable(desired_state)
+        now = self.now()
+        conditions: list[ColumnElement[bool]] = [Sandbox.id == sandbox_id]
+        if expected_generation is not None:
+            conditions.append(Sandbox.generation == expected_generation)
+        if desired is not State.DELETED:
+            conditions.append(Sandbox.desired_state != State.DELETED.value)
+        conditions.append(Sandbox.state != State.DELETED.value)
+        statement = (
+            update(Sandbox)
+            .where(*conditions)
+            .values(
+                desired_state=desired.value,
+                attempts=0,
+                error_permanent=False,
+                next_attempt_at=now,
+                updated_at=now,
+            )
+            .returning(Sandbox)
+            .execution_options(synchronize_session=False)
+        )
+        what = f"asking sandbox {sandbox_id} to be {desired}"
+        with self._tx(what) as session:
+            row = session.scalars(statement).one_or_none()
+            if row is not None:
+                return sandbox_record(row)
+            refusal = _deleted_refusal(session.get(Sandbox, sandbox_id), desired)
+            raise refusal if refusal is not None else _conflict(session, sandbox_id, what)
+
+    def update_observed(
+        self, sandbox_id: str, expected_generation: int | None = None, **fields: Any
+    ) -> SandboxRecord:
+        """Set observation/bookkeeping columns (OBSERVED_FIELDS) without changing state or generation.
+
+        With expected_generation, only if the sandbox is still at that generation (else Conflict): use
+        it whenever the value is only true for that step (e.g. node_id chosen for a create)."""
+        values = sandbox_values(fields, OBSERVED_FIELDS)
+        values["updated_at"] = self.now()
+        conditions = [] if expected_generation is None else [Sandbox.generation == expected_generation]
+        return self._update_sandbox(sandbox_id, conditions, values, f"updating sandbox {sandbox_id}")
+
+    def record_failure(
+        self,
+        sandbox_id: str,
+        error: str,
+        *,
+        retry_in_s: float,
+        permanent: bool = False,
+        expected_generation: int | None = None,
+    ) -> SandboxRecord:
+        """A step attempt failed: attempts += 1 (atomically), error recorded, next try after retry_in_s.
+        With permanent=True the reconciler stops retrying until the next state change or set_desired."""
+        now = self.now()
+        conditions = [] if expected_generation is None else [Sandbox.generation == expected_generation]
+        values = {
+            "attempts": Sandbox.attempts + 1,
+            "error": error,
+            "error_permanent": permanent,
+            "next_attempt_at": now + seconds(retry_in_s, "retry_in_s"),
+            "updated_at": now,
+        }
+        return self._update_sandbox(
+            sandbox_id, conditions, values, f"recording a failure of sandbox {sandbox_id}"
+        )
+
+    def record_activity(self, sandbox_id: str, at: datetime | None = None) -> None:
+        """Move last_activity_at forward to `at` (default now); never backwards, so late reports are
+        harmless."""
+        when = aware(at, "at") if at is not None else self.now()
+        statement = update(Sandbox).where(Sandbox.id == sandbox_id, Sandbox.last_activity_at < when)
+        with self._tx("recording sandbox activity") as session:
+            session.execute(
+                statement.values(last_activity_at=when).execution_options(synchronize_session=False)
+            )
+
+    def report_crash(
+        self, sandbox_id: str, node_id: str | None, *, notice: str, observed_at: datetime | None = None
+    ) -> SandboxRecord | None:
+        """A runtime died (or its node was lost): live -> crashed by compare-and-swap, crash_count + 1.
+
+        Applies only while the sandbox is in a live state on `node_id` (None: any node) and, with
+        `observed_at`, only if the record did not change after that observation (a late heartbeat must
+        not undo a recovery that finished after it was assembled). None when nothing changed."""
+        live = tuple(sorted(s.value for s in lifecycle.LIVE_STATES))
+        with self._tx(f"reporting a crash of sandbox {sandbox_id}") as session:
+            row = session.get(Sandbox, sandbox_id)
+            if row is None or row.state not in live or (node_id is not None and row.node_id != node_id):
+                return None
+            if observed_at is not None and row.updated_at > aware(observed_at, "observed_at"):
+                return None
+            state, generation, crashes = row.state, row.generation, row.crash_count or 0
+        try:
+            return self.transition(
+                sandbox_id, state, generation, Event.CRASH, crash_count=crashes + 1, notice=notice
+            )
+        except (Conflict, InvalidState, NotFound):
+            return None  # moved meanwhile: whoever moved it decides

@@ -1,0 +1,193 @@
+"""Sandbox records: creation and every read and listing of sandboxes.
+
+Invariants:
+- A sandbox is created in state `pending` at generation 0 with its retry clock at "now"; its state then
+  changes only through sandbox_state.py (compare-and-swap on (state, generation)).
+- A fork names a source in the SAME project (else NotFound, like an absent one); `forked_from` carries
+  no foreign key (the source may become a tombstone while the fork lives on).
+- Tenant reads (`get_sandbox`) are scoped by project: a sandbox of another project is None, exactly like
+  an absent one. `load_sandbox` (by id alone) is for the reconciler and node reports only.
+- Rows are never deleted: a deleted sandbox is a tombstone in state `deleted`; listings leave tombstones
+  out unless asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Final
+
+from sqlalchemy import func, select
+
+from space.controlplane.store.database import Repository
+from space.controlplane.store.mapping import sandbox_record
+from space.controlplane.store.models import Sandbox
+from space.controlplane.store.records import SandboxRecord
+from space.core import ids, lifecycle
+from space.core.errors import InvalidArgument, NotFound
+from space.core.lifecycle import State
+from space.core.settings import SandboxLimits
+
+# The states a user may ask for; in-progress states and one-shot operations (checkpoint, rollback) are
+# not places to be, they are recorded with transition() instead.
+DESIRABLE_STATES: Final = frozenset(
+    {State.RUNNING, State.PAUSED, State.STOPPED, State.SUSPENDED, State.DELETED}
+)
+
+
+def desirable(value: State | str) -> State:
+    """The state `value` names, if a user may ask for it (else InvalidArgument)."""
+    desired = lifecycle.parse_state(value)
+    if desired not in DESIRABLE_STATES:
+        raise InvalidArgument(f"cannot ask for state '{desired}'", field="desired_state")
+    return desired
+
+
+def _check_env_and_timeouts(env: Mapping[str, str], idle_timeout_s: int | None, ttl_s: int | None) -> None:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise InvalidArgument("env must map strings to strings", field="env")
+    for value, field in ((idle_timeout_s, "idle_timeout_s"), (ttl_s, "ttl_s")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise InvalidArgument(f"{field} must be a positive integer", field=field)
+
+
+class SandboxRepository(Repository):
+    """Creating, reading and listing sandboxes."""
+
+    def create_sandbox(
+        self,
+        project_id: str,
+        template: str,
+        env: Mapping[str, str] | None = None,
+        limits: SandboxLimits | None = None,
+        *,
+        idle_timeout_s: int | None = None,
+        ttl_s: int | None = None,
+        forked_from: str | None = None,
+        fork_snapshot_id: str | None = None,
+        desired_state: State = State.RUNNING,
+        sandbox_id: str | None = None,
+        snapshot_policy: Mapping[str, Any] | None = None,
+    ) -> SandboxRecord:
+        """A new sandbox record in state `pending` (generation 0); the reconciler creates it.
+
+        A fork names its source (`forked_from`, which must be in the same project) and optionally the
+        checkpoint to start from; the reconciler then uses the `fork` event instead of `create`."""
+        ids.parse_template_name(template)
+        env_map = dict(env or {})
+        _check_env_and_timeouts(env_map, idle_timeout_s, ttl_s)
+        desired = desirable(desired_state)
+        now = self.now()
+        row = Sandbox(
+            id=ids.parse_sandbox_id(sandbox_id) if sandbox_id else ids.new_sandbox_id(),
+            project_id=project_id,
+            template=template,
+            env=env_map,
+            limits=(limits or SandboxLimits()).model_dump(mode="json"),
+            state=lifecycle.INITIAL_STATE.value,
+            desired_state=desired.value,
+            generation=0,
+            node_id=None,
+            forked_from=forked_from,
+            fork_snapshot_id=fork_snapshot_id,
+            idle_timeout_s=idle_timeout_s,
+            ttl_s=ttl_s,
+            expires_at=now + timedelta(seconds=ttl_s) if ttl_s else None,
+            last_activity_at=now,
+            error=None,
+            error_permanent=False,
+            attempts=0,
+            next_attempt_at=now,
+            lease_owner=None,
+            lease_until=None,
+            created_at=now,
+            updated_at=now,
+            deleted_at=None,
+            snapshot_policy=dict(snapshot_policy) if snapshot_policy is not None else None,
+            crash_count=0,
+        )
+        with self._tx("creating a sandbox") as session:
+            if forked_from is not None:
+                source = session.get(Sandbox, forked_from)
+                if source is None or source.project_id != project_id:
+                    raise NotFound(f"sandbox {forked_from} not found")
+            session.add(row)
+        return sandbox_record(row)
+
+    def get_sandbox(self, project_id: str, sandbox_id: str) -> SandboxRecord | None:
+        """The sandbox if it exists AND belongs to `project_id`; None otherwise (both mean 404)."""
+        with self._tx("reading a sandbox") as session:
+            row = session.get(Sandbox, sandbox_id)
+            if row is None or row.project_id != project_id:
+                return None
+            return sandbox_record(row)
+
+    def load_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        """A sandbox by id alone: for the reconciler and node reports, never for tenant requests."""
+        with self._tx("reading a sandbox") as session:
+            row = session.get(Sandbox, sandbox_id)
+            return sandbox_record(row) if row else None
+
+    def list_sandboxes(self, project_id: str, include_deleted: bool = False) -> list[SandboxRecord]:
+        query = select(Sandbox).where(Sandbox.project_id == project_id)
+        if not include_deleted:
+            query = query.where(Sandbox.state != State.DELETED.value)
+        with self._tx("listing sandboxes") as session:
+            rows = session.scalars(query.order_by(Sandbox.created_at, Sandbox.id))
+            return [sandbox_record(row) for row in rows]
+
+    def list_sandboxes_on_node(self, node_id: str) -> list[SandboxRecord]:
+        query = select(Sandbox).where(Sandbox.node_id == node_id, Sandbox.state != State.DELETED.value)
+        with self._tx("listing a node's sandboxes") as session:
+            return [sandbox_record(row) for row in session.scalars(query.order_by(Sandbox.id))]
+
+    def list_idle_sandboxes(self, limit: int = 500) -> list[SandboxRecord]:
+        """Running sandboxes with an idle timeout whose last activity is older than it (the reconciler
+        then asks for `paused` or `suspended` by policy). The deadline is computed in Python because
+        interval arithmetic is not portable SQL; the scan covers running sandboxes with a timeout only."""
+        now = self.now()
+        query = (
+            select(Sandbox)
+            .where(Sandbox.state == State.RUNNING.value, Sandbox.idle_timeout_s.is_not(None))
+            .where(Sandbox.desired_state == State.RUNNING.value)
+            .order_by(Sandbox.last_activity_at)
+        )
+        idle: list[SandboxRecord] = []
+        with self._tx("listing idle sandboxes") as session:
+            for row in session.scalars(query):
+                timeout = row.idle_timeout_s or 0
+                if row.last_activity_at + timedelta(seconds=timeout) > now:
+                    continue  # not idle yet (a later row with a shorter timeout may be)
+                idle.append(sandbox_record(row))
+                if len(idle) >= limit:
+                    break
+        return idle
+
+    def list_sandboxes_with_policy(self, limit: int = 1000) -> list[SandboxRecord]:
+        """Running sandboxes that have a snapshot policy (for the snapshot scheduler)."""
+        query = (
+            select(Sandbox)
+            .where(Sandbox.state == State.RUNNING.value, Sandbox.snapshot_policy.is_not(None))
+            .order_by(Sandbox.id)
+            .limit(limit)
+        )
+        with self._tx("listing sandboxes with a snapshot policy") as session:
+            return [sandbox_record(row) for row in session.scalars(query)]
+
+    def list_sandboxes_in_states(self, states: Sequence[State], limit: int = 1000) -> list[SandboxRecord]:
+        query = (
+            select(Sandbox)
+            .where(Sandbox.state.in_([lifecycle.parse_state(s).value for s in states]))
+            .order_by(Sandbox.id)
+            .limit(limit)
+        )
+        with self._tx("listing sandboxes by state") as session:
+            return [sandbox_record(row) for row in session.scalars(query)]
+
+    def count_sandboxes(self, project_id: str) -> int:
+        """Live (not deleted) sandboxes of a project, for quotas."""
+        query = select(func.count()).where(
+            Sandbox.project_id == project_id, Sandbox.state != State.DELETED.value
+        )
+        with self._tx("counting sandboxes") as session:
+            return int(session.scalar(query) or 0)

@@ -1,0 +1,181 @@
+"""Snapshot records: where a sandbox's snapshots are, and their lifecycle creating -> ready -> deleting.
+
+Invariants:
+- A snapshot record is written in state `creating` BEFORE its side effect starts, so a crash leaves a
+  record to finish or clean up, never data nobody knows about.
+- `deleting` is final: a snapshot being deleted never becomes ready again (Conflict); the reconciler
+  removes its data, then `purge_snapshot` removes the record (snapshots are the one sandbox-related row
+  that is hard-deleted).
+- Callers set only SNAPSHOT_FIELDS; kind, sandbox, created_at and state are fixed or owned by the state
+  methods.
+- A snapshot counts as restorable only once its uploaded copy is known complete (`restorable`); restore
+  and recovery use nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, get_args
+
+from sqlalchemy import and_, delete, select, update
+
+from space.controlplane.store.database import Repository
+from space.controlplane.store.mapping import snapshot_record
+from space.controlplane.store.models import Sandbox, Snapshot
+from space.controlplane.store.records import SnapshotKind, SnapshotRecord
+from space.controlplane.store.values import aware, rowcount, settable
+from space.core import ids
+from space.core.errors import Conflict, InvalidArgument, NotFound
+
+# Snapshot columns Store.update_snapshot may set (kind, sandbox, created_at and state are fixed or owned by
+# the state methods).
+SNAPSHOT_FIELDS: Final = frozenset(
+    {
+        "node_id",
+        "size_bytes",
+        "prefix",
+        "uploaded_at",
+        "exclusive_bytes",
+        "restorable",
+        "data_key_id",
+        "wrapped_key",
+        "error",
+        "origin",
+    }
+)
+_SNAPSHOT_KINDS: Final = frozenset(get_args(SnapshotKind))
+
+
+class SnapshotRepository(Repository):
+    """The snapshots table."""
+
+    def create_snapshot(
+        self,
+        sandbox_id: str,
+        kind: SnapshotKind,
+        node_id: str | None = None,
+        *,
+        snapshot_id: str | None = None,
+        **fields: Any,
+    ) -> SnapshotRecord:
+        """A snapshot record in state `creating` (written before the side effect starts); `fields` are
+        SNAPSHOT_FIELDS (prefix, data key, origin ...)."""
+        if kind not in _SNAPSHOT_KINDS:
+            raise InvalidArgument(f"invalid snapshot kind {kind!r}", field="kind")
+        row = Snapshot(
+            id=ids.parse_snapshot_id(snapshot_id) if snapshot_id else ids.new_snapshot_id(),
+            sandbox_id=sandbox_id,
+            kind=kind,
+            state="creating",
+            node_id=node_id,
+            size_bytes=None,
+            created_at=self.now(),
+            restorable=False,
+        )
+        for name, value in settable(fields, SNAPSHOT_FIELDS).items():
+            setattr(row, name, value)
+        with self._tx(f"creating a snapshot of sandbox {sandbox_id}") as session:
+            session.add(row)
+        return snapshot_record(row)
+
+    def get_snapshot(self, snapshot_id: str, *, project_id: str | None = None) -> SnapshotRecord | None:
+        """The snapshot; with project_id, None unless its sandbox belongs to that project."""
+        with self._tx("reading a snapshot") as session:
+            query = select(Snapshot).where(Snapshot.id == snapshot_id)
+            if project_id is not None:
+                query = query.join(Sandbox, Sandbox.id == Snapshot.sandbox_id).where(
+                    Sandbox.project_id == project_id
+                )
+            row = session.scalars(query).one_or_none()
+            return snapshot_record(row) if row else None
+
+    def list_snapshots(self, sandbox_id: str, *, include_deleting: bool = False) -> list[SnapshotRecord]:
+        query = select(Snapshot).where(Snapshot.sandbox_id == sandbox_id)
+        if not include_deleting:
+            query = query.where(Snapshot.state != "deleting")
+        with self._tx("listing snapshots") as session:
+            rows = session.scalars(query.order_by(Snapshot.created_at, Snapshot.id))
+            return [snapshot_record(row) for row in rows]
+
+    def mark_snapshot_ready(
+        self, snapshot_id: str, size_bytes: int | None = None, *, node_id: str | None = None
+    ) -> SnapshotRecord:
+        """creating -> ready (idempotent when already ready); Conflict if it is being deleted."""
+        with self._tx(f"marking snapshot {snapshot_id} ready") as session:
+            row = session.get(Snapshot, snapshot_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"snapshot {snapshot_id} not found")
+            if row.state == "deleting":
+                raise Conflict(f"snapshot {snapshot_id} is being deleted", state=row.state)
+            if row.state == "creating":
+                row.state = "ready"
+                row.size_bytes = size_bytes
+                if node_id is not None:
+                    row.node_id = node_id
+            return snapshot_record(row)
+
+    def update_snapshot(self, snapshot_id: str, **fields: Any) -> SnapshotRecord:
+        """Set SNAPSHOT_FIELDS of a snapshot (where its copies are, sizes, errors); NotFound if absent."""
+        values = settable(fields, SNAPSHOT_FIELDS)
+        if values.get("uploaded_at") is not None:
+            values["uploaded_at"] = aware(values["uploaded_at"], "uploaded_at")
+        with self._tx(f"updating snapshot {snapshot_id}") as session:
+            row = session.get(Snapshot, snapshot_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"snapshot {snapshot_id} not found")
+            for name, value in values.items():
+                setattr(row, name, value)
+            return snapshot_record(row)
+
+    def delete_snapshot(self, snapshot_id: str) -> SnapshotRecord:
+        """Mark the snapshot `deleting` (idempotent); the reconciler removes its data, then purges it."""
+        with self._tx(f"deleting snapshot {snapshot_id}") as session:
+            row = session.get(Snapshot, snapshot_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"snapshot {snapshot_id} not found")
+            row.state = "deleting"
+            return snapshot_record(row)
+
+    def delete_snapshots_of(self, sandbox_id: str) -> int:
+        """Mark every snapshot of a sandbox `deleting` (the sandbox is being deleted)."""
+        statement = (
+            update(Snapshot)
+            .where(Snapshot.sandbox_id == sandbox_id, Snapshot.state != "deleting")
+            .values(state="deleting")
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx(f"deleting the snapshots of sandbox {sandbox_id}") as session:
+            return rowcount(session.execute(statement))
+
+    def forget_node_snapshots(self, sandbox_id: str, node_id: str) -> int:
+        """The sandbox left `node_id` (suspended, or recovered elsewhere) and its copies there go with it:
+        snapshots with a verified object-storage copy now live there only (node_id cleared); the others
+        are marked `deleting`. Returns how many rows changed."""
+        uploaded = and_(Snapshot.restorable.is_(True), Snapshot.prefix.is_not(None))
+        base = [Snapshot.sandbox_id == sandbox_id, Snapshot.node_id == node_id]
+        with self._tx(f"forgetting the snapshots of sandbox {sandbox_id} on node {node_id}") as session:
+            moved = session.execute(
+                update(Snapshot)
+                .where(*base, uploaded)
+                .values(node_id=None)
+                .execution_options(synchronize_session=False)
+            )
+            dropped = session.execute(
+                update(Snapshot)
+                .where(*base, ~uploaded, Snapshot.state != "deleting")
+                .values(state="deleting")
+                .execution_options(synchronize_session=False)
+            )
+            return rowcount(moved) + rowcount(dropped)
+
+    def list_deleting_snapshots(self, limit: int = 100) -> list[SnapshotRecord]:
+        query = (
+            select(Snapshot).where(Snapshot.state == "deleting").order_by(Snapshot.created_at).limit(limit)
+        )
+        with self._tx("listing snapshots to delete") as session:
+            return [snapshot_record(row) for row in session.scalars(query)]
+
+    def purge_snapshot(self, snapshot_id: str) -> bool:
+        """Remove the record of a `deleting` snapshot whose data is gone (False if nothing to remove)."""
+        statement = delete(Snapshot).where(Snapshot.id == snapshot_id, Snapshot.state == "deleting")
+        with self._tx(f"purging snapshot {snapshot_id}") as session:
+            return rowcount(session.execute(statement)) == 1
