@@ -115,7 +115,7 @@ class Daemon:
                 if self._processes is None:
                     from space.guest.processes import ProcessTable
 
-                    self._processes = ProcessTable(self)
+                    self._processes = ProcessTable(self.children, self.touch)
         return self._processes
 
     @property
