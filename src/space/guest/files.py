@@ -133,7 +133,13 @@ def files_write(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
     if existing is not None and not stat.S_ISREG(existing.st_mode):
         # A device or FIFO cannot be replaced by a renamed file; write to it as a redirection would.
         return _write_in_place(call, path, mode, os.O_TRUNC)
+    return _write_replacing(call, path, directory, mode, existing)
 
+
+def _write_replacing(
+    call: Call, path: str, directory: str, mode: int | None, existing: os.stat_result | None
+) -> dict[str, Any]:
+    """The body goes to a temporary file beside `path`, renamed over it only once the body is complete."""
     temp = os.path.join(directory, f".{os.path.basename(path)}.spaced-{os.urandom(6).hex()}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -148,15 +154,7 @@ def files_write(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
         size = os.fstat(fd).st_size
         os.close(fd)
         fd = -1
-        try:
-            os.replace(temp, path)
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            # The target is a mount point (a bind-mounted file such as /etc/resolv.conf): it cannot
-            # be replaced, only rewritten in place — not atomic, but the only way to change it.
-            _copy_over(temp, path)
-            os.unlink(temp)
+        _move_into_place(temp, path)
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -164,6 +162,18 @@ def files_write(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
             os.unlink(temp)
         raise
     return {"size": size}
+
+
+def _move_into_place(temp: str, path: str) -> None:
+    try:
+        os.replace(temp, path)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        # The target is a mount point (a bind-mounted file such as /etc/resolv.conf): it cannot
+        # be replaced, only rewritten in place — not atomic, but the only way to change it.
+        _copy_over(temp, path)
+        os.unlink(temp)
 
 
 def _copy_over(source: str, target: str) -> None:
