@@ -44,10 +44,10 @@ import pytest
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.agent.agent import NodeAgent, SandboxHandle
+from space.node.agent.app import create_app
 from space.node.agent.egress_sandbox import CA_BEGIN, CA_BUNDLE_PATH, CA_FILE_PATH
 from space.node.agent.egress_settings import EgressRequest, EgressSettings
 from space.node.agent.egress_wiring import EgressDriver, EgressWiring, install
-from space.node.agent.server import create_app
 from space.node.drivers.base import SandboxSpec
 from space.node.egress import Credential, StaticCredentials, StaticResolver
 from space.node.helper.netaddr import node_tag

@@ -14,7 +14,7 @@ import uvicorn
 
 from space.core import errors
 from space.core.ids import new_sandbox_id
-from space.node.agent.server import create_app
+from space.node.agent.app import create_app
 from space.node.rpc_client import NodeClient
 from tests.support.host import cgroups_under, processes_mentioning
 

@@ -35,7 +35,7 @@ from space.core.ids import new_snapshot_id
 from space.core.lifecycle import State
 from space.crypto.envelope import DataKey
 from space.node.agent.agent import NodeAgent, SandboxHandle
-from space.node.agent.server import NodeService
+from space.node.agent.service import NodeService
 from space.node.drivers.base import SandboxSpec
 from space.node.local import LocalNode
 from space.objectstore.artifacts import read_manifest, verify

@@ -387,17 +387,17 @@ def test_imports_are_refused_below_the_reserve_and_suspend_is_not(
 def test_the_node_agent_takes_its_reserve_from_the_command_line(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from space.node.agent import server
+    from space.node.agent import launch
 
     seen: dict[str, Any] = {}
 
     async def fake_serve(*_args: Any, **kwargs: Any) -> None:
         seen.update(kwargs)
 
-    monkeypatch.setattr(server, "serve", fake_serve)
-    server.main(["--data-dir", str(tmp_path), "--driver", "fake", "--disk-reserve", "1,100"])
+    monkeypatch.setattr(launch, "serve", fake_serve)
+    launch.main(["--data-dir", str(tmp_path), "--driver", "fake", "--disk-reserve", "1,100"])
     assert seen["disk_reserve"] == DiskReserve(percent=1.0, mb=100)
     for bad in ("60,1", "5", "x,1", "5,-1"):
         with pytest.raises(SystemExit) as caught:
-            server.main(["--data-dir", str(tmp_path), "--disk-reserve", bad])
+            launch.main(["--data-dir", str(tmp_path), "--disk-reserve", bad])
         assert caught.value.code == 2

@@ -24,7 +24,8 @@ from space.core import errors
 from space.core.capability import CAPABILITY_HEADER, MAX_LIFETIME_S, mint, verify
 from space.core.ids import new_sandbox_id, new_snapshot_id, parse_process_id
 from space.node.agent.agent import NodeAgent
-from space.node.agent.server import capability_scope, create_app
+from space.node.agent.app import create_app
+from space.node.agent.rpc_auth import capability_scope
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from tests.support.loop import BackgroundLoop
@@ -203,7 +204,7 @@ def test_every_node_route_is_classified(node: Node) -> None:
     scopes = {f"{m} {p}": capability_scope("GET" if m == "WEBSOCKET" else m, p) for m, p in routes}
     unclassified = [route for route, scope in scopes.items() if scope == "unclassified"]
     assert unclassified == [], (
-        f"node routes without a capability rule (add them to server.py): {unclassified}"
+        f"node routes without a capability rule (add them to rpc_auth.py): {unclassified}"
     )
     node_level = sorted(route for route, scope in scopes.items() if scope == "node")
     assert node_level == ["GET /node/v1/info", "GET /node/v1/sandboxes"]

@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
-from space.node.agent.server import create_app
+from space.node.agent.app import create_app
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from tests.support.loop import BackgroundLoop

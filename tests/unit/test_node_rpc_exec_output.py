@@ -15,8 +15,8 @@ import pytest
 
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
+from space.node.agent.app import create_app
 from space.node.agent.rpc_models import EXEC_OUTPUT_DEFAULT, EXEC_OUTPUT_MAX
-from space.node.agent.server import create_app
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from space.sdk.models import ExecResult

@@ -24,7 +24,7 @@ from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
 from space.node.agent.identity import NodeIdentity
 from space.node.agent.registration import report_to_control_plane
-from space.node.agent.server import NodeService
+from space.node.agent.service import NodeService
 from space.node.drivers.fake import FakeDriver
 from tests.support.node_capability import NodeAuth
 

@@ -19,7 +19,7 @@ from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.core.lifecycle import State
 from space.crypto.envelope import DataKey
 from space.node.agent.agent import NodeAgent
-from space.node.agent.server import create_app
+from space.node.agent.app import create_app
 from space.node.drivers.base import SandboxSpec
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient

@@ -30,12 +30,12 @@ from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
+from space.node.agent.settings import NodeAgentSettings
 from space.node.drivers.base import Progress
 from space.node.drivers.runsc import RunscDriver
 from space.node.layout import NodeLayout
 from space.objectstore.base import open_store
 
-HELPER_START_TIMEOUT_S = 30.0
 #: What the helper takes from its starter's environment: where to find programs and Python code, the
 #: locale, and an HTTP proxy for debootstrap's mirror (template builds). Nothing else, secrets included.
 HELPER_ENV = (
@@ -45,10 +45,21 @@ HELPER_ENV = (
 
 
 def connect_agent(
-    data_dir: pathlib.Path, helper_socket: pathlib.Path | None = None, *, store_url: str | None = None
+    data_dir: pathlib.Path,
+    helper_socket: pathlib.Path | None = None,
+    *,
+    store_url: str | None = None,
+    settings: NodeAgentSettings | None = None,
 ) -> NodeAgent:
+    """An agent whose runsc driver talks to the node helper at `helper_socket` (default: the data
+    directory's)."""
+    settings = settings or NodeAgentSettings()
     layout = NodeLayout(data_dir)
-    helper = HelperClient(str(helper_socket or layout.helper_socket))
+    helper = HelperClient(
+        str(helper_socket or layout.helper_socket),
+        pool_size=settings.helper_pool_size,
+        default_timeout=settings.helper_call_timeout_s,
+    )
     return NodeAgent(RunscDriver(layout, helper), store=open_store(store_url) if store_url else None)
 
 
@@ -75,6 +86,7 @@ class LocalNode:
         store_url: str | None = None,
         cgroup_parent: str = "space",
         rootfs_cache: pathlib.Path | None = None,
+        settings: NodeAgentSettings | None = None,
     ) -> None:
         self.layout = NodeLayout(pathlib.Path(data_dir).resolve())
         self.agent_user = str(agent_user)
@@ -89,6 +101,8 @@ class LocalNode:
         self.network = network or NodeSettings().network
         self.helper_process: subprocess.Popen[bytes] | None = None
         self.agent: NodeAgent | None = None
+        #: The tunables (None: read from the environment when the helper starts).
+        self.settings = settings
 
     def start_helper(self) -> None:
         if not self.layout.data_dir.exists():
@@ -105,7 +119,8 @@ class LocalNode:
         log = filemodes.open_private_log(self.layout.data_dir / "helper.log")
         env = {name: os.environ[name] for name in HELPER_ENV if name in os.environ}
         env.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        rootfs_cache = self.rootfs_cache or os.environ.get("SPACE_ROOTFS_CACHE")
+        settings = self.settings or NodeAgentSettings()
+        rootfs_cache = self.rootfs_cache or settings.rootfs_cache
         if rootfs_cache is not None:
             env["SPACE_ROOTFS_CACHE"] = str(rootfs_cache)
         try:
@@ -118,7 +133,7 @@ class LocalNode:
             )  # fmt: skip
         finally:
             os.close(log)
-        deadline = time.monotonic() + HELPER_START_TIMEOUT_S
+        deadline = time.monotonic() + settings.helper_start_timeout_s
         while not sock.exists():
             if self.helper_process.poll() is not None:
                 tail = (self.layout.data_dir / "helper.log").read_text(errors="replace")[-2000:]
@@ -133,7 +148,7 @@ class LocalNode:
         self.start_helper()
         uid = int(self.agent_user) if self.agent_user.isdigit() else _uid_of(self.agent_user)
         ensure_local_store(self.store_url, uid)
-        self.agent = connect_agent(self.layout.data_dir, store_url=self.store_url)
+        self.agent = connect_agent(self.layout.data_dir, store_url=self.store_url, settings=self.settings)
         await self.agent.prepare(templates, progress)
         return self.agent
 

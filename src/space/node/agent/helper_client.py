@@ -19,8 +19,11 @@ ProgressCallback = Callable[[str], None]
 
 
 class HelperClient:
-    def __init__(self, socket_path: str, *, pool_size: int = 8) -> None:
+    def __init__(self, socket_path: str, *, pool_size: int = 8, default_timeout: float = 120.0) -> None:
+        """`pool_size` idle connections are kept for reuse; a verb that names no timeout of its own fails
+        after `default_timeout` s (NodeAgentSettings.helper_pool_size, helper_call_timeout_s)."""
         self.socket_path = socket_path
+        self.default_timeout = default_timeout
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._pool_size = pool_size
 
@@ -41,8 +44,10 @@ class HelperClient:
         args: dict[str, Any] | None = None,
         *,
         progress: ProgressCallback | None = None,
-        timeout: float = 120.0,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
+        if timeout is None:
+            timeout = self.default_timeout
         reader, writer = await self._connection()
         reusable = False
         try:

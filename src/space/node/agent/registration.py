@@ -19,7 +19,7 @@ import logging
 import httpx
 
 from space.node.agent.identity import IdentityAuth
-from space.node.agent.server import HEARTBEAT_INTERVAL_S, NodeService
+from space.node.agent.service_core import ServiceCore
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _refusal(answer: httpx.Response) -> str:
 
 
 async def register(
-    http: httpx.AsyncClient, svc: NodeService, bootstrap_token: str | None, advertise_url: str, rpc_token: str
+    http: httpx.AsyncClient, svc: ServiceCore, bootstrap_token: str | None, advertise_url: str, rpc_token: str
 ) -> str:
     """Register this node and return its node id: with its identity if it has one, else (or if the control
     plane does not know that identity: a new database, another cluster) by enrolling with the bootstrap
@@ -71,21 +71,24 @@ async def register(
 
 
 async def report_to_control_plane(
-    svc: NodeService,
+    svc: ServiceCore,
     control_plane: str,
     bootstrap_token: str | None,
     advertise_url: str,
     rpc_token: str,
     *,
-    interval: float = HEARTBEAT_INTERVAL_S,
+    interval: float | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> None:
-    """Register, then heartbeat every `interval` s until cancelled. Failures are logged and retried, never
+    """Register, then heartbeat every `interval` s (default: the service's heartbeat_interval_s) until
+    cancelled. Failures are logged and retried, never
     fatal: the node serves the RPC whether or not the control plane is up. A 404/401 on a heartbeat means
     the control plane no longer knows this node (or this identity): register again."""
+    if interval is None:
+        interval = svc.settings.heartbeat_interval_s
     identity_auth = IdentityAuth(svc.identity)
     async with httpx.AsyncClient(
-        base_url=control_plane.rstrip("/"), timeout=10.0, transport=transport
+        base_url=control_plane.rstrip("/"), timeout=svc.settings.control_plane_timeout_s, transport=transport
     ) as http:
         node_id: str | None = None
         failures = 0

@@ -6,7 +6,7 @@ Invariants:
 - Data-plane shapes are those of the public data plane in docs/api.md, so the gateway can relay bodies
   without translating them; fields the daemon adds (stat entries, process entries) pass through as dicts.
 - Times are Unix seconds (float) on this API; the control plane formats them for its own clients.
-- These models are shared by the server (space.node.agent.server) and the client (space.node.rpc_client),
+- These models are shared by the server (space.node.agent.routes) and the client (space.node.rpc_client),
   so both sides agree on the wire format by construction.
 """
 
@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
 from space.core.settings import SandboxLimits
+
+#: The path every node RPC route lives under.
+API_PREFIX = "/node/v1"
 
 _REQUEST = ConfigDict(extra="forbid")
 # Answers may grow fields; an older client must keep working against a newer node.

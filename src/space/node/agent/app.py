@@ -1,0 +1,55 @@
+"""The node agent's RPC app: the routers of space.node.agent.routes over one NodeService, behind the node
+token, with the one error model of every HTTP surface.
+
+Invariants:
+- Every request (HTTP and WebSocket, known route or not) passes BearerAuth before any route runs, and
+  every route its capability check (space.node.agent.rpc_auth).
+- Errors have one shape, `{"error": {"code", "message", "details"}}`, and one status map (space.rest.errors,
+  shared with the control plane's API); an error after a stream's headers went out is its last NDJSON
+  line, `{"type": "error", "error": {...}}` (space.node.agent.streams).
+- The app's state holds the service (`app.state.service`, which the routes use) and the node token
+  (`app.state.rpc_token`, the key of the sandbox capabilities).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastapi import FastAPI
+
+from space.node.agent.agent import NodeAgent
+from space.node.agent.routes import files, node, processes, pty, sandboxes, snapshots
+from space.node.agent.rpc_auth import BearerAuth
+from space.node.agent.rpc_models import API_PREFIX
+from space.node.agent.service import NodeService
+from space.node.agent.settings import NodeAgentSettings
+from space.rest import errors as rest_errors
+
+#: The routers in the order their routes are matched and listed.
+ROUTERS = (node.router, sandboxes.router, snapshots.router, processes.router, files.router, pty.router)
+
+
+def create_app(
+    agent: NodeAgent,
+    token: str,
+    *,
+    templates: Sequence[str] = ("python",),
+    settings: NodeAgentSettings | None = None,
+) -> FastAPI:
+    """The node RPC app over `agent`; every route requires `Authorization: Bearer <token>`."""
+    svc = NodeService(agent, templates, settings)
+    app = FastAPI(
+        title="SPACE node agent RPC",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=f"{API_PREFIX}/openapi.json",
+    )
+    app.state.service = svc
+    app.state.rpc_token = token  # the key of the sandbox capabilities (require_capability)
+    for router in ROUTERS:
+        app.include_router(router)
+
+    rest_errors.install(app, surface="node agent")
+    app.add_middleware(BearerAuth, token=token)
+    return app

@@ -1,0 +1,277 @@
+"""The node agent's process: argument parsing, building the agent, serving its RPC, reporting to the control
+plane. `python -m space.node.agent.server` runs `main` (space.node.agent.server).
+
+    python -m space.node.agent.server --data-dir D --listen 127.0.0.1:PORT [--rpc-token-file F] \\
+        [--control-plane URL [--bootstrap-token-file F] [--advertise-url URL]] [--driver runsc|fake] \\
+        [--no-prepare]
+
+Invariants:
+- The RPC accepts only this node's own token, never the bootstrap token: a node given the same secret for
+  both refuses to start (ADR 0021).
+- The process's files are its own (umask 077, ADR 0022); SIGPIPE does not kill it when a client vanishes.
+- SIGINT/SIGTERM stop the RPC, then the heartbeat, then close the agent; sandboxes keep running (runsc).
+- Environment variables are read once, here, through NodeAgentSettings; the flags win over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import pathlib
+import signal
+import threading
+from collections.abc import Generator, Sequence
+
+import uvicorn
+
+from space.core import errors
+from space.core.settings import DiskReserve
+from space.node.agent.agent import NodeAgent
+from space.node.agent.app import create_app
+from space.node.agent.egress_wiring import EgressSettings
+from space.node.agent.egress_wiring import install as egress_install
+from space.node.agent.egress_wiring import load_settings as load_egress_settings
+from space.node.agent.identity import (
+    NodeIdentity,
+    default_identity_file,
+    default_rpc_token_file,
+    load_or_create_rpc_token,
+    read_private,
+)
+from space.node.agent.registration import report_to_control_plane
+from space.node.agent.service import NodeService
+from space.node.agent.settings import NodeAgentSettings
+from space.node.rlimits import raise_fd_limit
+
+log = logging.getLogger("space.node.rpc")
+DESCRIPTION = (
+    "The node agent's RPC service: lifecycle verbs for the reconciler and the data plane for the gateway."
+)
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError("--listen is HOST:PORT")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def default_store_url(data_dir: pathlib.Path) -> str:
+    """A one-machine node's store: a directory next to its btrfs image (create it for the agent user with
+    space.node.local.ensure_local_store)."""
+    return (data_dir / "objects").as_uri()
+
+
+def _build_agent(
+    data_dir: pathlib.Path, driver: str, store_url: str | None, settings: NodeAgentSettings
+) -> NodeAgent:
+    if driver == "fake":
+        from space.node.drivers.fake import FakeDriver  # development only: not imported on a real node
+        from space.objectstore.base import open_store
+
+        log.warning("--driver fake: sandboxes are host processes WITHOUT ISOLATION (development only)")
+        return NodeAgent(FakeDriver(data_dir), store=open_store(store_url) if store_url else None)
+    from space.node.local import connect_agent  # the runsc driver and its helper client
+
+    return connect_agent(data_dir, store_url=store_url, settings=settings)
+
+
+def _enrolment(
+    service: NodeService,
+    data_dir: pathlib.Path,
+    rpc_token: str,
+    identity_file: pathlib.Path | None,
+    bootstrap_token_file: pathlib.Path | None,
+) -> str | None:
+    """Load the node's identity into `service` and return the bootstrap token, if any (never the RPC
+    token: InvalidArgument if the two are the same secret)."""
+    service.identity = NodeIdentity.load(identity_file or default_identity_file(data_dir))
+    bootstrap_token: str | None = None
+    if bootstrap_token_file is not None:
+        bootstrap_token = read_private(bootstrap_token_file) or None
+    if bootstrap_token is not None and hmac.compare_digest(bootstrap_token.encode(), rpc_token.encode()):
+        raise errors.InvalidArgument(
+            "the node's RPC token must not be the bootstrap token: every holder of that one could call "
+            "this node (give --rpc-token-file its own file, or leave it out to have one made)",
+            field="rpc_token",
+        )
+    if not service.identity.enrolled and bootstrap_token is None:
+        log.warning("this node has no identity yet and no --bootstrap-token-file: it cannot enrol")
+    return bootstrap_token
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGINT/SIGTERM once it has stopped, which would end the process before
+    `serve()` closes the agent; this server only stops, and `serve()` returns normally."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def _open_agent(
+    data_dir: pathlib.Path, driver: str, store_url: str | None, settings: NodeAgentSettings
+) -> NodeAgent:
+    try:
+        return _build_agent(data_dir, driver, store_url, settings)
+    except errors.Unavailable as exc:
+        # e.g. the default store directory cannot be created by this user: serve without suspend/restore
+        # rather than not at all (those requests then answer 400 naming the missing store).
+        log.warning("object store %s unusable (%s): suspend/restore disabled on this node", store_url, exc)
+        return _build_agent(data_dir, driver, None, settings)
+
+
+async def serve(
+    data_dir: pathlib.Path,
+    listen: tuple[str, int],
+    *,
+    rpc_token_file: pathlib.Path | None = None,
+    bootstrap_token_file: pathlib.Path | None = None,
+    identity_file: pathlib.Path | None = None,
+    control_plane: str | None = None,
+    advertise_url: str | None = None,
+    driver: str = "runsc",
+    templates: Sequence[str] = ("python",),
+    prepare: bool = True,
+    log_level: str = "info",
+    store_url: str | None = None,
+    egress: EgressSettings | None = None,
+    disk_reserve: DiskReserve | None = None,
+    settings: NodeAgentSettings | None = None,
+) -> None:
+    """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
+    node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
+    default: state in DATA_DIR/egress, fixed ports, the system resolver and trust store).
+
+    The RPC accepts only this node's own token (`rpc_token_file`, default DATA_DIR/identity/rpc.token, made
+    at the first start); the bootstrap token (`bootstrap_token_file`) only enrols a node that has no
+    identity (`identity_file`, default DATA_DIR/identity/node.json) the control plane accepts (ADR 0021)."""
+    settings = settings or NodeAgentSettings()
+    agent = _open_agent(data_dir, driver, store_url, settings)
+    if disk_reserve is not None:
+        agent.disk_reserve = disk_reserve  # ADR 0027
+    if prepare:
+        await agent.prepare(tuple(templates), progress=lambda line: log.info("prepare: %s", line))
+    # After prepare: on a runsc node the helper's node.prepare made the identity directory for this user.
+    rpc_token = load_or_create_rpc_token(rpc_token_file or default_rpc_token_file(data_dir))
+    app = create_app(agent, rpc_token, templates=templates, settings=settings)
+    service: NodeService = app.state.service
+    bootstrap_token: str | None = None
+    if control_plane:
+        bootstrap_token = _enrolment(service, data_dir, rpc_token, identity_file, bootstrap_token_file)
+    # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
+    service.egress = await egress_install(
+        agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
+        identity=service.identity,
+    )  # fmt: skip
+    adopted = await agent.recover()
+    if adopted:
+        log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
+    host, port = listen
+    server = _Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
+    )
+    reporter: asyncio.Task[None] | None = None
+    if control_plane:
+        url = advertise_url or f"http://{host}:{port}"
+        reporter = asyncio.create_task(
+            report_to_control_plane(service, control_plane, bootstrap_token, url, rpc_token)
+        )
+    try:
+        await server.serve()
+    finally:
+        if reporter is not None:
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+        await agent.close()
+
+
+def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:
+    """The flags; the defaults of --store-url and --disk-reserve come from the environment (`settings`)."""
+    parser = argparse.ArgumentParser(prog="python -m space.node.agent.server", description=DESCRIPTION)
+    parser.add_argument("--data-dir", type=pathlib.Path, required=True)
+    parser.add_argument("--listen", type=_parse_listen, default=("127.0.0.1", 7070), help="HOST:PORT")
+    parser.add_argument(
+        "--rpc-token-file", type=pathlib.Path,
+        help="this node's own RPC secret, required on every RPC call (mode 0600); created with a random "
+        "token if absent (default DATA_DIR/identity/rpc.token); sent to the control plane at registration",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bootstrap-token-file", type=pathlib.Path,
+        help="the cluster's bootstrap token or a single-use enrolment token (mode 0600): used only to enrol "
+        "a node without an identity; never accepted on the RPC",
+    )  # fmt: skip
+    parser.add_argument(
+        "--identity-file",
+        type=pathlib.Path,
+        help="where the node keeps its node id and identity (default DATA_DIR/identity/node.json)",
+    )
+    parser.add_argument("--control-plane", help="base URL of the control plane to register with")
+    parser.add_argument(
+        "--advertise-url", help="the URL the control plane should call (default http://LISTEN)"
+    )
+    parser.add_argument("--driver", choices=["runsc", "fake"], default="runsc")
+    parser.add_argument("--templates", default="python", help="comma-separated templates to prepare")
+    parser.add_argument("--no-prepare", action="store_true", help="skip node/template preparation")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--store-url", default=settings.store_url,
+        help="object store for templates and suspended sandboxes (file:///dir or s3://bucket/prefix?...); "
+        "default $SPACE_STORE_URL, else file://DATA_DIR/objects",
+    )  # fmt: skip
+    parser.add_argument(
+        "--egress-config", type=pathlib.Path,
+        help="JSON operator settings of the node's egress gateway (network = sandbox): ports, hosts (a "
+        "static name -> addresses map instead of the system resolver), trust_store, allow_networks; see "
+        "space.node.agent.egress_wiring.load_settings",
+    )  # fmt: skip
+    parser.add_argument(
+        "--disk-reserve", default=settings.disk_reserve, metavar="PERCENT,MB",
+        help="free space the node keeps: creates, snapshots, checkpoints and imports are refused when they "
+        "would leave less than min(PERCENT of the disk, MB) (default 5,2048; ADR 0027)",
+    )  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = NodeAgentSettings()
+    parser = _parser(settings)
+    args = parser.parse_args(argv)
+    try:
+        percent, mb = args.disk_reserve.split(",")
+        disk_reserve = DiskReserve(percent=float(percent), mb=int(mb))
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        parser.error("--disk-reserve is PERCENT,MB: a percentage from 0 to 50 and a whole number of MB")
+    os.umask(0o077)  # the agent's object-store parts, CA key, policies: its own only (ADR 0022)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    data_dir = args.data_dir.resolve()
+    raise_fd_limit()  # descriptors per sandbox channel, stream and connection
+    # uvicorn handles SIGINT/SIGTERM inside serve(); SIGPIPE must not kill us when a client vanishes.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    asyncio.run(
+        serve(
+            data_dir, args.listen, rpc_token_file=args.rpc_token_file,
+            bootstrap_token_file=args.bootstrap_token_file, identity_file=args.identity_file,
+            control_plane=args.control_plane, advertise_url=args.advertise_url, driver=args.driver,
+            templates=tuple(t for t in args.templates.split(",") if t), prepare=not args.no_prepare,
+            log_level=args.log_level,
+            store_url=args.store_url or default_store_url(data_dir),
+            egress=load_egress_settings(data_dir / "egress", args.egress_config),
+            disk_reserve=disk_reserve, settings=settings,
+        )
+    )  # fmt: skip
