@@ -103,7 +103,7 @@ class RequestPolicy:
             f"{method} {self.url}{path} {what}: {reason}", url=self.url, exception=type(exc).__name__
         )
 
-    def stream_error(self, exc: httpx.HTTPError, response: httpx.Response) -> TransportError:
+    def streaming_failure(self, exc: httpx.HTTPError, response: httpx.Response) -> TransportError:
         """A transport failure while a streamed answer was being read."""
         return self.transport_error(exc, response.request.method, response.request.url.path)
 

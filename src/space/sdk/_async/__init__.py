@@ -1,9 +1,9 @@
-"""The async SDK: the one hand-written source of both clients.
+"""The client classes of one side of the SDK, async (space.sdk._async) or sync (space.sdk._sync).
 
-scripts/gen_sync_sdk.py generates the sync SDK (space.sdk._sync) from these modules with `unasync`:
-`async`/`await` go, `Async*` names become their sync twins (AsyncSpace -> Space, AsyncHTTP -> SyncHTTP).
-What differs beyond that lives in space.sdk._backend; what needs no I/O lives in space.sdk.models and
-space.sdk._policy. `make check` fails while the generated copy is stale.
+The async side is hand-written, the one source of both; scripts/gen_sync_sdk.py generates the sync side
+from it with `unasync`: `async`/`await` go, `Async*` names become their sync twins (AsyncSpace -> Space,
+AsyncHTTP -> SyncHTTP). What differs beyond that lives in space.sdk._backend; what needs no I/O lives in
+space.sdk.models and space.sdk._policy. `make check` fails while the generated copy is stale.
 """
 
 from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects

@@ -1,6 +1,8 @@
-"""The client of one SPACE server: `AsyncSpace` (and, generated from this file, the sync `Space`).
+"""The client of one SPACE server: `AsyncSpace`, and the sync `Space` generated from it.
 
-    async with AsyncSpace() as sp:               # SPACE_URL + SPACE_API_KEY, or the `space up` config file
+    with Space() as sp:                          # SPACE_URL + SPACE_API_KEY, or the `space up` config file
+        sb = sp.sandboxes.create(template="python")
+    async with AsyncSpace() as sp:               # the same, awaited
         sb = await sp.sandboxes.create(template="python")
 
 Invariants:
@@ -25,7 +27,7 @@ __all__ = ["AsyncSpace"]
 
 
 class AsyncSpace:
-    """A client of one SPACE server; `AsyncSpace()` reads SPACE_URL/SPACE_API_KEY or the `space up`
+    """A client of one SPACE server; with no arguments it reads SPACE_URL/SPACE_API_KEY or the `space up`
     config file."""
 
     def __init__(

@@ -1,4 +1,4 @@
-"""The HTTP layer of the async client: one httpx client, requests sent with the retries of RequestPolicy.
+"""The HTTP layer of a client: one httpx client, requests sent with the retries of RequestPolicy.
 
 Invariants (the decisions themselves are space.sdk._policy's):
 - `send` returns only answers with status < 400; any other answer is read, closed and raised as a typed
@@ -106,7 +106,7 @@ class AsyncHTTP(RequestPolicy):
             async for chunk in response.aiter_bytes(chunk_size):
                 yield chunk
         except httpx.TransportError as exc:
-            raise self.stream_error(exc, response) from exc
+            raise self.streaming_failure(exc, response) from exc
 
     async def iter_ndjson(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -115,7 +115,7 @@ class AsyncHTTP(RequestPolicy):
                 if event is not None:
                     yield event
         except httpx.TransportError as exc:
-            raise self.stream_error(exc, response) from exc
+            raise self.streaming_failure(exc, response) from exc
 
 
 class AsyncSandboxRef(Protocol):

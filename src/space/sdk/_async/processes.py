@@ -3,8 +3,8 @@
 Invariants:
 - A process outlives the call that started it; its output is kept by the sandbox and can be attached to
   from any offset, by any number of readers, as often as wanted.
-- `AsyncProcess` is a handle holding the server's answer in `.data`; its methods go through the
-  sandbox's `processes`.
+- A process handle holds the server's answer in `.data`; its methods go through the sandbox's
+  `processes`.
 """
 
 from __future__ import annotations
