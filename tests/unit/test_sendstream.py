@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from space.core import errors
 from space.node.volumes import sendstream as ss
+from space.node.volumes import sendstream_check as ssc
 from tests.support import sendstreams as sb
 
 UUID = bytes(range(1, 17))
@@ -24,7 +25,7 @@ DELTA = ss.Expected.delta("sn", {PARENT_ID})
 
 
 def check(commands: list[sb.Cmd], expected: ss.Expected = FULL, **kw: int) -> ss.StreamHeader:
-    return ss.check_stream(io.BytesIO(sb.encode(commands, **kw)), expected)
+    return ssc.check_stream(io.BytesIO(sb.encode(commands, **kw)), expected)
 
 
 def refused(commands: list[sb.Cmd], expected: ss.Expected = FULL, match: str | None = None) -> str:
@@ -111,7 +112,7 @@ def test_the_first_command_must_carry_well_sized_attributes_and_a_good_crc() -> 
     data = bytearray(sb.encode(full()))
     data[17 + 6] ^= 0xFF  # the first command's crc
     with pytest.raises(errors.ArtifactCorrupt, match="crc32c"):
-        ss.check_stream(io.BytesIO(bytes(data)), FULL)
+        ssc.check_stream(io.BytesIO(bytes(data)), FULL)
 
 
 # --- refused: framing ---------------------------------------------------------------------------------------
@@ -132,14 +133,14 @@ def test_framing_anomalies_are_refused() -> None:
         (good + sb.encode([sb.subvol(b"sv2"), sb.end()])[17:], "second subvolume|follows END"),
     ):
         with pytest.raises(errors.ArtifactCorrupt, match=match):
-            ss.check_stream(io.BytesIO(data), FULL)
+            ssc.check_stream(io.BytesIO(data), FULL)
 
 
 def test_command_size_type_and_attributes_are_bounded() -> None:
     head = sb.encode([sb.subvol(b"sv")])
     huge = struct.pack("<IHI", 1 << 30, ss.C_WRITE, 0)  # never read: refused from its header alone
     with pytest.raises(errors.ArtifactCorrupt, match="at most 64 KiB"):
-        ss.check_stream(io.BytesIO(head + huge), FULL)
+        ssc.check_stream(io.BytesIO(head + huge), FULL)
     refused(full(sb.Cmd(0, [])), match="unknown type 0")
     refused(full(sb.Cmd(23, [(ss.A_PATH, b"a")])), match="unknown type 23")  # v2's FALLOCATE in v1
     refused(full(sb.Cmd(ss.C_MKFILE, [(ss.A_PATH, b"a"), (25, b"x")])), match="unknown attribute 25")
@@ -149,7 +150,7 @@ def test_command_size_type_and_attributes_are_bounded() -> None:
         b"\0\0\0\0\x03\0", b"\x06\0\0\0\x03\0", 1
     )
     with pytest.raises(errors.ArtifactCorrupt):
-        ss.check_stream(io.BytesIO(overrun + b"\x0f\0\xff\0ab"), FULL)
+        ssc.check_stream(io.BytesIO(overrun + b"\x0f\0\xff\0ab"), FULL)
     refused(full(sb.Cmd(ss.C_END, [(ss.A_PATH, b"a")])), match="END carries")
 
 
@@ -204,7 +205,7 @@ def test_path_attributes_only_where_they_belong_and_symlink_targets_sane() -> No
 def test_a_refused_command_is_never_handed_on() -> None:
     bad = sb.mkfile(b"../../etc/pwned")
     data = sb.encode([sb.subvol(b"sv"), sb.mkfile(b"a"), sb.mkfile(b"b"), bad, sb.mkfile(b"c"), sb.end()])
-    checked = ss.CheckedStream(io.BytesIO(data), FULL)
+    checked = ssc.CheckedStream(io.BytesIO(data), FULL)
     forwarded = bytearray()
     with pytest.raises(errors.ArtifactCorrupt, match="etc/pwned"):
         for chunk in checked.chunks(chunk_bytes=1):
@@ -213,14 +214,14 @@ def test_a_refused_command_is_never_handed_on() -> None:
     assert forwarded == data[: len(forwarded)]
     # and a good stream is handed on byte for byte
     good = sb.encode(full(sb.mkfile(b"a"), sb.write(b"a", b"x" * 60000)))
-    assert b"".join(ss.CheckedStream(io.BytesIO(good), FULL).chunks(chunk_bytes=4096)) == good
+    assert b"".join(ssc.CheckedStream(io.BytesIO(good), FULL).chunks(chunk_bytes=4096)) == good
 
 
 # --- fuzzing ------------------------------------------------------------------------------------------------
 def _outcome(data: bytes, expected: ss.Expected) -> ss.StreamHeader | None:
     """The checker's verdict: a header, or None for a typed refusal; anything else fails the test."""
     try:
-        return ss.check_stream(io.BytesIO(data), expected)
+        return ssc.check_stream(io.BytesIO(data), expected)
     except (errors.ArtifactCorrupt, errors.NotFound):
         return None
 

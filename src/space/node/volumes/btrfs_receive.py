@@ -32,7 +32,7 @@ from space.core.errors import (
     RuntimeFailure,
     SpaceError,
 )
-from space.node.volumes import sendstream
+from space.node.volumes import sendstream, sendstream_check
 from space.node.volumes.btrfs import (
     delete_subvolume,
     get_readonly,
@@ -153,7 +153,7 @@ def receive(stream: PathLike | int | BinaryIO, dest_dir: PathLike, *, expected: 
         raise InvalidArgument("receive target is not on btrfs", path=os.fspath(dest_root))
     reader, owned = _stream_reader(stream)
     try:
-        checked = sendstream.CheckedStream(reader, expected)
+        checked = sendstream_check.CheckedStream(reader, expected)
         header = checked.header
         dest = dest_root / header.name
         if os.path.lexists(dest):
@@ -190,7 +190,7 @@ def receive(stream: PathLike | int | BinaryIO, dest_dir: PathLike, *, expected: 
             reader.close()
 
 
-def _receive_into(checked: sendstream.CheckedStream, staging: Path) -> None:
+def _receive_into(checked: sendstream_check.CheckedStream, staging: Path) -> None:
     argv = [BTRFS, "receive", "-e", "--chroot", os.fspath(staging)]
     with tempfile.TemporaryFile() as log:
         try:

@@ -21,7 +21,10 @@ what was wrong, before the offending command reaches `btrfs receive`):
 The CRCs of the commands after the first are checked by `btrfs receive` itself before it applies each one
 (pure-Python CRC32C runs at a few MB/s, too slow for gigabyte checkpoints). Symlinks that the *parent*
 already holds are out of this reader's sight: `btrfs receive --chroot` into an empty staging directory is
-what contains them (see space.node.volumes.btrfs.receive).
+what contains them (see space.node.volumes.btrfs_receive.receive).
+
+The reader, the header and what a caller expects are here; the checks of every later command, and the
+stream that forwards only checked commands, are in space.node.volumes.sendstream_check.
 
 No I/O beyond reading the given binary stream; no privileges needed.
 """
@@ -29,7 +32,6 @@ No I/O beyond reading the given binary stream; no privileges needed.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Literal
 
@@ -56,7 +58,7 @@ A_CLONE_UUID, A_CLONE_CTRANSID, A_CLONE_PATH, A_CLONE_OFFSET, A_CLONE_LEN = 20, 
 A_MAX_V1 = A_CLONE_LEN
 
 # The only commands that may name the subvolume's root directory (the empty path): its attributes.
-_ROOT_COMMANDS = frozenset({C_SET_XATTR, C_REMOVE_XATTR, C_CHMOD, C_CHOWN, C_UTIMES})
+ROOT_COMMANDS = frozenset({C_SET_XATTR, C_REMOVE_XATTR, C_CHMOD, C_CHOWN, C_UTIMES})
 COMMAND_NAMES = {
     C_SUBVOL: "SUBVOL", C_SNAPSHOT: "SNAPSHOT", C_MKFILE: "MKFILE", C_MKDIR: "MKDIR", C_MKNOD: "MKNOD",
     C_MKFIFO: "MKFIFO", C_MKSOCK: "MKSOCK", C_SYMLINK: "SYMLINK", C_RENAME: "RENAME", C_LINK: "LINK",
@@ -146,7 +148,7 @@ class Command:
         return COMMAND_NAMES.get(self.cmd, str(self.cmd))
 
 
-def _corrupt(message: str, **details: object) -> ArtifactCorrupt:
+def corrupt(message: str, **details: object) -> ArtifactCorrupt:
     return ArtifactCorrupt(f"send stream refused: {message}", **details)
 
 
@@ -167,10 +169,10 @@ def read_stream_start(source: BinaryIO) -> int:
     """The stream header: magic and a supported version (returned)."""
     head = _read_exact(source, STREAM_HEADER.size)
     if len(head) < STREAM_HEADER.size or not head.startswith(MAGIC):
-        raise _corrupt("not a btrfs send stream (bad magic)")
+        raise corrupt("not a btrfs send stream (bad magic)")
     version = int(STREAM_HEADER.unpack(head)[1])
     if version not in SUPPORTED_VERSIONS:
-        raise _corrupt(f"unsupported send stream version {version}", version=version)
+        raise corrupt(f"unsupported send stream version {version}", version=version)
     return version
 
 
@@ -180,69 +182,69 @@ def read_command(source: BinaryIO, *, index: int) -> Command | None:
     if not head:
         return None
     if len(head) < COMMAND_HEADER.size:
-        raise _corrupt(f"truncated in the header of command {index}", command_index=index)
+        raise corrupt(f"truncated in the header of command {index}", command_index=index)
     length, cmd, _crc = COMMAND_HEADER.unpack(head)
     if COMMAND_HEADER.size + length > MAX_COMMAND_BYTES:
-        raise _corrupt(f"command {index} is {length} bytes long (at most 64 KiB)", command_index=index)
+        raise corrupt(f"command {index} is {length} bytes long (at most 64 KiB)", command_index=index)
     if not 1 <= cmd <= C_MAX_V1:
-        raise _corrupt(f"command {index} has unknown type {cmd}", command_index=index)
+        raise corrupt(f"command {index} has unknown type {cmd}", command_index=index)
     payload = _read_exact(source, length)
     if len(payload) != length:
-        raise _corrupt(f"truncated in command {index} ({COMMAND_NAMES[cmd]})", command_index=index)
+        raise corrupt(f"truncated in command {index} ({COMMAND_NAMES[cmd]})", command_index=index)
     attrs: dict[int, bytes] = {}
     pos = 0
     while pos < length:
         if length - pos < TLV_HEADER.size:
-            raise _corrupt(f"command {index} ends inside an attribute header", command_index=index)
+            raise corrupt(f"command {index} ends inside an attribute header", command_index=index)
         kind, size = TLV_HEADER.unpack_from(payload, pos)
         pos += TLV_HEADER.size
         if not 1 <= kind <= A_MAX_V1:
-            raise _corrupt(f"command {index} has unknown attribute {kind}", command_index=index)
+            raise corrupt(f"command {index} has unknown attribute {kind}", command_index=index)
         if kind in attrs:
             # btrfs-progs keeps the *last* copy: a checker reading the first would be fooled.
-            raise _corrupt(f"command {index} repeats attribute {kind}", command_index=index)
+            raise corrupt(f"command {index} repeats attribute {kind}", command_index=index)
         if length - pos < size:
-            raise _corrupt(f"attribute {kind} of command {index} overruns it", command_index=index)
+            raise corrupt(f"attribute {kind} of command {index} overruns it", command_index=index)
         attrs[kind] = payload[pos : pos + size]
         pos += size
     return Command(cmd=cmd, attrs=attrs, raw=head + payload)
 
 
-def _attr(command: Command, kind: int, size: int | None, index: int) -> bytes:
+def attr(command: Command, kind: int, size: int | None, index: int) -> bytes:
     value = command.attrs.get(kind)
     if value is None:
-        raise _corrupt(f"{command.name} (command {index}) lacks attribute {kind}", command_index=index)
+        raise corrupt(f"{command.name} (command {index}) lacks attribute {kind}", command_index=index)
     if size is not None and len(value) != size:
-        raise _corrupt(f"attribute {kind} of {command.name} is {len(value)} bytes, not {size}")
+        raise corrupt(f"attribute {kind} of {command.name} is {len(value)} bytes, not {size}")
     return value
 
 
 def _plain_name(raw: bytes, what: str) -> str:
     if not raw or b"/" in raw or b"\0" in raw or raw in (b".", b"..") or len(raw) > MAX_NAME_BYTES:
-        raise _corrupt(f"{what} {raw[:64]!r} is not a plain name")
+        raise corrupt(f"{what} {raw[:64]!r} is not a plain name")
     try:
         return raw.decode()
     except UnicodeDecodeError as exc:
-        raise _corrupt(f"{what} {raw[:64]!r} is not UTF-8") from exc
+        raise corrupt(f"{what} {raw[:64]!r} is not UTF-8") from exc
 
 
-def _header_of(first: Command, version: int) -> StreamHeader:
+def header_of(first: Command, version: int) -> StreamHeader:
     if first.cmd not in (C_SUBVOL, C_SNAPSHOT):
-        raise _corrupt(f"the first command is {first.name}, not SUBVOL or SNAPSHOT", command=first.name)
+        raise corrupt(f"the first command is {first.name}, not SUBVOL or SNAPSHOT", command=first.name)
     crc = COMMAND_HEADER.unpack_from(first.raw)[2]
     if command_crc(first.raw) != crc:
-        raise _corrupt("the first command's crc32c does not match its content")
-    name = _plain_name(_attr(first, A_PATH, None, 0), "the subvolume name")
-    uuid = _attr(first, A_UUID, 16, 0)
+        raise corrupt("the first command's crc32c does not match its content")
+    name = _plain_name(attr(first, A_PATH, None, 0), "the subvolume name")
+    uuid = attr(first, A_UUID, 16, 0)
     if uuid == bytes(16):
-        raise _corrupt("the subvolume has an empty UUID")
-    (ctransid,) = struct.unpack("<Q", _attr(first, A_CTRANSID, 8, 0))
+        raise corrupt("the subvolume has an empty UUID")
+    (ctransid,) = struct.unpack("<Q", attr(first, A_CTRANSID, 8, 0))
     delta = first.cmd == C_SNAPSHOT
     parent_uuid: str | None = None
     parent_ctransid: int | None = None
     if delta:
-        parent_uuid = format_uuid(_attr(first, A_CLONE_UUID, 16, 0))
-        (parent_ctransid,) = struct.unpack("<Q", _attr(first, A_CLONE_CTRANSID, 8, 0))
+        parent_uuid = format_uuid(attr(first, A_CLONE_UUID, 16, 0))
+        (parent_ctransid,) = struct.unpack("<Q", attr(first, A_CLONE_CTRANSID, 8, 0))
     return StreamHeader(
         version=version,
         kind="delta" if delta else "full",
@@ -259,18 +261,18 @@ def read_header(source: BinaryIO) -> StreamHeader:
     version = read_stream_start(source)
     first = read_command(source, index=0)
     if first is None:
-        raise _corrupt("the stream has no command")
-    return _header_of(first, version)
+        raise corrupt("the stream has no command")
+    return header_of(first, version)
 
 
 def check_expected(header: StreamHeader, expected: Expected) -> None:
     """The first command creates what the caller expects: kind, name, parent."""
     if header.kind != expected.kind:
-        raise _corrupt(f"a {header.kind} stream where a {expected.kind} one is expected", kind=header.kind)
+        raise corrupt(f"a {header.kind} stream where a {expected.kind} one is expected", kind=header.kind)
     if header.name != expected.name:
-        raise _corrupt(f"the stream creates {header.name!r}, not {expected.name!r}", name=header.name)
+        raise corrupt(f"the stream creates {header.name!r}, not {expected.name!r}", name=header.name)
     if header.uuid in expected.parent_uuids:
-        raise _corrupt("the stream's subvolume claims its own parent's UUID", uuid=header.uuid)
+        raise corrupt("the stream's subvolume claims its own parent's UUID", uuid=header.uuid)
     if expected.kind == "delta" and header.parent_uuid not in expected.parent_uuids:
         # Typed NotFound: a genuine delta made against another base is a "wrong node" case, not corruption.
         raise NotFound(
@@ -278,215 +280,3 @@ def check_expected(header: StreamHeader, expected: Expected) -> None:
             f"expected parent ({', '.join(sorted(expected.parent_uuids))})",
             field="parent", parent_uuid=header.parent_uuid,
         )  # fmt: skip
-
-
-# --- the whole stream ------------------------------------------------------------------------------------
-def _relative_path(raw: bytes, what: str, index: int, *, allow_root: bool) -> tuple[bytes, ...]:
-    """The components of a path inside the subvolume; refuses anything that could leave it."""
-    if not raw:
-        if allow_root:
-            return ()
-        raise _corrupt(f"{what} of command {index} is empty", command_index=index)
-    if len(raw) > MAX_PATH_BYTES or b"\0" in raw:
-        raise _corrupt(f"{what} of command {index} is too long or holds NUL", command_index=index)
-    if raw.startswith(b"/"):
-        raise _corrupt(f"{what} {raw[:80]!r} of command {index} is absolute", command_index=index)
-    parts = tuple(raw.split(b"/"))
-    for part in parts:
-        if part in (b"", b".", b".."):
-            raise _corrupt(
-                f"{what} {raw[:80]!r} of command {index} has a {part.decode() or 'empty'!r} component",
-                command_index=index,
-            )
-    return parts
-
-
-class _Symlinks:
-    """Paths this stream made symlinks; a later path through one of them would be followed by receive.
-
-    `under` counts the tracked symlinks below each directory prefix, so the frequent renames and unlinks
-    of a stream (every new inode arrives under an orphan name, then is renamed) cost O(depth) unless they
-    really move a directory holding tracked symlinks."""
-
-    def __init__(self) -> None:
-        self.paths: set[tuple[bytes, ...]] = set()
-        self.under: dict[tuple[bytes, ...], int] = {}
-
-    def check(self, parts: tuple[bytes, ...], what: str, index: int) -> None:
-        if not self.paths:
-            return
-        for end in range(1, len(parts)):
-            if parts[:end] in self.paths:
-                shown = b"/".join(parts)[:80]
-                raise _corrupt(f"{what} {shown!r} of command {index} runs through a symlink it made")
-
-    def add(self, parts: tuple[bytes, ...]) -> None:
-        if parts in self.paths:
-            return
-        self.paths.add(parts)
-        for end in range(1, len(parts)):
-            self.under[parts[:end]] = self.under.get(parts[:end], 0) + 1
-
-    def _discard(self, parts: tuple[bytes, ...]) -> None:
-        self.paths.discard(parts)
-        for end in range(1, len(parts)):
-            left = self.under[parts[:end]] - 1
-            if left:
-                self.under[parts[:end]] = left
-            else:
-                del self.under[parts[:end]]
-
-    def _taken(self, parts: tuple[bytes, ...]) -> list[tuple[bytes, ...]]:
-        """Tracked symlinks at or below `parts`, removed from tracking."""
-        found = [parts] if parts in self.paths else []
-        if self.under.get(parts):
-            n = len(parts)
-            found += [p for p in self.paths if len(p) > n and p[:n] == parts]
-        for p in found:
-            self._discard(p)
-        return found
-
-    def rename(self, src: tuple[bytes, ...], dst: tuple[bytes, ...]) -> None:
-        moved = self._taken(src)
-        self._taken(dst)  # whatever `dst` was is replaced
-        for p in moved:
-            self.add(dst + p[len(src) :])
-
-    def remove(self, parts: tuple[bytes, ...]) -> None:
-        self._taken(parts)
-
-
-def _check_foreign_path_attrs(command: Command, index: int) -> None:
-    """Path attributes travel only on the commands whose paths the checker examined: a path it did not
-    look at is refused, not forwarded."""
-    cmd = command.cmd
-    for kind in (A_PATH_TO, A_CLONE_PATH):
-        if kind in command.attrs and cmd not in (C_RENAME, C_CLONE):
-            raise _corrupt(f"{command.name} (command {index}) carries path attribute {kind}")
-    if A_PATH_LINK in command.attrs and cmd not in (C_SYMLINK, C_LINK):
-        raise _corrupt(f"{command.name} (command {index}) carries a link target")
-
-
-class StreamChecker:
-    """Checks a stream command by command against what the caller expects (see the module invariants)."""
-
-    def __init__(self, expected: Expected) -> None:
-        self.expected = expected
-        self.header: StreamHeader | None = None
-        self.commands = 0
-        self.ended = False
-        self._symlinks = _Symlinks()
-        self._clone_sources: frozenset[str] = frozenset()
-
-    def first(self, command: Command, version: int) -> StreamHeader:
-        header = _header_of(command, version)
-        check_expected(header, self.expected)
-        self.header = header
-        self._clone_sources = frozenset({header.uuid, *self.expected.parent_uuids})
-        self.commands = 1
-        return header
-
-    def next(self, command: Command) -> None:
-        index = self.commands
-        self.commands += 1
-        if self._is_end(command, index):
-            return
-        cmd = command.cmd
-        path = self._path(command, A_PATH, index, allow_root=cmd in _ROOT_COMMANDS)
-        if cmd == C_SYMLINK:
-            content = _attr(command, A_PATH_LINK, None, index)
-            if len(content) > MAX_PATH_BYTES or b"\0" in content or not content:
-                raise _corrupt(f"symlink target of command {index} is empty, too long or holds NUL")
-            self._symlinks.add(path)
-        elif cmd == C_LINK:
-            target = self._path(command, A_PATH_LINK, index, allow_root=False)
-            if target in self._symlinks.paths:
-                self._symlinks.add(path)
-        elif cmd == C_RENAME:
-            destination = self._path(command, A_PATH_TO, index, allow_root=False)
-            self._symlinks.rename(path, destination)
-        elif cmd in (C_UNLINK, C_RMDIR):
-            self._symlinks.remove(path)
-        elif cmd == C_CLONE:
-            self._check_clone(command, index)
-        _check_foreign_path_attrs(command, index)
-
-    def _is_end(self, command: Command, index: int) -> bool:
-        """Whether `command` is the stream's END; refuses one out of place (before the subvolume, after END,
-        a second subvolume)."""
-        if self.header is None:
-            raise _corrupt("commands before the subvolume")
-        if self.ended:
-            raise _corrupt(f"command {index} ({command.name}) follows END", command_index=index)
-        if command.cmd in (C_SUBVOL, C_SNAPSHOT):
-            raise _corrupt(f"command {index} starts a second subvolume", command_index=index)
-        if command.cmd != C_END:
-            return False
-        if command.attrs:
-            raise _corrupt("END carries attributes")
-        self.ended = True
-        return True
-
-    def _check_clone(self, command: Command, index: int) -> None:
-        source = format_uuid(_attr(command, A_CLONE_UUID, 16, index))
-        if source not in self._clone_sources:
-            raise _corrupt(
-                f"CLONE (command {index}) reads from subvolume {source}, neither this stream's nor "
-                "its parent", command_index=index,
-            )  # fmt: skip
-        self._path(command, A_CLONE_PATH, index, allow_root=False)
-
-    def _path(self, command: Command, kind: int, index: int, *, allow_root: bool) -> tuple[bytes, ...]:
-        what = {A_PATH: "path", A_PATH_TO: "rename target", A_PATH_LINK: "link target"}.get(kind, "path")
-        if kind == A_CLONE_PATH:
-            what = "clone source path"
-        parts = _relative_path(_attr(command, kind, None, index), what, index, allow_root=allow_root)
-        self._symlinks.check(parts, what, index)
-        return parts
-
-    def finish(self) -> StreamHeader:
-        if self.header is None:
-            raise _corrupt("the stream has no command")
-        if not self.ended:
-            raise _corrupt("the stream ends without END (truncated)")
-        return self.header
-
-
-class CheckedStream:
-    """A stream read once, checked command by command while it is handed on.
-
-    The header and first command are read and checked when it is made (before anything is applied);
-    `chunks()` then yields the stream's bytes in batches of whole commands, each batch only after every
-    command in it passed the checks, so a consumer that forwards what it gets never forwards a refused
-    command. The iterator's last step checks the end (END, then nothing).
-    """
-
-    def __init__(self, source: BinaryIO, expected: Expected) -> None:
-        self._source = source
-        self.version = read_stream_start(source)
-        self.checker = StreamChecker(expected)
-        first = read_command(source, index=0)
-        if first is None:
-            raise _corrupt("the stream has no command")
-        self.header = self.checker.first(first, self.version)
-        self._first = first
-
-    def chunks(self, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
-        batch = bytearray(STREAM_HEADER.pack(MAGIC, self.version))
-        batch += self._first.raw
-        while (command := read_command(self._source, index=self.checker.commands)) is not None:
-            self.checker.next(command)
-            batch += command.raw
-            if len(batch) >= chunk_bytes:
-                yield bytes(batch)
-                batch.clear()
-        self.checker.finish()
-        yield bytes(batch)
-
-
-def check_stream(source: BinaryIO, expected: Expected) -> StreamHeader:
-    """Read and check a whole stream without applying it."""
-    checked = CheckedStream(source, expected)
-    for _chunk in checked.chunks():
-        pass
-    return checked.header
