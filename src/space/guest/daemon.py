@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, error_payload
 from space.guest.children import ChildWatcher
+from space.guest.settings import SETTINGS
 from space.protocol import methods as m
 from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
 from space.protocol.flow import announced_window, window_increment
@@ -412,7 +413,7 @@ def take_over_stdio() -> tuple[int, int]:
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
-    log_path = os.environ.get("SPACED_LOG")
+    log_path = SETTINGS.log_path
     log_fd = devnull
     if log_path:
         try:
@@ -436,6 +437,6 @@ def main() -> int:
         # PID 1 gets only the signals it handles; Python's SIGINT handler would raise KeyboardInterrupt in
         # the reader. A no-op handler (not SIG_IGN, which children would inherit through exec) defuses it.
         signal.signal(signal.SIGINT, lambda _signum, _frame: None)
-    reap_all = is_init or os.environ.get("SPACED_REAP_ALL") == "1"
+    reap_all = is_init or SETTINGS.reap_all
     daemon = Daemon(channel_in, channel_out, reap_all)
     return daemon.serve()

@@ -1,7 +1,8 @@
 """File calls: read, write, list, stat, mkdir, remove, rename, chmod.
 
 Invariants:
-- Paths are absolute or relative to /work; a NUL byte or an empty path is invalid_argument.
+- Paths are absolute or relative to the work directory (/work, see settings.py); a NUL byte or an empty
+  path is invalid_argument.
 - Reads and writes stream: memory per call is one CHUNK_SIZE buffer (plus the bounded request-body queue),
   whatever the file size.
 - A non-append write never leaves a half-written file at `path`: the body goes to a temporary file in the
@@ -23,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from space.guest.channel import Call, Cancelled, GuestError
 from space.guest.params import REQUIRED, get_bool, get_int, get_str
+from space.guest.settings import SETTINGS
 from space.protocol import methods as m
 from space.protocol.frames import CHUNK_SIZE, MAX_PAYLOAD, Channel
 
 if TYPE_CHECKING:
     from space.guest.daemon import Daemon
 
-WORKDIR = os.environ.get("SPACED_WORKDIR", "/work")  # overridable for the fake driver only
 DEFAULT_FILE_MODE = 0o644
 LIST_BATCH_BYTES = MAX_PAYLOAD // 2  # JSON of one batch of entries stays well under a frame
 
@@ -38,7 +39,7 @@ def resolve(params: dict[str, Any], key: str = "path") -> str:
     path: str = get_str(params, key)
     if not path or "\x00" in path:
         raise GuestError("invalid_argument", f"{key!r} must be a non-empty path without NUL bytes")
-    return os.path.join(WORKDIR, path)
+    return os.path.join(SETTINGS.workdir, path)
 
 
 def _mode(params: dict[str, Any], key: str, default: Any) -> Any:

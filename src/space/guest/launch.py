@@ -9,7 +9,8 @@ Invariants:
 - Children get a sane environment: the daemon's own environment minus SPACED_* and PYTHONPATH (the
   template's and sandbox's variables travel there), over defaults for PATH, HOME and LANG; a given user's
   HOME, USER and LOGNAME; then the call's "env" wins. A PTY gets TERM=xterm-256color unless given.
-- A relative "cwd" is under WORKDIR; no "cwd" is WORKDIR when it exists, else "/".
+- A relative "cwd" is under the work directory (settings.py); no "cwd" is the work directory when it
+  exists, else "/".
 - The fork goes through the ChildWatcher (`children.spawn`), so the exit status reaches the Process
   however early the child exits. If starting fails, every fd opened for it is closed again.
 """
@@ -26,10 +27,10 @@ from space.guest.channel import GuestError
 from space.guest.children import ChildWatcher
 from space.guest.params import get_bool, get_float, get_int, get_str, get_str_map
 from space.guest.process import Process, set_winsize
+from space.guest.settings import SETTINGS, inherited_environment
 from space.protocol.frames import Channel
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-WORKDIR = os.environ.get("SPACED_WORKDIR", "/work")  # overridable for the fake driver only
 DEFAULT_PTY_SIZE = (24, 80)
 
 
@@ -141,11 +142,7 @@ def _wire_stdio(
 
 def base_environment() -> dict[str, str]:
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}
-    env.update(
-        (key, value)
-        for key, value in os.environ.items()
-        if not key.startswith("SPACED_") and key != "PYTHONPATH"
-    )
+    env.update(inherited_environment())
     return env
 
 
@@ -206,6 +203,7 @@ def _resolve_user(value: Any) -> tuple[int, int, str, str, list[int]] | None:
 
 
 def _resolve_cwd(cwd: str | None) -> str:
+    workdir = SETTINGS.workdir
     if cwd is None:
-        return WORKDIR if os.path.isdir(WORKDIR) else "/"
-    return os.path.join(WORKDIR, cwd)
+        return workdir if os.path.isdir(workdir) else "/"
+    return os.path.join(workdir, cwd)

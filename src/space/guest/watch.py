@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from space.guest.channel import Call, Cancelled
 from space.guest.files import resolve
 from space.guest.params import get_bool
+from space.guest.settings import SETTINGS
 from space.protocol import methods as m
 
 if TYPE_CHECKING:
@@ -232,7 +233,7 @@ def _dedupe(changes: list[Change]) -> list[Change]:
 
 
 def open_watcher(root: str, recursive: bool) -> Watcher:
-    if os.environ.get("SPACED_WATCH_POLL") != "1":
+    if not SETTINGS.watch_poll:
         try:
             return InotifyWatcher(root, recursive)
         except (OSError, AttributeError, ImportError):
