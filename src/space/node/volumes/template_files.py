@@ -29,8 +29,8 @@ Progress = Callable[[str], None]
 
 METADATA_FORMAT = 1
 #: A root filesystem's files are the guest's and get a Debian system's modes, not the owner-only umask that
-#: the helper itself runs with (ADR 0022): what this module writes into one is given its mode explicitly,
-#: and what it runs on one (debootstrap, chroot) runs with this umask.
+#: the helper itself runs with (ADR 0022): what the template builders write into one is given its mode
+#: explicitly, and what they run on one (debootstrap, chroot) runs with this umask.
 ROOTFS_UMASK = 0o022
 
 

@@ -1,13 +1,9 @@
 """Templates: the read-only root filesystems sandboxes are snapshotted from. This module builds the guest
-layer; the base layer is space.node.volumes.template_base, the shared build tools template_files.
+layer on top of the base layer (space.node.volumes.template_base); the build tools both use are in
+space.node.volumes.template_files.
 
 Layers (all under `<btrfs root>/templates/`):
-- `.base-bookworm-python`: read-only subvolume = `debootstrap --variant=minbase --include=python3,procps,
-  ca-certificates bookworm` + user `user` (uid 1000), /work, neutral /etc/hostname, /etc/hosts, empty
-  /etc/resolv.conf. Expensive (~1 min, network), so it is built once per machine and cached as a full
-  `btrfs send` stream in the rootfs cache (default /var/cache/space/rootfs, outside every data dir); a new
-  data dir gets it with one `btrfs receive` (seconds). Every node that receives the same stream gets a base
-  with the same received UUID, so deltas sent with `-p <base>` apply on any of them.
+- `.base-bookworm-python`: the Debian base, built once per machine and cached (see template_base).
 - `python`: read-only snapshot of the base + SPACE's guest code in /opt/space/lib/space (protocol, guest),
   byte-compiled by the template's own python3 (chroot), so the .pyc match the guest interpreter. A change
   of the guest code (its hash) rebuilds only this layer: a snapshot, a copy and a compileall (~0.3 s).
@@ -18,9 +14,6 @@ Invariants:
   `.new` leftover, a half-received base) is from a killed run and is deleted and rebuilt.
 - The metadata of `python` is removed *before* the subvolume is replaced, so no reader can pair new
   metadata with an old tree or the reverse.
-- Host-specific files that debootstrap copies from the host (hostname, hosts, resolv.conf) are replaced:
-  no host detail leaks into a sandbox.
-- Network traffic happens only in debootstrap, only to the mirror of the machine's apt sources.
 - Concurrent builders are serialized by flocks (one on the cache dir, one on the templates dir).
 """
 
