@@ -41,7 +41,7 @@ import dns.rdatatype
 import dns.rrset
 
 from space.core import errors
-from space.node.egress.policy import CompiledPolicy, IPAddress, normalize_host
+from space.node.egress.policy import CompiledPolicy, Destination, IPAddress, normalize_host
 
 ANSWER_TTL = 30
 MAX_TCP_MESSAGE = 65535
@@ -165,43 +165,20 @@ class DnsService:
         self.audit = audit
 
     async def answer(self, wire: bytes, source: str) -> bytes | None:
+        """The response to a query message; None for bytes that are no DNS message (nothing is sent)."""
         try:
             query = dns.message.from_wire(wire)
         except (dns.exception.DNSException, ValueError):
             return None
         response = dns.message.make_response(query)
         response.flags |= dns.flags.RA
-        if query.opcode() != dns.opcode.QUERY or len(query.question) != 1:
-            response.set_rcode(dns.rcode.NOTIMP if query.opcode() != dns.opcode.QUERY else dns.rcode.FORMERR)
-            return response.to_wire()
-        found = self.lookup(source)
-        if found is None:
-            response.set_rcode(dns.rcode.REFUSED)
-            return response.to_wire()
-        sandbox_id, policy = found
-        question = query.question[0]
-        qname = question.name
         try:
-            text = qname.to_text(omit_final_dot=True)
-            destination = normalize_host(text)
-        except (errors.InvalidArgument, dns.exception.DNSException, UnicodeError):
-            response.set_rcode(dns.rcode.NXDOMAIN)
+            asked = self._question(query, source)
+            kept = await self._addresses(asked)
+        except _Answered as answered:
+            response.set_rcode(answered.rcode)
             return response.to_wire()
-        if destination.is_address or question.rdclass != dns.rdataclass.IN:
-            response.set_rcode(dns.rcode.REFUSED)
-            return response.to_wire()
-        decision = policy.decide_name(destination)
-        if not decision.allowed:
-            self.audit(sandbox_id, destination.host, "denied")
-            response.set_rcode(dns.rcode.NXDOMAIN)
-            return response.to_wire()
-        addresses = await self.resolver.resolve(destination.host)
-        checked = policy.filter_addresses(destination, addresses)
-        kept = [a for a in checked.addresses if policy.operator_allows(a) or not is_local_address(a)]
-        if not checked.allowed or not kept:
-            self.audit(sandbox_id, destination.host, "refused")
-            response.set_rcode(dns.rcode.REFUSED)
-            return response.to_wire()
+        question = asked.question
         rdtype = question.rdtype
         wanted: list[str] = []
         if rdtype in (dns.rdatatype.A, dns.rdatatype.ANY):
@@ -213,9 +190,60 @@ class DnsService:
             kind = dns.rdatatype.A if ":" not in address else dns.rdatatype.AAAA
             by_type.setdefault(kind, []).append(address)
         for kind, values in by_type.items():
-            response.answer.append(dns.rrset.from_text_list(qname, ANSWER_TTL, "IN", kind, values))
-        self.audit(sandbox_id, destination.host, "answered")
+            response.answer.append(dns.rrset.from_text_list(question.name, ANSWER_TTL, "IN", kind, values))
+        self.audit(asked.sandbox_id, asked.destination.host, "answered")
         return response.to_wire()
+
+    def _question(self, query: dns.message.Message, source: str) -> _Asked:
+        """The one question of a query from a known sandbox, for a name; raises _Answered otherwise."""
+        if query.opcode() != dns.opcode.QUERY or len(query.question) != 1:
+            raise _Answered(dns.rcode.NOTIMP if query.opcode() != dns.opcode.QUERY else dns.rcode.FORMERR)
+        found = self.lookup(source)
+        if found is None:
+            raise _Answered(dns.rcode.REFUSED)
+        sandbox_id, policy = found
+        question = query.question[0]
+        try:
+            text = question.name.to_text(omit_final_dot=True)
+            destination = normalize_host(text)
+        except (errors.InvalidArgument, dns.exception.DNSException, UnicodeError) as exc:
+            raise _Answered(dns.rcode.NXDOMAIN) from exc
+        if destination.is_address or question.rdclass != dns.rdataclass.IN:
+            raise _Answered(dns.rcode.REFUSED)
+        return _Asked(sandbox_id, policy, question, destination)
+
+    async def _addresses(self, asked: _Asked) -> list[IPAddress]:
+        """The addresses the sandbox may connect to for the name; raises _Answered (audited) if none."""
+        policy, destination = asked.policy, asked.destination
+        decision = policy.decide_name(destination)
+        if not decision.allowed:
+            self.audit(asked.sandbox_id, destination.host, "denied")
+            raise _Answered(dns.rcode.NXDOMAIN)
+        addresses = await self.resolver.resolve(destination.host)
+        checked = policy.filter_addresses(destination, addresses)
+        kept = [a for a in checked.addresses if policy.operator_allows(a) or not is_local_address(a)]
+        if not checked.allowed or not kept:
+            self.audit(asked.sandbox_id, destination.host, "refused")
+            raise _Answered(dns.rcode.REFUSED)
+        return kept
+
+
+class _Answered(Exception):
+    """The query is answered with `rcode` and no records."""
+
+    def __init__(self, rcode: dns.rcode.Rcode) -> None:
+        super().__init__(rcode)
+        self.rcode = rcode
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """A query's one question, from a known sandbox, for a well-formed name."""
+
+    sandbox_id: str
+    policy: CompiledPolicy
+    question: dns.rrset.RRset
+    destination: Destination
 
 
 @dataclass

@@ -168,15 +168,26 @@ def normalize_host(raw: str) -> Destination:
         return _address_destination(_parse_ipv6(raw, raw[1:-1]))
     if ":" in raw:
         return _address_destination(_parse_ipv6(raw, raw))
+    labels = _labels(raw, _mapped(raw))
+    if _ends_in_number(labels):
+        return _address_destination(_parse_loose_ipv4(raw, labels))
+    return _name_destination(raw, labels)
+
+
+def _mapped(raw: str) -> str:
+    """`raw` in lower case, non-ASCII names through the UTS-46 mapping (then checked again)."""
     if raw.isascii():
-        text = raw.lower()
-    else:
-        try:
-            text = idna.uts46_remap(raw, std3_rules=False, transitional=False)
-        except idna.IDNAError as exc:
-            raise _invalid(raw, f"IDNA mapping failed ({exc})") from exc
-        _check_characters(text)
-        text = text.lower()
+        return raw.lower()
+    try:
+        text = idna.uts46_remap(raw, std3_rules=False, transitional=False)
+    except idna.IDNAError as exc:
+        raise _invalid(raw, f"IDNA mapping failed ({exc})") from exc
+    _check_characters(text)
+    return text.lower()
+
+
+def _labels(raw: str, text: str) -> list[str]:
+    """The labels of a mapped name (one trailing dot dropped); none may be empty."""
     if text.endswith("."):
         text = text[:-1]
     if text == "":
@@ -184,22 +195,26 @@ def normalize_host(raw: str) -> Destination:
     labels = text.split(".")
     if any(label == "" for label in labels):
         raise _invalid(raw, "empty label")
-    if _ends_in_number(labels):
-        return _address_destination(_parse_loose_ipv4(raw, labels))
-    encoded: list[str] = []
-    for label in labels:
-        if label.isascii():
-            if label.startswith("xn--"):
-                try:
-                    idna.ulabel(label)
-                except (idna.IDNAError, UnicodeError) as exc:
-                    raise _invalid(raw, f"bad punycode label {label!r}") from exc
-            encoded.append(label)
-        else:
+    return labels
+
+
+def _a_label(raw: str, label: str) -> str:
+    """The ASCII (A-label) form of one label; an xn-- label must be valid punycode."""
+    if label.isascii():
+        if label.startswith("xn--"):
             try:
-                encoded.append(idna.alabel(label).decode("ascii"))
+                idna.ulabel(label)
             except (idna.IDNAError, UnicodeError) as exc:
-                raise _invalid(raw, f"label {label!r} is not valid IDNA ({exc})") from exc
+                raise _invalid(raw, f"bad punycode label {label!r}") from exc
+        return label
+    try:
+        return idna.alabel(label).decode("ascii")
+    except (idna.IDNAError, UnicodeError) as exc:
+        raise _invalid(raw, f"label {label!r} is not valid IDNA ({exc})") from exc
+
+
+def _name_destination(raw: str, labels: list[str]) -> Destination:
+    encoded = [_a_label(raw, label) for label in labels]
     for label in encoded:
         if not _LABEL.match(label):
             raise _invalid(raw, f"label {label!r} has characters outside [a-z0-9_-] or is too long")

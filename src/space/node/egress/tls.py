@@ -260,39 +260,41 @@ def _parse_hello_body(body: bytes) -> tuple[str | None, bool]:
     return server_name, has_ech
 
 
+def _complete_hello(raw: bytearray) -> bytes | None:
+    """The body of the ClientHello in the handshake records of `raw` once it is complete, None while more
+    records are needed. Raises NotTls for anything that is not a ClientHello in handshake records."""
+    pos = 0
+    handshake = bytearray()
+    while pos + 5 <= len(raw):
+        if raw[pos] != HANDSHAKE or raw[pos + 1] != 3:
+            raise NotTls("not a TLS handshake record")
+        length = int.from_bytes(raw[pos + 3 : pos + 5], "big")
+        if pos + 5 + length > len(raw):
+            return None
+        handshake += raw[pos + 5 : pos + 5 + length]
+        pos += 5 + length
+        if len(handshake) >= 4:
+            if handshake[0] != 1:
+                raise NotTls("first handshake message is not a ClientHello")
+            need = int.from_bytes(handshake[1:4], "big")
+            if len(handshake) >= 4 + need:
+                return bytes(handshake[4 : 4 + need])
+    return None
+
+
 async def read_client_hello(reader: asyncio.StreamReader, first: bytes = b"") -> ClientHello:
     """Read the whole ClientHello (it may span several records) without answering anything."""
     raw = bytearray(first)
-    handshake = bytearray()
     while True:
         while len(raw) < 5:
             chunk = await reader.read(MAX_HELLO)
             if not chunk:
                 raise NotTls("connection closed before a ClientHello")
             raw += chunk
-        # walk the records we have
-        pos = 0
-        handshake.clear()
-        complete = False
-        while pos + 5 <= len(raw):
-            if raw[pos] != HANDSHAKE or raw[pos + 1] != 3:
-                raise NotTls("not a TLS handshake record")
-            length = int.from_bytes(raw[pos + 3 : pos + 5], "big")
-            if pos + 5 + length > len(raw):
-                break
-            handshake += raw[pos + 5 : pos + 5 + length]
-            pos += 5 + length
-            if len(handshake) >= 4:
-                if handshake[0] != 1:
-                    raise NotTls("first handshake message is not a ClientHello")
-                need = int.from_bytes(handshake[1:4], "big")
-                if len(handshake) >= 4 + need:
-                    complete = True
-                    break
-        if complete:
-            need = int.from_bytes(handshake[1:4], "big")
+        body = _complete_hello(raw)
+        if body is not None:
             try:
-                name, ech = _parse_hello_body(bytes(handshake[4 : 4 + need]))
+                name, ech = _parse_hello_body(body)
             except IndexError as exc:
                 raise NotTls("truncated ClientHello") from exc
             return ClientHello(bytes(raw), name, ech)
