@@ -26,7 +26,8 @@ import pytest
 
 from space.controlplane import failpoints
 from space.controlplane.keys import OrgDataKeys
-from space.controlplane.reconciler.loop import Reconciler, is_orphan_copy
+from space.controlplane.reconciler.deletion import is_orphan_copy
+from space.controlplane.reconciler.loop import Reconciler
 from space.controlplane.snapshots import SnapshotKeeper, report_lost_node_crashes
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.records import SandboxRecord

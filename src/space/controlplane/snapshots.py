@@ -28,14 +28,13 @@ import base64
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from space.controlplane.reconciler.context import StepContext, snapshot_prefix
+from space.controlplane.reconciler.loop import Reconciler
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors, retention
-from space.core.lifecycle import State
-
-if TYPE_CHECKING:
-    from space.controlplane.reconciler.loop import Reconciler
+from space.core.lifecycle import LIVE_STATES, State
+from space.objectstore.artifacts import delete_artifact
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ BUDGET_BACKOFF_S = 60.0  # a sandbox whose budget is full is not asked again for
 
 
 class SnapshotKeeper:
-    def __init__(self, reconciler: Reconciler) -> None:
+    def __init__(self, reconciler: StepContext) -> None:
         self.reconciler = reconciler
         self.store = reconciler.store
         self._busy: set[str] = set()
@@ -188,25 +187,23 @@ class SnapshotKeeper:
 
     async def upload(self, sb: SandboxRecord, snap: SnapshotRecord) -> SnapshotRecord:
         """Upload a full checkpoint the node holds to object storage (for recovery on any node)."""
-        from space.controlplane.reconciler.loop import snapshot_prefix
-
         rec = self.reconciler
-        _objects, store_url = rec._objects()
+        _objects, store_url = rec.object_store()
         if sb.node_id is None:
             raise errors.InvalidState(f"sandbox {sb.id} is not on a node", state=sb.state.value)
         if snap.prefix is None:
-            key = await rec._data_key(sb, None)
+            key = await rec.data_key(sb, None)
             snap = await asyncio.to_thread(
                 self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
                 data_key_id=key.key_id if key else None,
                 wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
             )  # fmt: skip
         else:
-            key = await rec._data_key(sb, snap)
+            key = await rec.data_key(sb, snap)
         assert snap.prefix is not None
         node = rec.nodes.client(sb.node_id)
         await node.upload_snapshot(sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key)
-        return await rec._verify_uploaded(snap.id, snap.prefix)
+        return await rec.verify_uploaded(snap.id, snap.prefix)
 
     async def prune(self, sb: SandboxRecord, policy: retention.SnapshotPolicy) -> list[str]:
         snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)
@@ -251,7 +248,7 @@ class SnapshotKeeper:
         if snap.node_id is not None:
             sb = await asyncio.to_thread(self.store.load_sandbox, snap.sandbox_id)
             on_node = sb is not None and sb.node_id == snap.node_id and sb.state != State.DELETED
-            if on_node and await rec._node_ready(snap.node_id):
+            if on_node and await rec.node_ready(snap.node_id):
                 node = rec.nodes.client(snap.node_id)
                 with contextlib.suppress(errors.NotFound):
                     await asyncio.wait_for(
@@ -261,8 +258,6 @@ class SnapshotKeeper:
                 raise errors.Unavailable(f"node {snap.node_id} is not ready")
             # Otherwise the sandbox left that node (or is gone): its node copies went with it.
         if snap.prefix is not None and rec.objects is not None:
-            from space.objectstore.artifacts import delete_artifact
-
             await asyncio.to_thread(delete_artifact, rec.objects, snap.prefix)
 
     async def sweep_objects(self) -> list[str]:
@@ -309,8 +304,7 @@ async def report_lost_node_crashes(reconciler: Reconciler) -> list[str]:
     crashed = []
     for node in await asyncio.to_thread(store.list_nodes, "lost"):
         for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
-            if sb.state not in (State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING,
-                                State.SUSPENDING, State.STOPPING, State.CHECKPOINTING):  # fmt: skip
+            if sb.state not in LIVE_STATES:
                 continue
             snaps = await asyncio.to_thread(store.list_snapshots, sb.id)
             if not any(s.kind == "full" and s.restorable and s.state == "ready" for s in snaps):
