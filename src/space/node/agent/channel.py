@@ -221,21 +221,10 @@ class GuestChannel:
 
     # -- reading ----------------------------------------------------------------------------------
     async def _read_loop(self) -> None:
-        decoder = FrameDecoder()
+        """Read until the stream ends, then fail whatever is still waiting; a violation closes the channel."""
         reason = "the sandbox closed its channel"
         try:
-            while True:
-                data = await self._reader.read(READ_SIZE)
-                if not data:
-                    tail = decoder.finish()
-                    if tail is not None:
-                        self._on_protocol_error(tail)
-                    break
-                for item in decoder.feed(data):
-                    if isinstance(item, ProtocolError):
-                        self._on_protocol_error(item)
-                    else:
-                        self._dispatch(item)
+            await self._read_frames()
         except GuestViolation as exc:
             reason = f"the sandbox broke the channel protocol: {exc}"
             self.failure = reason
@@ -251,6 +240,22 @@ class GuestChannel:
             if self.failure is not None:
                 # Drop the connection (and whatever is unsent): the holder then stops reading the sandbox.
                 self._writer.transport.abort()
+
+    async def _read_frames(self) -> None:
+        """Decode and route every frame until the guest closes the stream (a torn last frame included)."""
+        decoder = FrameDecoder()
+        while True:
+            data = await self._reader.read(READ_SIZE)
+            if not data:
+                tail = decoder.finish()
+                if tail is not None:
+                    self._on_protocol_error(tail)
+                return
+            for item in decoder.feed(data):
+                if isinstance(item, ProtocolError):
+                    self._on_protocol_error(item)
+                else:
+                    self._dispatch(item)
 
     def _dispatch(self, frame: Frame) -> None:
         """Route one well-formed frame: stream 0 is the channel's own, every other belongs to a call."""
