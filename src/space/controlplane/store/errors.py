@@ -52,21 +52,31 @@ def _driver_text(exc: DBAPIError) -> str:
     return str(exc.orig).splitlines()[0] if exc.orig is not None else ""
 
 
+def _integrity(exc: IntegrityError, what: str) -> SpaceError:
+    state, text = _sqlstate(exc), _driver_text(exc)
+    if state == _PG_UNIQUE or "UNIQUE constraint failed" in text:
+        return AlreadyExists(f"{what}: already exists")
+    if state == _PG_FOREIGN_KEY or "FOREIGN KEY constraint failed" in text:
+        return NotFound(f"{what}: a referenced resource does not exist")
+    return InvalidArgument(f"{what}: violates a constraint ({type(exc.orig).__name__})")
+
+
+def _driver(exc: DBAPIError, what: str) -> SpaceError | None:
+    """Conflict or Unavailable when the driver's error says so; None for anything else."""
+    if _sqlstate(exc) in _PG_RETRYABLE:
+        return Conflict(f"{what}: a concurrent transaction won; retry")
+    if exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError):
+        return Unavailable(f"{what}: database unavailable ({type(exc.orig).__name__})")
+    return None
+
+
 def translate(exc: SQLAlchemyError, what: str) -> SpaceError:
     """The SpaceError for `exc`, raised while doing `what` (the caller raises it `from exc`)."""
     if isinstance(exc, IntegrityError):
-        state, text = _sqlstate(exc), _driver_text(exc)
-        if state == _PG_UNIQUE or "UNIQUE constraint failed" in text:
-            return AlreadyExists(f"{what}: already exists")
-        if state == _PG_FOREIGN_KEY or "FOREIGN KEY constraint failed" in text:
-            return NotFound(f"{what}: a referenced resource does not exist")
-        return InvalidArgument(f"{what}: violates a constraint ({type(exc.orig).__name__})")
-    if isinstance(exc, DBAPIError):
-        state = _sqlstate(exc)
-        if state in _PG_RETRYABLE:
-            return Conflict(f"{what}: a concurrent transaction won; retry")
-        if exc.connection_invalidated or isinstance(exc, OperationalError | InterfaceError):
-            return Unavailable(f"{what}: database unavailable ({type(exc.orig).__name__})")
+        return _integrity(exc, what)
+    translated = _driver(exc, what) if isinstance(exc, DBAPIError) else None
+    if translated is not None:
+        return translated
     if isinstance(exc, PoolTimeoutError):
         return Unavailable(f"{what}: no database connection available")
     return Internal(f"{what}: database error ({type(exc).__name__})")

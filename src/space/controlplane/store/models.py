@@ -239,8 +239,8 @@ class IdempotencyRecord(Base):
 
 
 # ==== Credentials, egress policies, audit log, tenant keys (issue 5; migration 0003) =====================
-# Owned by store/credentials.py (helper H-cred). Values of credentials are never in these tables: only an
-# opaque vault reference; the default vault keeps AES-GCM sealed values in `vault_secrets`.
+# Read and written by the repositories of store/credentials/. Values of credentials are never in these
+# tables: only an opaque vault reference; the default vault keeps AES-GCM sealed values in `vault_secrets`.
 CREDENTIAL_SCOPES = ("org", "project", "sandbox")
 CREDENTIAL_METHODS = ("header", "bearer", "basic", "query")
 ORG_KEY_SERVICES = ("local", "kms")
