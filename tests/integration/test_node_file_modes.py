@@ -121,7 +121,17 @@ def test_checkpoint_images_of_an_older_run_are_tightened_and_root_filesystems_ar
     for path in (image / "pages.img", warm / "image" / "pages.img", warm / "config.json", guest_file):
         path.write_text("x")
         path.chmod(0o644)
-    for directory in (root / "checkpoints", image.parent, image, warm.parent, warm, warm / "image"):
+    # The root filesystem's mode is set here, not left to the process umask (an earlier test may have
+    # tightened it): what is checked is that restrict_images leaves it alone.
+    for directory in (
+        root / "checkpoints",
+        image.parent,
+        image,
+        warm.parent,
+        warm,
+        warm / "image",
+        warm / "rootfs",
+    ):
         directory.chmod(0o755)
     filesystem.restrict_images(root)
     for path in (image / "pages.img", warm / "image" / "pages.img", warm / "config.json"):
