@@ -557,11 +557,9 @@ def retention_store(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> I
         yield store, clock
 
 
-def test_retention_deletes_old_rows_only_in_bounded_batches(
-    retention_store: tuple[Store, Clock], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_retention_deletes_old_rows_only_in_bounded_batches(retention_store: tuple[Store, Clock]) -> None:
     store, clock = retention_store
-    monkeypatch.setattr(retention, "BATCH", 100)  # small batches, so that a run needs several
+    small = retention.RetentionSettings(batch=100)  # small batches, so that a run needs several
     org = store.create_org("acme")
     audit = CredentialStore(store)
     entry = AuditEntry(org_id=org.id, action="credential_used", actor="key:test")
@@ -579,7 +577,7 @@ def test_retention_deletes_old_rows_only_in_bounded_batches(
     assert store.purge_idempotency(24 * 3600, limit=100) == 100
     assert audit.purge_audit(30 * 24 * 3600, limit=100) == 100
     # A housekeeping run works off the rest in batches and keeps the new rows.
-    removed = asyncio.run(retention.purge_expired(store, retention.RetentionSettings()))
+    removed = asyncio.run(retention.purge_expired(store, small))
     assert removed == {"idempotency_records": 150, "credential_audit": 150}
     for i in range(3):
         begun = store.begin_idempotent("key-new", f"k{i}", "h" * 64)

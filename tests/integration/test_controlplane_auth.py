@@ -168,7 +168,7 @@ def revoked_key(fake_cluster: c.Cluster) -> str:
     assert made.cluster.http(secret).get("/v1/sandboxes").status_code == 200
     answer = fake_cluster.http(fake_cluster.admin_key).delete(f"/v1/keys/{key_id}")
     assert answer.status_code == 204, answer.text
-    # A control plane may trust a key it has just seen for a few seconds (app.py AUTH_CACHE_S, meant for
+    # A control plane may trust a key it has just seen for a few seconds (settings auth_cache_s, meant for
     # *other* replicas); once that has passed the key must be refused everywhere. Whether the replica that
     # revoked it refuses it at once is test_revocation_takes_effect_at_once.
     client = made.cluster.http(secret)

@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from space.rest import errors as rest_errors
+from space.controlplane import retention
 from space.controlplane.api import limits
 from space.controlplane.node_pools import BoundedTransport, PoolSettings, traffic_owner
+from space.controlplane.settings import ControlPlaneSettings
 from space.core import errors
+from space.rest import errors as rest_errors
 
 SB = "/v1/sandboxes/sb-" + "a" * 26
 
@@ -108,6 +110,34 @@ def test_settings_from_the_environment() -> None:
             limits.LimitSettings.from_env({"SPACE_API_STREAMS_PER_KEY": bad})
     with pytest.raises(errors.InvalidArgument):
         PoolSettings.from_env({"SPACE_NODE_POOL_DATA_PER_OWNER": "1.5"})
+
+
+def test_one_settings_object_names_every_variable() -> None:
+    """ControlPlaneSettings (ADR 0035): every field documented and read from its own SPACE_ variable,
+    exactly (case-sensitive); blank numbers are defaults; the groups the parts take come from it."""
+    fields = ControlPlaneSettings.model_fields
+    aliases = [ControlPlaneSettings.env_name(name) for name in fields]
+    assert all(alias.startswith("SPACE_") for alias in aliases) and len(set(aliases)) == len(aliases)
+    assert all(info.description for info in fields.values())
+    environ = {
+        "SPACE_API_STREAMS_PER_KEY": "3",
+        "SPACE_NODE_POOL_DATA_WAIT_S": "2.5",
+        "SPACE_RETENTION_AUDIT_S": " ",
+        "space_api_request_burst": "1",
+        "SPACE_STORE_URL": "file:///srv/objects",
+        "SPACE_FAILPOINTS": "a,,b",
+    }
+    settings = ControlPlaneSettings.from_env(environ)
+    assert settings.api_streams_per_key == 3 and settings.pool_data_wait_s == 2.5
+    assert settings.retention_audit_s == retention.RetentionSettings().audit_s  # blank: the default
+    assert settings.api_request_burst == limits.LimitSettings().request_burst  # another name entirely
+    assert settings.store_url == "file:///srv/objects" and settings.armed_failpoints == {"a", "b"}
+    assert limits.LimitSettings.of(settings).streams_per_key == 3
+    assert PoolSettings.of(settings).data_wait_s == 2.5
+    only = ControlPlaneSettings.from_env({**environ, "SPACE_API_JSON_BODY_BYTES": "x"}, only="failpoints")
+    assert only.armed_failpoints == {"a", "b"} and only.api_streams_per_key == 32
+    with pytest.raises(errors.InvalidArgument, match="SPACE_RETENTION_IDEMPOTENCY_S"):
+        retention.RetentionSettings.from_env({"SPACE_RETENTION_IDEMPOTENCY_S": "-5"})
 
 
 # -- bounded pools over a mock transport ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ import os
 import signal
 from typing import Final
 
+from space.controlplane.settings import ControlPlaneSettings
+
 POINTS: Final = frozenset(
     {
         "suspend.recorded",  # snapshot id + prefix on the sandbox row, no snapshot row yet
@@ -27,7 +29,7 @@ POINTS: Final = frozenset(
     }
 )
 
-_ARMED: Final = frozenset(p for p in os.environ.get("SPACE_FAILPOINTS", "").split(",") if p)
+_ARMED: Final = ControlPlaneSettings.from_env(only="failpoints").armed_failpoints
 
 
 def hit(name: str) -> None:

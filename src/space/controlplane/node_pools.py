@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any
 
 import httpx
 
+from space.controlplane.settings import ControlPlaneSettings, default_of
 from space.core import errors
-
-ENV_PREFIX = "SPACE_NODE_POOL_"
 
 #: The owner (API key id) of the data-plane request being served; None for control traffic.
 traffic_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_owner", default=None)
@@ -35,35 +32,24 @@ traffic_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("traf
 
 @dataclass(frozen=True)
 class PoolSettings:
-    """Each field can be set from the environment as SPACE_NODE_POOL_<FIELD NAME IN CAPITALS>."""
+    """The bounds of the pools: ControlPlaneSettings' `pool_<field>` fields (SPACE_NODE_POOL_<FIELD>)."""
 
-    control_connections: int = 64  # per node, for the reconciler and lifecycle calls
-    control_total_s: float = 900.0  # a control call (request and whole answer) ends within this
-    control_max_json_bytes: int = 64 << 20
-    data_connections: int = 512  # per node, shared by every tenant
-    data_per_owner: int = 48  # calls in flight per API key per node (above the API's per-key stream cap)
-    data_wait_s: float = 10.0  # longest wait for a slot or a pooled connection before a 429
-    data_idle_s: float = 3600.0  # a data call whose node sends nothing for this long is closed
-    data_max_json_bytes: int = 8 << 20  # a JSON answer the gateway relays whole
+    control_connections: int = default_of("pool_control_connections")
+    control_total_s: float = default_of("pool_control_total_s")
+    control_max_json_bytes: int = default_of("pool_control_max_json_bytes")
+    data_connections: int = default_of("pool_data_connections")
+    data_per_owner: int = default_of("pool_data_per_owner")
+    data_wait_s: float = default_of("pool_data_wait_s")
+    data_idle_s: float = default_of("pool_data_idle_s")
+    data_max_json_bytes: int = default_of("pool_data_max_json_bytes")
+
+    @classmethod
+    def of(cls, settings: ControlPlaneSettings) -> PoolSettings:
+        return cls(**{spec.name: getattr(settings, "pool_" + spec.name) for spec in fields(cls)})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            var = ENV_PREFIX + spec.name.upper()
-            raw = environ.get(var)
-            if raw is None or not raw.strip():
-                continue
-            kind = int if spec.type in ("int", int) else float
-            try:
-                value = kind(raw)
-            except ValueError as exc:
-                raise errors.InvalidArgument(f"{var}={raw!r} is not a number") from exc
-            if value <= 0:
-                raise errors.InvalidArgument(f"{var} must be positive")
-            values[spec.name] = value
-        return cls(**values)
+        return cls.of(ControlPlaneSettings.from_env(environ))
 
     def control_transport(self) -> BoundedTransport:
         return BoundedTransport(

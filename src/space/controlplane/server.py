@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import pathlib
 
 import uvicorn
 
 from space.controlplane.api.app import create_app
 from space.controlplane.keys import OrgDataKeys
+from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
@@ -29,6 +29,7 @@ def build_store(database_url: str) -> Store:
 
 
 def main(argv: list[str] | None = None) -> int:
+    settings = ControlPlaneSettings.from_env()  # environment variables: space.controlplane.settings
     parser = argparse.ArgumentParser(description="SPACE control plane")
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--database-url", default=None, help="default: SQLite in the data directory")
@@ -41,20 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--store-url",
-        default=os.environ.get("SPACE_STORE_URL"),
+        default=settings.store_url,
         help="object store shared with the nodes (file:///dir or s3://bucket?endpoint=...): suspend, restore"
         " and checkpoint uploads; the nodes must be started with the same URL",
     )
     parser.add_argument(
         "--keys-dir",
         type=pathlib.Path,
-        default=os.environ.get("SPACE_KEYS_DIR"),
+        default=settings.keys_dir,
         help="directory of the embedded key service that wraps data keys (default DATA_DIR/keys); control"
         " plane replicas must share it (or use an external KMS)",
     )
     parser.add_argument(
         "--snapshot-min-intervals",
-        default=os.environ.get("SPACE_SNAPSHOT_MIN_INTERVALS", "60,300"),
+        default=settings.snapshot_min_intervals,
         help="DISK,FULL: the shortest disk_every_s and full_every_s a snapshot policy may ask for, in "
         "seconds (default 60,300; ADR 0027)",
     )
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir,
         store_url=args.store_url,
         data_keys=OrgDataKeys.local(store, args.keys_dir) if args.keys_dir else None,
+        settings=settings,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -22,58 +22,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from space.controlplane.api.app import MAX_UPLOAD_BYTES, Services, authenticate
+from space.controlplane.api.deps import Services, authenticate
 from space.controlplane.node_pools import traffic_owner
+from space.controlplane.settings import ControlPlaneSettings, default_of
 from space.core import errors
 from space.rest import errors as rest_errors
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "SPACE_API_"
-
 
 @dataclass(frozen=True)
 class LimitSettings:
-    """Each field can be set from the environment as SPACE_API_<FIELD NAME IN CAPITALS>."""
+    """The limits of this module: ControlPlaneSettings' `api_<field>` fields (SPACE_API_<FIELD>)."""
 
-    json_body_bytes: int = 1 << 20  # bodies of JSON routes (exec requests, creates, ...)
-    upload_body_bytes: int = MAX_UPLOAD_BYTES  # file uploads, process stdin
-    node_body_bytes: int = 4 << 20  # node-facing routes (heartbeats, audit batches)
-    requests_per_s: float = 100.0  # sustained requests per key
-    request_burst: int = 200  # requests a key may make at once after a quiet spell
-    streams_per_key: int = 32  # concurrent long-lived operations per key
-    send_stall_s: float = 300.0  # a client that takes no chunk of a stream for this long is cut off
-    max_tracked_keys: int = 100_000  # buckets kept in memory (idle ones are dropped first)
+    json_body_bytes: int = default_of("api_json_body_bytes")
+    upload_body_bytes: int = default_of("api_upload_body_bytes")
+    node_body_bytes: int = default_of("api_node_body_bytes")
+    requests_per_s: float = default_of("api_requests_per_s")
+    request_burst: int = default_of("api_request_burst")
+    streams_per_key: int = default_of("api_streams_per_key")
+    send_stall_s: float = default_of("api_send_stall_s")
+    max_tracked_keys: int = default_of("api_max_tracked_keys")
+
+    @classmethod
+    def of(cls, settings: ControlPlaneSettings) -> LimitSettings:
+        return cls(**{spec.name: getattr(settings, "api_" + spec.name) for spec in fields(cls)})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LimitSettings:
-        environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            raw = environ.get(ENV_PREFIX + spec.name.upper())
-            if raw is None or not raw.strip():
-                continue
-            kind = int if spec.type in ("int", int) else float
-            try:
-                value = kind(raw)
-            except ValueError as exc:
-                raise errors.InvalidArgument(
-                    f"{ENV_PREFIX}{spec.name.upper()}={raw!r} is not a number"
-                ) from exc
-            if value <= 0:
-                raise errors.InvalidArgument(f"{ENV_PREFIX}{spec.name.upper()} must be positive")
-            values[spec.name] = value
-        return cls(**values)
+        return cls.of(ControlPlaneSettings.from_env(environ))
 
 
 # -- route classes -------------------------------------------------------------------------------------------
@@ -183,12 +168,77 @@ class _ClientStalled(Exception):
     """A client took no chunk of a long-lived response for `send_stall_s`."""
 
 
+class _Exchange:
+    """One request's body counted (cut at `limit`) and its response sends watched (timed for streams)."""
+
+    def __init__(self, receive: Receive, send: Send, limit: int, stall_s: float | None) -> None:
+        self._receive = receive
+        self._send = send
+        self.limit = limit
+        self.stall_s = stall_s
+        self.received = 0
+        self.tripped = False  # the body passed the limit
+        self.started = False  # the app's own response has begun
+        self.replaced = False  # a 413 went out instead of the app's response
+        self.stalled = False  # the client took no chunk for stall_s
+
+    async def receive(self) -> Message:
+        if self.tripped:
+            raise _BodyTooLarge()
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.limit:
+                self.tripped = True
+                raise _BodyTooLarge()
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.replaced or self.stalled:
+            return
+        if message["type"] == "http.response.start":
+            if self.tripped:
+                # Whatever the app made of a body cut short (a parse error, a 500), the answer is 413.
+                await self._replace()
+                return
+            self.started = True
+        if self.stall_s is not None and message["type"] == "http.response.body":
+            try:
+                async with asyncio.timeout(self.stall_s):
+                    await self._send(message)
+            except TimeoutError:
+                self.stalled = True
+                raise _ClientStalled() from None
+            return
+        await self._send(message)
+
+    async def _replace(self) -> None:
+        self.replaced = True
+        await _send_error(self._send, _too_large(self.limit, None), close=True)
+
+    async def ended_by(self, exc: Exception, path: str) -> bool:
+        """Whether what the app raised is dealt with here (else the caller re-raises it)."""
+        if self.stalled:
+            # The server closes the connection when the app returns without finishing the response.
+            log.warning("cut off a client that took no data for %.0f s: %s", self.stall_s, path)
+            return True
+        if self.started and self.stall_s is not None and isinstance(exc, errors.SpaceError):
+            # A stream that broke off upstream (e.g. the node was quiet past the idle timeout): the
+            # client sees an unfinished response; nothing else to tell it.
+            log.info("stream %s ended: %s", path, exc.message)
+            return True
+        if not self.tripped or self.started or self.replaced:
+            return False
+        await self._replace()
+        return True
+
+
 # -- the middleware ------------------------------------------------------------------------------------------
 class RequestLimits:
     def __init__(self, app: ASGIApp, services: Services, settings: LimitSettings | None = None) -> None:
         self.app = app
         self.services = services
-        self.settings = settings or LimitSettings.from_env()
+        self.settings = settings or LimitSettings.of(services.settings)
         self.buckets = TokenBuckets(
             self.settings.requests_per_s, self.settings.request_burst, self.settings.max_tracked_keys
         )
@@ -245,61 +295,15 @@ class RequestLimits:
         self, scope: Scope, receive: Receive, send: Send, limit: int, *, stall_s: float | None
     ) -> None:
         """Run the app with its body counted and cut at `limit`, and (for streams) its sends timed."""
-        received = 0
-        tripped = stalled = started = replaced = False
-
-        async def counted_receive() -> Message:
-            nonlocal received, tripped
-            if tripped:
-                raise _BodyTooLarge()
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    tripped = True
-                    raise _BodyTooLarge()
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal started, replaced, stalled
-            if replaced or stalled:
-                return
-            if message["type"] == "http.response.start":
-                if tripped:
-                    # Whatever the app made of a body cut short (a parse error, a 500), the answer is 413.
-                    replaced = True
-                    await _send_error(send, _too_large(limit, None), close=True)
-                    return
-                started = True
-            if stall_s is not None and message["type"] == "http.response.body":
-                try:
-                    async with asyncio.timeout(stall_s):
-                        await send(message)
-                except TimeoutError:
-                    stalled = True
-                    raise _ClientStalled() from None
-                return
-            await send(message)
-
+        exchange = _Exchange(receive, send, limit, stall_s)
         # The flags, not the exception types, decide: frameworks may wrap what the app raised (a body
         # parse error becomes a 400, a task group makes an exception group).
         try:
-            await self.app(scope, counted_receive, guarded_send)
+            await self.app(scope, exchange.receive, exchange.send)
         except Exception as exc:
-            if stalled:
-                # The server closes the connection when the app returns without finishing the response.
-                log.warning("cut off a client that took no data for %.0f s: %s", stall_s, scope["path"])
-                return
-            if started and stall_s is not None and isinstance(exc, errors.SpaceError):
-                # A stream that broke off upstream (e.g. the node was quiet past the idle timeout): the
-                # client sees an unfinished response; nothing else to tell it.
-                log.info("stream %s ended: %s", scope["path"], exc.message)
-                return
-            if not tripped or started or replaced:
+            if not await exchange.ended_by(exc, scope["path"]):
                 raise
-            replaced = True
-            await _send_error(send, _too_large(limit, None), close=True)
-        if tripped and not started and not replaced:
+        if exchange.tripped and not exchange.started and not exchange.replaced:
             await _send_error(send, _too_large(limit, None), close=True)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, exc: errors.SpaceError) -> None:

@@ -1,4 +1,5 @@
-"""Node-facing routes of the control plane: enrolment, re-registration and heartbeats (ADR 0019, 0021).
+"""Node-facing routes of the control plane: enrolment, re-registration, heartbeats (ADR 0019, 0021), and a
+node's credential hand-outs and gateway audit reports (issue 5). None of them is in the OpenAPI document.
 
 Invariants:
 - Enrolment (`POST /v1/nodes/register`) takes the cluster's bootstrap token or an enrolment token (one use
@@ -11,11 +12,15 @@ Invariants:
 - The caller is authenticated before its body is read.
 - Crash reports, activity and stale copies reported by a node only ever touch sandboxes recorded on that
   node.
+- A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
+  for unknown sandboxes, so a node learns nothing about sandboxes elsewhere); every hand-out is audited, and
+  a node's audit events are kept only for its own sandboxes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from datetime import UTC, datetime
@@ -24,10 +29,16 @@ from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Header, Request
 
-from space.controlplane.api.app import Services
+from space.controlplane.api.bodies import NodeAuditBody, NodeAuditEvent
+from space.controlplane.api.deps import Services, Svc, credential_service
+from space.controlplane.credentials import spec
+from space.controlplane.credentials.service import CredentialService
 from space.controlplane.reconciler.loop import is_orphan_copy
+from space.controlplane.store.credentials import AuditEntry, CredentialRecord
+from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store, new_node_identity
 from space.core import errors, ids
+from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State
 
 
@@ -122,79 +133,193 @@ async def authenticate_node(store: Store, node_id: str, authorization: str | Non
         raise errors.Unauthenticated(f"bad identity for node {node_id}: register again")
 
 
-def router(services: Services) -> APIRouter:
-    r = APIRouter(include_in_schema=False)
-    store = services.store
-    cluster_token = services.node_token.encode()
+router = APIRouter(include_in_schema=False)
 
-    async def enrolment_credential(authorization: str | None) -> str | None:
-        """None for the cluster's (multi-use) bootstrap token, else the enrolment token presented; 401 if
-        it is neither (checked before the body is read; enrol_node takes the use atomically)."""
-        presented = _bearer(authorization)
-        if presented and hmac.compare_digest(presented.encode(), cluster_token):
-            return None
-        usable: bool = bool(presented) and await asyncio.to_thread(store.enrolment_token_usable, presented)
-        if not usable:
-            raise errors.Unauthenticated("bad node token")
-        return presented
+NODE_AUDIT_ACTIONS = frozenset(
+    {"injected", "denied", "rate_limited", "expired", "egress_denied", "placeholder_blocked"}
+)
 
-    @r.post("/register")
-    async def enrol(
-        request: Request, authorization: Annotated[str | None, Header()] = None
-    ) -> dict[str, Any]:
-        enrolment = await enrolment_credential(authorization)
-        body = await _json_object(request)
-        url, rpc_token = _registration(body)
-        # The identity is answered once and stored hashed; the node keeps it and re-registers with it.
-        identity = new_node_identity()
-        node = await asyncio.to_thread(
-            store.enrol_node, ids.new_node_id(), url, identity=identity,
-            seal_rpc_token=lambda node_id: services.nodes.tokens.seal(node_id, rpc_token),
-            capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
-            enrolment_token=enrolment,
+
+async def _enrolment_credential(services: Services, authorization: str | None) -> str | None:
+    """None for the cluster's (multi-use) bootstrap token, else the enrolment token presented; 401 if it
+    is neither (checked before the body is read; enrol_node takes the use atomically)."""
+    presented = _bearer(authorization)
+    if presented and hmac.compare_digest(presented.encode(), services.node_token.encode()):
+        return None
+    usable: bool = bool(presented) and await asyncio.to_thread(
+        services.store.enrolment_token_usable, presented
+    )
+    if not usable:
+        raise errors.Unauthenticated("bad node token")
+    return presented
+
+
+@router.post("/register")
+async def enrol(
+    request: Request, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    enrolment = await _enrolment_credential(services, authorization)
+    body = await _json_object(request)
+    url, rpc_token = _registration(body)
+    # The identity is answered once and stored hashed; the node keeps it and re-registers with it.
+    identity = new_node_identity()
+    node = await asyncio.to_thread(
+        services.store.enrol_node, ids.new_node_id(), url, identity=identity,
+        seal_rpc_token=lambda node_id: services.nodes.tokens.seal(node_id, rpc_token),
+        capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
+        enrolment_token=enrolment,
+    )  # fmt: skip
+    return {"node_id": node.id, "identity": identity}
+
+
+@router.post("/{node_id}/register")
+async def reregister(
+    node_id: str, request: Request, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    await authenticate_node(services.store, node_id, authorization)
+    body = await _json_object(request)
+    url, rpc_token = _registration(body)
+    node = await asyncio.to_thread(
+        services.store.reregister_node, node_id, _bearer(authorization), url,
+        rpc_token_sealed=services.nodes.tokens.seal(node_id, rpc_token),
+        capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
+    )  # fmt: skip
+    if node is None:
+        raise errors.Unauthenticated(f"bad identity for node {node_id}")
+    return {"node_id": node.id}
+
+
+def _reported_sandboxes(beat: dict[str, Any]) -> tuple[dict[str, datetime], list[str]]:
+    """(last activity per sandbox, sandboxes whose runtime the node saw die) of a heartbeat."""
+    activity: dict[str, datetime] = {}
+    crashed: list[str] = []
+    for item in beat.get("sandboxes") or []:
+        at = item.get("last_activity_at")
+        if at:
+            activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
+        if item.get("state") == State.CRASHED.value:
+            crashed.append(str(item["id"]))
+    return activity, crashed
+
+
+@router.post("/{node_id}/heartbeat")
+async def heartbeat(
+    node_id: str, request: Request, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    await authenticate_node(services.store, node_id, authorization)
+    beat = await _json_object(request)
+    templates = list(beat.get("templates") or [])
+    used = dict(beat.get("used") or {})
+    used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
+    activity, crashed = _reported_sandboxes(beat)
+    await asyncio.to_thread(
+        services.store.heartbeat, node_id, used=used, templates=templates, activity=activity,
+        capacity=_capacity(beat.get("capacity") or {}),
+    )  # fmt: skip
+    await _crash_reports(services, node_id, crashed, beat.get("time"))
+    reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
+    await _stale_copies(services, node_id, reported)
+    return {"ok": True}
+
+
+# -- credentials for the node's sandboxes (issue 5) ----------------------------------------------------------
+async def _check_node(store: Store, node_id: str, authorization: str | None) -> None:
+    parse_node_id(node_id, field="node_id")
+    # The identity issued to THIS node at its latest registration (ADR 0019): another node's identity or the
+    # cluster's bootstrap token is a 401, so the node id in the path is the caller's own.
+    await authenticate_node(store, node_id, authorization)
+
+
+async def _assigned(store: Store, node_id: str, sandbox_id: str) -> SandboxRecord:
+    sb = None
+    try:
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
+        sb = await asyncio.to_thread(store.load_sandbox, sandbox_id)
+    except errors.InvalidArgument:
+        pass
+    if sb is None or sb.node_id != node_id or sb.state == State.DELETED:
+        raise errors.PermissionDenied(f"sandbox {sandbox_id} is not assigned to node {node_id}")
+    return sb
+
+
+async def _org_of(store: Store, project_id: str) -> str:
+    project = await asyncio.to_thread(store.get_project, project_id)
+    if project is None:
+        raise errors.NotFound(f"project {project_id} not found")
+    return project.org_id
+
+
+@router.get("/{node_id}/sandboxes/{sandbox_id}/credentials")
+async def node_credentials(
+    node_id: str, sandbox_id: str, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    await _check_node(services.store, node_id, authorization)
+    service = credential_service(services)
+    sb = await _assigned(services.store, node_id, sandbox_id)
+    org_id = await _org_of(services.store, sb.project_id)
+    bundle = await asyncio.to_thread(service.bundle_for_node, node_id, sb, org_id)
+    return bundle.to_wire()
+
+
+class _AuditBatch:
+    """What one node audit batch needs looked up: a batch is mostly about a few sandboxes."""
+
+    def __init__(self, services: Services, service: CredentialService, node_id: str) -> None:
+        self.store = services.store
+        self.service = service
+        self.node_id = node_id
+        self.orgs: dict[str, str] = {}
+        self.sandboxes: dict[str, SandboxRecord | None] = {}
+
+    async def sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        """The event's sandbox if it is this node's (a node reports only about its own), else None."""
+        if sandbox_id not in self.sandboxes:
+            try:
+                self.sandboxes[sandbox_id] = await _assigned(self.store, self.node_id, sandbox_id)
+            except errors.PermissionDenied:
+                self.sandboxes[sandbox_id] = None
+        return self.sandboxes[sandbox_id]
+
+    async def entry(self, event: NodeAuditEvent, sb: SandboxRecord) -> AuditEntry:
+        if event.credential is not None and spec.NAME_PATTERN.fullmatch(event.credential) is None:
+            event.credential = None  # not a name a credential can have: keep the event, not the name
+        if sb.project_id not in self.orgs:
+            self.orgs[sb.project_id] = await _org_of(self.store, sb.project_id)
+        org_id = self.orgs[sb.project_id]
+        resolved: CredentialRecord | None = None
+        if event.credential is not None:
+            found = await asyncio.to_thread(
+                self.service.credentials.resolve, org_id, sb.project_id, sb.id, [event.credential]
+            )
+            resolved = found.get(event.credential)
+        detail = dict(event.detail)
+        if event.at is not None:
+            with contextlib.suppress(ValueError, OverflowError, OSError):  # a nonsense time is dropped
+                detail["reported_at"] = datetime.fromtimestamp(event.at, UTC).isoformat()
+        return AuditEntry(
+            org_id=org_id, action=event.action, actor=f"node:{self.node_id}", project_id=sb.project_id,
+            sandbox_id=sb.id, credential_id=resolved.id if resolved else None,
+            credential_name=event.credential, scope=resolved.scope if resolved else None, host=event.host,
+            detail=detail,
         )  # fmt: skip
-        return {"node_id": node.id, "identity": identity}
 
-    @r.post("/{node_id}/register")
-    async def reregister(
-        node_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
-    ) -> dict[str, Any]:
-        await authenticate_node(store, node_id, authorization)
-        body = await _json_object(request)
-        url, rpc_token = _registration(body)
-        node = await asyncio.to_thread(
-            store.reregister_node, node_id, _bearer(authorization), url,
-            rpc_token_sealed=services.nodes.tokens.seal(node_id, rpc_token),
-            capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
-        )  # fmt: skip
-        if node is None:
-            raise errors.Unauthenticated(f"bad identity for node {node_id}")
-        return {"node_id": node.id}
 
-    @r.post("/{node_id}/heartbeat")
-    async def heartbeat(
-        node_id: str, request: Request, authorization: Annotated[str | None, Header()] = None
-    ) -> dict[str, Any]:
-        await authenticate_node(store, node_id, authorization)
-        beat = await _json_object(request)
-        templates = list(beat.get("templates") or [])
-        used = dict(beat.get("used") or {})
-        used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
-        activity = {}
-        crashed: list[str] = []
-        for item in beat.get("sandboxes") or []:
-            at = item.get("last_activity_at")
-            if at:
-                activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
-            if item.get("state") == State.CRASHED.value:
-                crashed.append(str(item["id"]))
-        await asyncio.to_thread(
-            store.heartbeat, node_id, used=used, templates=templates, activity=activity,
-            capacity=_capacity(beat.get("capacity") or {}),
-        )  # fmt: skip
-        await _crash_reports(services, node_id, crashed, beat.get("time"))
-        reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
-        await _stale_copies(services, node_id, reported)
-        return {"ok": True}
-
-    return r
+@router.post("/{node_id}/audit")
+async def node_audit(
+    node_id: str, body: NodeAuditBody, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    await _check_node(services.store, node_id, authorization)
+    service = credential_service(services)
+    batch = _AuditBatch(services, service, node_id)
+    accepted: list[AuditEntry] = []
+    rejected = 0
+    for event in body.events:
+        sb = None
+        if event.action in NODE_AUDIT_ACTIONS and event.sandbox_id:
+            sb = await batch.sandbox(event.sandbox_id)
+        if sb is None:
+            rejected += 1
+            continue
+        accepted.append(await batch.entry(event, sb))
+    await asyncio.to_thread(service.credentials.audit, accepted)
+    return {"accepted": len(accepted), "rejected": rejected}

@@ -1,0 +1,186 @@
+"""Sandbox routes: create, list, read, change (snapshot policy), delete, and one route per lifecycle action.
+
+Invariants:
+- Lifecycle routes only *record desired state* (after checking the transition table allows the request,
+  so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
+  they never call a node themselves.
+- With an Idempotency-Key, a create derives the sandbox id from it: a retry that takes over the key of a
+  request that died mid-way finds the sandbox that request recorded instead of making a second one.
+- A sandbox with an egress policy or bound credentials has its policy recorded before its row exists, so
+  nothing ever runs without it (issue 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from space.controlplane.api.bodies import CreateSandbox, EgressSpec, PatchSandbox
+from space.controlplane.api.deps import (
+    Auth,
+    IdempotencyKey,
+    Principal,
+    Services,
+    Svc,
+    derived_sandbox_id,
+    find_sandbox,
+    idempotency_scope,
+    idempotent,
+    wait_settled,
+)
+from space.controlplane.api.egress import prepare_create
+from space.controlplane.api.views import Sandbox, Sandboxes, sandbox_view
+from space.controlplane.scheduler import check_admissible
+from space.controlplane.store.records import SandboxRecord
+from space.core import errors
+from space.core.ids import new_sandbox_id, parse_sandbox_id
+from space.core.lifecycle import Event, State, transition
+from space.core.settings import SandboxLimits
+
+router = APIRouter()
+
+
+@router.post("/sandboxes", status_code=201, response_model=Sandbox)
+async def create_sandbox(
+    body: CreateSandbox, who: Auth, services: Svc, idem: IdempotencyKey = None
+) -> JSONResponse:
+    who.require("member")
+    # A disk no node can hold is refused now, not left waiting for a node forever (ADR 0027).
+    await asyncio.to_thread(check_admissible, services.store, body.limits or SandboxLimits())
+    spec = body.egress or EgressSpec()
+    allow, bound = [*body.allow, *spec.allow], [*body.credentials, *spec.credentials]
+    has_policy = bool(allow or spec.deny or bound)
+    sandbox_id = derived_sandbox_id(idempotency_scope(who), idem) if idem else None
+    if sandbox_id is None and has_policy:
+        sandbox_id = new_sandbox_id()  # its egress policy is recorded before the sandbox (issue 5)
+
+    async def work() -> tuple[int, Any]:
+        env = body.env
+        if sandbox_id is not None and has_policy:
+            env = await prepare_create(
+                services, who, sandbox_id=sandbox_id, allow=allow, deny=spec.deny, credentials=bound,
+                env=body.env,
+            )  # fmt: skip
+        return 201, sandbox_view(await _create(services, who, body, env, sandbox_id))
+
+    return await idempotent(services, who, idem, f"POST /sandboxes {body.model_dump_json()}", work)
+
+
+async def _create(
+    services: Services, who: Principal, body: CreateSandbox, env: dict[str, str], sandbox_id: str | None
+) -> SandboxRecord:
+    policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
+    try:
+        sb = await asyncio.to_thread(
+            services.store.create_sandbox, who.project_id, body.template, env, body.limits,
+            idle_timeout_s=body.idle_timeout_s, ttl_s=body.ttl_s, sandbox_id=sandbox_id,
+            snapshot_policy=policy,
+        )  # fmt: skip
+    except errors.AlreadyExists:
+        assert sandbox_id is not None
+        sb = await find_sandbox(services, who, sandbox_id)
+    if body.wait:
+        return await wait_settled(services, sb.id)
+    services.reconciler.poke()
+    return sb
+
+
+@router.get("/sandboxes", response_model=Sandboxes)
+async def list_sandboxes(who: Auth, services: Svc) -> dict[str, Any]:
+    rows = await asyncio.to_thread(services.store.list_sandboxes, who.project_id)
+    return {"sandboxes": [sandbox_view(sb) for sb in rows]}
+
+
+@router.get("/sandboxes/{sandbox_id}", response_model=Sandbox)
+async def get_sandbox(sandbox_id: str, who: Auth, services: Svc) -> dict[str, Any]:
+    return sandbox_view(await find_sandbox(services, who, sandbox_id))
+
+
+@router.patch("/sandboxes/{sandbox_id}", response_model=Sandbox)
+async def patch_sandbox(sandbox_id: str, body: PatchSandbox, who: Auth, services: Svc) -> dict[str, Any]:
+    who.require("member")
+    sb = await find_sandbox(services, who, sandbox_id)
+    if "snapshot_policy" in body.model_fields_set:
+        policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
+        sb = await asyncio.to_thread(services.store.update_observed, sb.id, snapshot_policy=policy)
+    return sandbox_view(sb)
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=202, response_model=Sandbox)
+async def delete_sandbox(
+    sandbox_id: str, who: Auth, services: Svc, idem: IdempotencyKey = None, wait: bool = True
+) -> JSONResponse:
+    who.require("member")
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+
+    async def work() -> tuple[int, Any]:
+        # Looked up inside: a replay of a finished DELETE must get its first answer, not a 404.
+        sb = await find_sandbox(services, who, sandbox_id)
+        services.forget(sb.id)
+        updated = await asyncio.to_thread(services.store.set_desired, sb.id, State.DELETED)
+        if wait:
+            updated = await wait_settled(services, sb.id)
+        services.reconciler.poke()
+        return 202, sandbox_view(updated)
+
+    return await idempotent(services, who, idem, f"DELETE /sandboxes/{sandbox_id}", work)
+
+
+# -- lifecycle actions: one typed route per action (no /{action} catch-all) ---------------------------------
+LIFECYCLE_TARGETS: dict[str, tuple[Event, State]] = {
+    "pause": (Event.PAUSE, State.PAUSED),
+    "resume": (Event.RESUME, State.RUNNING),
+    "stop": (Event.STOP, State.STOPPED),
+    "start": (Event.START, State.RUNNING),
+    "suspend": (Event.SUSPEND, State.SUSPENDED),
+    "restore": (Event.RESTORE, State.RUNNING),
+}
+
+
+async def _act(
+    services: Services, who: Principal, sandbox_id: str, event: Event, target: State
+) -> SandboxRecord:
+    """Record `target` as the sandbox's desired state if the table allows `event` (else 409)."""
+    sb = await find_sandbox(services, who, sandbox_id)
+    current = await asyncio.to_thread(services.store.load_sandbox, sb.id)
+    assert current is not None
+    if current.desired_state != target or (current.error_permanent and current.state != target):
+        # The table decides on the state the user sees; an already-wished request is a no-op, unless the
+        # last attempt gave up (e.g. a corrupt snapshot): asking again retries.
+        transition(current.state, event)
+        services.forget(sb.id)
+        current = await asyncio.to_thread(services.store.set_desired, sb.id, target, current.generation)
+    return current
+
+
+def _lifecycle_route(action: str, event: Event, target: State) -> None:
+    async def lifecycle_action(
+        sandbox_id: str, who: Auth, services: Svc, idem: IdempotencyKey = None, wait: bool = True
+    ) -> JSONResponse:
+        who.require("member")
+        if action == "suspend" and services.reconciler.objects is None:
+            raise errors.InvalidArgument(
+                "suspend needs object storage: start the control plane with --store-url", action=action
+            )
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
+
+        async def work() -> tuple[int, Any]:
+            current = await _act(services, who, sandbox_id, event, target)
+            if wait:
+                return 200, sandbox_view(await wait_settled(services, current.id))
+            services.reconciler.poke()
+            return 202, sandbox_view(current)
+
+        return await idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/{action}", work)
+
+    router.add_api_route(
+        f"/sandboxes/{{sandbox_id}}/{action}", lifecycle_action, methods=["POST"], name=f"{action}_sandbox",
+        response_model=Sandbox, responses={202: {"model": Sandbox, "description": "Accepted (wait=false)"}},
+    )  # fmt: skip
+
+
+for _action, (_event, _target) in LIFECYCLE_TARGETS.items():
+    _lifecycle_route(_action, _event, _target)

@@ -1,0 +1,129 @@
+"""Snapshot routes: take and list a sandbox's snapshots, roll it back to one, fork it from a new checkpoint.
+
+Invariants:
+- A user snapshot is taken on the sandbox's node first and recorded after; it is `ready` once recorded
+  with its size (the node's answer).
+- A rollback moves through the lifecycle table (ROLLBACK, then ROLLED_BACK or FAIL), so a refused request
+  is a 409 naming the current state, and a sandbox rolled back wants to run again.
+- A fork takes ONE full checkpoint and creates its children as records the reconciler brings up on the
+  parent's node (FORK -> creating -> running), like any other create.
+- A snapshot of another project's sandbox answers like a missing one (404).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from space.controlplane.api.bodies import ForkBody, RollbackBody, SnapshotBody
+from space.controlplane.api.deps import (
+    Auth,
+    IdempotencyKey,
+    Services,
+    Svc,
+    find_sandbox,
+    idempotent,
+    node_of,
+    running_sandbox,
+    wait_settled,
+)
+from space.controlplane.api.views import Sandbox, Sandboxes, Snapshot, Snapshots, sandbox_view, snapshot_view
+from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.core import errors
+from space.core.ids import parse_snapshot_id
+from space.core.lifecycle import Event, State
+
+#: How long listing snapshots waits for the node's current exclusive sizes before using recorded ones.
+LIVE_SIZES_TIMEOUT_S = 3.0
+
+router = APIRouter()
+
+
+async def take_snapshot(services: Services, sb: SandboxRecord, *, full: bool) -> SnapshotRecord:
+    info = await services.nodes.client(node_of(sb)).create_snapshot(sb.id, full=full)
+    snap = await asyncio.to_thread(
+        services.store.create_snapshot, sb.id, "full" if full else "disk", node_id=sb.node_id,
+        snapshot_id=info.snapshot_id, origin="user", exclusive_bytes=getattr(info, "exclusive_bytes", None),
+    )  # fmt: skip
+    return await asyncio.to_thread(services.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=Snapshot)
+async def create_snapshot(sandbox_id: str, body: SnapshotBody, who: Auth, services: Svc) -> dict[str, Any]:
+    who.require("member")
+    sb = await running_sandbox(services, who, sandbox_id)
+    return snapshot_view(await take_snapshot(services, sb, full=body.full))
+
+
+async def _live_exclusive_bytes(
+    services: Services, sb: SandboxRecord, rows: list[SnapshotRecord]
+) -> dict[str, int]:
+    """Exclusive bytes grow as the sandbox diverges from a snapshot: the node's figure of today per
+    snapshot it holds (none when the node is slow or away: the recorded ones are the fallback)."""
+    live: dict[str, int] = {}
+    if sb.node_id is None or not any(s.node_id == sb.node_id for s in rows):
+        return live
+    with contextlib.suppress(errors.SpaceError, TimeoutError):
+        client = services.nodes.client(sb.node_id)
+        infos = await asyncio.wait_for(client.list_snapshots(sb.id), LIVE_SIZES_TIMEOUT_S)
+        for info in infos:
+            value = getattr(info, "exclusive_bytes", None)
+            if isinstance(value, int):
+                live[info.snapshot_id] = value
+    return live
+
+
+@router.get("/sandboxes/{sandbox_id}/snapshots", response_model=Snapshots)
+async def list_snapshots(sandbox_id: str, who: Auth, services: Svc) -> dict[str, Any]:
+    sb = await find_sandbox(services, who, sandbox_id)
+    rows = await asyncio.to_thread(services.store.list_snapshots, sb.id)
+    live = await _live_exclusive_bytes(services, sb, rows)
+    return {"snapshots": [snapshot_view(s, live.get(s.id)) for s in rows]}
+
+
+@router.post("/sandboxes/{sandbox_id}/rollback", response_model=Sandbox)
+async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, services: Svc) -> dict[str, Any]:
+    who.require("member")
+    parse_snapshot_id(body.snapshot_id, field="snapshot_id")
+    store = services.store
+    sb = await find_sandbox(services, who, sandbox_id)
+    snap = await asyncio.to_thread(store.get_snapshot, body.snapshot_id, project_id=who.project_id)
+    if snap is None or snap.sandbox_id != sb.id:
+        raise errors.NotFound(f"snapshot {body.snapshot_id} of sandbox {sandbox_id} not found")
+    services.forget(sb.id)
+    sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLBACK)
+    try:
+        await services.nodes.client(node_of(sb)).rollback(sb.id, snap.id)
+    except errors.SpaceError:
+        await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.FAIL)
+        raise
+    sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK)
+    if sb.desired_state != State.RUNNING:
+        sb = await asyncio.to_thread(store.set_desired, sb.id, State.RUNNING)
+    return sandbox_view(sb)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201, response_model=Sandboxes)
+async def fork(
+    sandbox_id: str, body: ForkBody, who: Auth, services: Svc, idem: IdempotencyKey = None
+) -> JSONResponse:
+    who.require("member")
+    sb = await running_sandbox(services, who, sandbox_id)
+
+    async def work() -> tuple[int, Any]:
+        snap = await take_snapshot(services, sb, full=True)
+        children = []
+        for _ in range(body.count):
+            child = await asyncio.to_thread(
+                services.store.create_sandbox, who.project_id, sb.template, sb.env, sb.limits,
+                idle_timeout_s=sb.idle_timeout_s, ttl_s=sb.ttl_s, forked_from=sb.id, fork_snapshot_id=snap.id,
+            )  # fmt: skip
+            children.append(child)
+        settled = [await wait_settled(services, child.id) for child in children]
+        return 201, {"sandboxes": [sandbox_view(child) for child in settled]}
+
+    return await idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/fork {body.count}", work)
