@@ -2,7 +2,9 @@
 
 Invariants:
 - This is the only module of the node agent (space.node.agent, space.node.local) that reads its
-  environment variables; each field names its variable and documents it.
+  environment variables; each field names its variable and documents it. (space.node.local and
+  space.node.demo also copy a fixed list of variables, PATH and the like, into the environment of the
+  processes they start: passed through, not read.)
 - Names that existed before this class keep their meaning and spelling (matched case-sensitively, as
   `os.environ` did): `SPACE_STORE_URL` and `SPACE_DISK_RESERVE` (defaults of the agent's `--store-url` and
   `--disk-reserve`, which still win), `SPACE_ROOTFS_CACHE` (handed to the node helper). Every other field
