@@ -13,6 +13,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from space.controlplane.store import Store, hash_request, hash_secret, make_engine, migrate, sqlite_url
+from space.controlplane.store.credentials.store import CredentialStore
+from space.controlplane.store.database import Repository
 from space.controlplane.store.engine import normalize_url
 from space.controlplane.store.errors import translate
 from space.controlplane.store.types import UTCDateTime
@@ -129,3 +131,17 @@ def test_only_the_store_package_handles_sqlalchemy_errors() -> None:
             if any(name.startswith("sqlalchemy.exc") for name in names):
                 offenders.append(f"{path}:{getattr(node, 'lineno', '?')}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("composed", [Store, CredentialStore], ids=lambda cls: cls.__name__)
+def test_no_two_repositories_of_a_store_define_the_same_name(composed: type) -> None:
+    # The stores are composed of repositories as mixins: a name defined by two of them would silently
+    # hide one behind the other (the method resolution order picks the first).
+    owners: dict[str, list[str]] = {}
+    for repository in composed.__mro__[1:]:
+        if repository.__module__.startswith("space.controlplane.store") and repository is not Repository:
+            for name in vars(repository):
+                if not name.startswith("__"):
+                    owners.setdefault(name, []).append(repository.__name__)
+    assert {name: who for name, who in owners.items() if len(who) > 1} == {}
+    assert len({cls for cls in composed.__mro__ if cls.__name__.endswith("Repository")}) >= 5
