@@ -32,7 +32,7 @@ import pytest
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.agent.helper_client import HelperClient
-from space.node.helper import transfer
+from space.node.helper import staging
 from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
@@ -468,10 +468,10 @@ def test_streams_are_opened_once_and_never_through_a_link_or_fifo(node: Node, tm
         linked = root / "fs" / "incoming" / "linkdir" / "s.stream"
         with (
             pytest.raises(errors.InvalidArgument, match="not a plain directory"),
-            transfer.open_beneath(root, linked),
+            staging.open_beneath(root, linked),
         ):
             pass
-        with transfer.open_beneath(root, root / "fs" / "incoming" / "real" / "s.stream") as f:
+        with staging.open_beneath(root, root / "fs" / "incoming" / "real" / "s.stream") as f:
             assert f.read() == b"btrfs-stream\0"
     finally:
         fifo.unlink()

@@ -15,7 +15,7 @@ import pytest
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.agent import transfer as agent_transfer
-from space.node.helper import transfer
+from space.node.helper import staging
 from space.node.helper.context import HelperContext
 from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
@@ -67,19 +67,19 @@ def test_staged_files_are_never_followed_through_symlinks(tmp_path: pathlib.Path
     secret.write_bytes(b"not yours")
     secret.chmod(0o644)
     (staged / "disk.stream").symlink_to(secret)
-    with pytest.raises(errors.InvalidArgument), transfer._open_staged(staged, "disk.stream"):
+    with pytest.raises(errors.InvalidArgument), staging.open_staged(staged, "disk.stream"):
         pass
     image = staged / "image"
     image.mkdir()
     (image / "checkpoint.img").symlink_to(secret)
     with pytest.raises(errors.InvalidArgument):
-        transfer._take_ownership(image)
+        staging.take_ownership(image)
     assert secret.stat().st_mode & 0o777 == 0o644, "a chmod went through the planted link"
     (staged / "linked-dir").symlink_to(image)
     with pytest.raises(errors.InvalidArgument):
-        transfer._take_ownership(staged / "linked-dir")
+        staging.take_ownership(staged / "linked-dir")
     with pytest.raises(errors.InvalidArgument):
-        transfer._image_files(staged / "linked-dir")
+        staging.image_files(staged / "linked-dir")
 
 
 def test_send_stream_header_is_parsed_and_garbage_refused() -> None:

@@ -8,9 +8,9 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from space.node.helper import transfer
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import NoParams, SandboxParams
 from space.node.helper.sandbox_verbs import sandbox_destroy
@@ -31,7 +31,7 @@ def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> 
         path.chmod(0o755)
     if not fs.quota:
         btrfs_quota.enable_quota(fs.root)
-    transfer.prepare_agent_dirs(ctx)
+    prepare_agent_dirs(ctx)
     ctx.runtimes.sweep()
     ctx.runtimes.prime()
     net = ctx.network.prepare() if ctx.network is not None else {"mode": "none"}
@@ -51,3 +51,17 @@ def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> 
         ctx.network.teardown()
     filesystem.unmount_btrfs(ctx.layout.data_dir)
     return {"destroyed": destroyed}
+
+
+def prepare_agent_dirs(ctx: HelperContext) -> None:
+    """The directories the agent keeps its own state in, owned by the agent (which cannot create them under
+    the root-owned data directory itself): `objects`, the default local object store of a one-machine node
+    (harmless when another store is used), `egress`, the egress gateway's CA and policies, and `identity`,
+    the node's RPC token and enrolment identity (space.node.agent.identity)."""
+    for name in ("objects", "egress", "identity"):
+        root = ctx.layout.data_dir / name
+        if root.is_symlink():
+            continue
+        root.mkdir(mode=0o700, exist_ok=True)
+        if root.stat().st_uid != ctx.owner_uid:
+            os.chown(root, ctx.owner_uid, -1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from space.core import errors
 from space.core.settings import SandboxLimits
-from space.node.helper import oci, transfer
+from space.node.helper import oci, staging
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import CreateParams, NoParams, SandboxParams
 from space.node.helper.warm import warm_ready
@@ -107,7 +107,7 @@ def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progre
         btrfs.delete_subvolume(rootfs)
     shutil.rmtree(ctx.layout.bundle(sandbox_id), ignore_errors=True)
     shutil.rmtree(ctx.layout.run_dir(sandbox_id), ignore_errors=True)
-    transfer.discard_sandbox_staging(ctx, sandbox_id)
+    staging.discard_sandbox_staging(ctx, sandbox_id)
     return {}
 
 

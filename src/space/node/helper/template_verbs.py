@@ -15,7 +15,7 @@ import shutil
 from typing import Any
 
 from space.core import errors
-from space.node.helper import transfer
+from space.node.helper import staging, transfer
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import AdoptWarmParams, SandboxParams, TemplateParams, TemplateReceiveParams
 from space.node.helper.sandbox_verbs import sandbox_destroy
@@ -40,7 +40,7 @@ def template_receive(
     dest = ctx.layout.template(params.name)
     with (
         ctx.lock(f"template:{params.name}"),
-        transfer.open_beneath(ctx.layout.data_dir.resolve(), stream_path) as stream,
+        staging.open_beneath(ctx.layout.data_dir.resolve(), stream_path) as stream,
     ):
         if btrfs.is_subvolume(dest) or dest.exists():
             raise errors.AlreadyExists(f"template {params.name!r} is already on this node")

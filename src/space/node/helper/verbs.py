@@ -23,6 +23,7 @@ from space.node.helper import (
     node_verbs,
     sandbox_verbs,
     snapshot_verbs,
+    staging,
     storage,
     template_verbs,
     transfer,
@@ -85,8 +86,8 @@ VERBS: dict[str, Verb] = {
         # suspend / restore / templates through object storage (space.node.helper.transfer)
         Verb("snapshot.export", TransferParams, transfer.snapshot_export, sandbox_scoped=True),
         Verb("snapshot.import", ImportParams, transfer.snapshot_import, sandbox_scoped=True),
-        Verb("staging.prepare", StagingParams, transfer.staging_prepare, sandbox_scoped=True),
-        Verb("staging.release", StagingParams, transfer.staging_release, sandbox_scoped=True),
+        Verb("staging.prepare", StagingParams, staging.staging_prepare, sandbox_scoped=True),
+        Verb("staging.release", StagingParams, staging.staging_release, sandbox_scoped=True),
         Verb("template.base_status", NoTransferParams, transfer.base_status),
         Verb("template.base_export", NoTransferParams, transfer.base_export),
         Verb("template.base_import", NoTransferParams, transfer.base_import),
