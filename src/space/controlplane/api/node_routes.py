@@ -9,7 +9,8 @@ Invariants:
   identity issued to THAT node at its enrolment; the bootstrap token does nothing there.
 - Every registration carries the node's own RPC token, which is stored only sealed (space.controlplane.nodes)
   and is the only token the control plane presents to that node.
-- The caller is authenticated before its body is read.
+- Enrolment, re-registration and heartbeats authenticate the caller before they read its body (the audit
+  batch is parsed first, bounded by the limits middleware, then its node is authenticated).
 - Crash reports, activity and stale copies reported by a node only ever touch sandboxes recorded on that
   node.
 - A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
