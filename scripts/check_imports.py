@@ -26,7 +26,7 @@ ALLOWED_SPACE_DEPS = {
     "objectstore": {"core", "objectstore", "crypto"},
     "crypto": {"core", "crypto"},
     "controlplane": {"core", "protocol", "controlplane", "objectstore", "crypto", "node", "rest"},
-    "sdk": {"core", "sdk"},
+    "sdk": {"core", "protocol", "sdk"},  # protocol: the standard-library wire descriptions (commands)
     "cli": {"core", "sdk", "cli", "controlplane", "node"},
 }
 

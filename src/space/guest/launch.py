@@ -28,6 +28,7 @@ from space.guest.children import ChildWatcher
 from space.guest.params import get_bool, get_float, get_int, get_str, get_str_map
 from space.guest.process import Process, set_winsize
 from space.guest.settings import SETTINGS, inherited_environment
+from space.protocol import commands
 from space.protocol.frames import Channel
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -53,12 +54,12 @@ def parse_launch(params: dict[str, Any], base_env: dict[str, str]) -> Launch:
     tag = get_str(params, "tag", None)
     background = get_bool(params, "background", False)
     want_stdin = get_bool(params, "stdin", False)
-    timeout = get_float(params, "timeout", None)
+    timeout = get_float(params, commands.TIMEOUT, None)
     if timeout is not None and timeout <= 0:
-        raise GuestError("invalid_argument", "'timeout' must be positive")
+        raise GuestError("invalid_argument", f"'{commands.TIMEOUT}' must be positive")
     pty_size = _pty_size(params.get("pty"))
     env = dict(base_env)
-    user = _resolve_user(params.get("user"))
+    user = _resolve_user(params.get(commands.USER))
     popen_user: dict[str, Any] = {}
     if user is not None:
         uid, gid, name, home, groups = user
@@ -67,8 +68,8 @@ def parse_launch(params: dict[str, Any], base_env: dict[str, str]) -> Launch:
             popen_user = {"user": uid, "group": gid, "extra_groups": groups}
     if pty_size is not None:
         env["TERM"] = "xterm-256color"
-    env.update(get_str_map(params, "env"))
-    cwd = _resolve_cwd(get_str(params, "cwd", None))
+    env.update(get_str_map(params, commands.ENV))
+    cwd = _resolve_cwd(get_str(params, commands.CWD, None))
     return Launch(argv, tag, background, want_stdin, timeout, pty_size, env, cwd, popen_user)
 
 
@@ -147,16 +148,16 @@ def base_environment() -> dict[str, str]:
 
 
 def _argv(params: dict[str, Any]) -> list[str]:
-    argv = params.get("argv")
-    cmd = params.get("cmd")
+    argv = params.get(commands.ARGV)
+    cmd = params.get(commands.CMD)
     if (argv is None) == (cmd is None):
-        raise GuestError("invalid_argument", "give exactly one of 'argv' (a list) or 'cmd' (a shell string)")
+        raise GuestError("invalid_argument", commands.ONE_COMMAND)
     if cmd is not None:
         if not isinstance(cmd, str):
-            raise GuestError("invalid_argument", "'cmd' must be a string")
+            raise GuestError("invalid_argument", f"'{commands.CMD}' must be a string")
         return ["/bin/sh", "-c", cmd]
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise GuestError("invalid_argument", "'argv' must be a non-empty list of strings")
+        raise GuestError("invalid_argument", f"'{commands.ARGV}' must be a non-empty list of strings")
     return argv
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 from space.core.errors import InvalidArgument, SpaceError, error_from_dict
+from space.protocol.commands import command_params
 
 __all__ = [
     "ApiKey",
@@ -242,17 +243,17 @@ def seg(value: str | int) -> str:
     return quote(text, safe="")
 
 
-def command_body(cmd: Command) -> dict[str, Any]:
+def _command(cmd: Command) -> str | list[str]:
     if isinstance(cmd, str):
         if not cmd:
             raise InvalidArgument("the command must not be empty")
-        return {"cmd": cmd}
+        return cmd
     if isinstance(cmd, bytes | bytearray):
         raise InvalidArgument("the command must be a str (shell) or a list of str (argv), not bytes")
     argv = [str(arg) for arg in cmd]
     if not argv:
         raise InvalidArgument("argv must not be empty")
-    return {"argv": argv}
+    return argv
 
 
 def exec_body(
@@ -266,17 +267,9 @@ def exec_body(
     stream: bool,
     max_output_bytes: int | None = None,
 ) -> dict[str, Any]:
-    body = command_body(cmd)
+    body = command_params(_command(cmd), env, cwd, user, timeout)
     if max_output_bytes is not None:
         body["max_output_bytes"] = max_output_bytes
-    if env:
-        body["env"] = dict(env)
-    if cwd is not None:
-        body["cwd"] = cwd
-    if user is not None:
-        body["user"] = user
-    if timeout is not None:
-        body["timeout"] = timeout
     if stdin is not None:
         body["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
     body["stream"] = stream
@@ -293,15 +286,7 @@ def process_body(
     tag: str | None,
     pty: tuple[int, int] | None,
 ) -> dict[str, Any]:
-    body = command_body(cmd)
-    if env:
-        body["env"] = dict(env)
-    if cwd is not None:
-        body["cwd"] = cwd
-    if user is not None:
-        body["user"] = user
-    if timeout is not None:
-        body["timeout"] = timeout
+    body = command_params(_command(cmd), env, cwd, user, timeout)
     if tag is not None:
         body["tag"] = tag
     if pty is not None:

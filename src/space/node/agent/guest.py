@@ -23,6 +23,7 @@ from space.node.agent.channel import Call, GuestChannel
 from space.node.agent.rpc_models import EXEC_OUTPUT_DEFAULT, EXEC_OUTPUT_MAX
 from space.protocol import CHUNK_SIZE, Channel, FrameType
 from space.protocol import methods as m
+from space.protocol.commands import command_params
 
 OutputCallback = Callable[[Channel, bytes], None]
 DEFAULT_OUTPUT_LIMIT = EXEC_OUTPUT_DEFAULT  # bytes kept per stream of a collected exec by default
@@ -48,26 +49,6 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0
-
-
-def command_params(
-    command: str | Sequence[str],
-    env: Mapping[str, str] | None,
-    cwd: str | None,
-    user: str | int | None,
-    timeout: float | None,
-) -> dict[str, Any]:
-    """How a command is described, both to spaced (process.start) and on the node RPC (exec bodies)."""
-    params: dict[str, Any] = {"cmd": command} if isinstance(command, str) else {"argv": list(command)}
-    if env:
-        params["env"] = dict(env)
-    if cwd is not None:
-        params["cwd"] = cwd
-    if user is not None:
-        params["user"] = user
-    if timeout is not None:
-        params["timeout"] = timeout
-    return params
 
 
 class GuestSession:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from space.core.ids import SANDBOX_ID_PATTERN, SNAPSHOT_ID_PATTERN, TEMPLATE_NAME_PATTERN
 from space.core.settings import SandboxLimits
+from space.protocol.commands import ONE_COMMAND, command_params
 
 #: The path every node RPC route lives under.
 API_PREFIX = "/node/v1"
@@ -185,7 +186,9 @@ class NodeInfo(BaseModel):
 
 
 # -- data plane ------------------------------------------------------------------------------------------
-class _Command(BaseModel):
+class CommandBody(BaseModel):
+    """A command in an HTTP body (the gateway's and the node's): the fields of space.protocol.commands."""
+
     model_config = _REQUEST
 
     cmd: str | None = None
@@ -196,14 +199,18 @@ class _Command(BaseModel):
     timeout: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _one_command(self) -> _Command:
+    def _one_command(self) -> CommandBody:
         if (self.cmd is None) == (self.argv is None):
-            raise ValueError("give exactly one of 'cmd' (a shell command) or 'argv' (a list)")
+            raise ValueError(ONE_COMMAND)
         return self
 
     @property
     def command(self) -> str | list[str]:
         return self.cmd if self.cmd is not None else list(self.argv or [])
+
+    def params(self) -> dict[str, Any]:
+        """This command as spaced receives it (space.protocol.commands)."""
+        return command_params(self.command, self.env, self.cwd, self.user, self.timeout)
 
 
 #: Output a non-streamed exec keeps per stream: the default, and the most a request may ask for (the rest is
@@ -212,7 +219,7 @@ EXEC_OUTPUT_DEFAULT = 1 << 20
 EXEC_OUTPUT_MAX = 16 << 20
 
 
-class ExecRequest(_Command):
+class ExecRequest(CommandBody):
     stdin_b64: str | None = None
     stream: bool = False
     max_output_bytes: int = Field(default=EXEC_OUTPUT_DEFAULT, ge=0, le=EXEC_OUTPUT_MAX, strict=True)
@@ -262,7 +269,7 @@ class PtySize(BaseModel):
     cols: int = Field(default=80, ge=1, le=1000, strict=True)
 
 
-class ProcessStartRequest(_Command):
+class ProcessStartRequest(CommandBody):
     """A background process. `stdin: true` keeps a pipe open for POST …/stdin (a PTY always has one)."""
 
     tag: str | None = None

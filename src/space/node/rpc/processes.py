@@ -3,7 +3,7 @@
 Invariants:
 - Output is never buffered whole here: a streamed exec and `attach` come back as NDJSON events, one dict at
   a time; stdin goes out from bytes or an async iterable.
-- A command is described once (space.node.agent.guest.command_params), as the guest receives it.
+- A command is described once (space.protocol.commands.command_params), as the guest receives it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from space.node.agent import rpc_models as rm
-from space.node.agent.guest import command_params
 from space.node.rpc.transport import API_PREFIX, STREAM_TIMEOUT, Body, NodeTransport, sandbox_path
+from space.protocol.commands import command_params
 
 
 def _stdin(stdin: bytes | None) -> dict[str, Any]:

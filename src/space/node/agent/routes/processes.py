@@ -28,7 +28,7 @@ router = resource_router()
 async def exec_command(svc: Service, sandbox_id: str, body: rm.ExecRequest) -> Response | rm.ExecResponse:
     handle, session = await svc.session(sandbox_id)
     if body.stream:
-        params = command_params(body)
+        params = body.params()
         stdin = body.stdin
         params["stdin"] = stdin is not None
         call = await session.channel.open(m.PROCESS_START, params)
@@ -117,14 +117,3 @@ async def process_resize(
     _, session = await svc.session(sandbox_id)
     await session.resize(process_id, body.rows, body.cols)
     return {}
-
-
-def command_params(body: rm._Command) -> dict[str, Any]:
-    params: dict[str, Any] = {"cmd": body.cmd} if body.cmd is not None else {"argv": list(body.argv or [])}
-    if body.env:
-        params["env"] = dict(body.env)
-    for key in ("cwd", "user", "timeout"):
-        value = getattr(body, key)
-        if value is not None:
-            params[key] = value
-    return params
