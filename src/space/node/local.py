@@ -34,7 +34,7 @@ from space.node.agent.settings import NodeAgentSettings
 from space.node.drivers.base import Progress
 from space.node.drivers.runsc import RunscDriver
 from space.node.layout import NodeLayout
-from space.objectstore.base import open_store
+from space.objectstore.backends import open_store
 
 #: What the helper takes from its starter's environment: where to find programs and Python code, the
 #: locale, and an HTTP proxy for debootstrap's mirror (template builds). Nothing else, secrets included.

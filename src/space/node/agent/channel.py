@@ -59,7 +59,6 @@ from space.protocol.version import FLOW_CONTROL_VERSION
 
 log = logging.getLogger(__name__)
 
-Call = channel_call.Call  # server.py and guest.py still import Call from here  # issue-10-shim
 
 READ_SIZE = 1 << 20
 #: Credit the agent grants the guest per stream (announced in its HELLO).

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import httpx
 
 from space.core import errors
-from space.node.agent import egress_sandbox, egress_settings
+from space.node.agent import egress_sandbox
 from space.node.agent.channel import GuestChannel
 from space.node.agent.credential_manager import AuditForwarder, ControlPlaneCredentials
 from space.node.agent.egress_records import PolicyRecord, load_records, save_records
@@ -438,7 +438,3 @@ async def install(
 def wiring_of(agent: NodeAgent) -> EgressWiring | None:
     driver: object = agent.driver
     return driver.wiring if isinstance(driver, EgressDriver) else None
-
-
-load_settings = egress_settings.load_settings  # issue-10-shim
-__all__ = ["EgressRequest", "EgressSettings", "load_settings"]  # issue-10-shim

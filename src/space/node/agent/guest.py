@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from space.core import errors
-from space.node.agent.channel import Call, GuestChannel
+from space.node.agent.channel import GuestChannel
+from space.node.agent.channel_call import Call
 from space.node.agent.rpc_models import EXEC_OUTPUT_DEFAULT, EXEC_OUTPUT_MAX
 from space.protocol import CHUNK_SIZE, Channel, FrameType
 from space.protocol import methods as m

@@ -32,9 +32,9 @@ from space.core import errors
 from space.core.settings import DiskReserve
 from space.node.agent.agent import NodeAgent
 from space.node.agent.app import create_app
-from space.node.agent.egress_wiring import EgressSettings
+from space.node.agent.egress_settings import EgressSettings
+from space.node.agent.egress_settings import load_settings as load_egress_settings
 from space.node.agent.egress_wiring import install as egress_install
-from space.node.agent.egress_wiring import load_settings as load_egress_settings
 from space.node.agent.identity import (
     NodeIdentity,
     default_identity_file,
@@ -71,7 +71,7 @@ def _build_agent(
 ) -> NodeAgent:
     if driver == "fake":
         from space.node.drivers.fake import FakeDriver  # development only: not imported on a real node
-        from space.objectstore.base import open_store
+        from space.objectstore.backends import open_store
 
         log.warning("--driver fake: sandboxes are host processes WITHOUT ISOLATION (development only)")
         return NodeAgent(FakeDriver(data_dir), store=open_store(store_url) if store_url else None)
@@ -236,7 +236,7 @@ def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:
         "--egress-config", type=pathlib.Path,
         help="JSON operator settings of the node's egress gateway (network = sandbox): ports, hosts (a "
         "static name -> addresses map instead of the system resolver), trust_store, allow_networks; see "
-        "space.node.agent.egress_wiring.load_settings",
+        "space.node.agent.egress_settings.load_settings",
     )  # fmt: skip
     parser.add_argument(
         "--disk-reserve", default=settings.disk_reserve, metavar="PERCENT,MB",

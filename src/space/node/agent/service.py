@@ -28,7 +28,7 @@ from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
 from space.crypto.envelope import DataKey
 from space.node.agent import rpc_models as rm
-from space.node.agent.egress_wiring import EgressRequest
+from space.node.agent.egress_settings import EgressRequest
 from space.node.agent.service_core import ServiceCore, public_url, snapshot_info
 from space.node.drivers.base import SandboxSpec
 from space.objectstore.base import ObjectStore

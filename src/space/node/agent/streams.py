@@ -27,7 +27,7 @@ from fastapi import Response
 from fastapi.responses import StreamingResponse
 
 from space.core import errors
-from space.node.agent.channel import Call
+from space.node.agent.channel_call import Call
 from space.node.agent.guest import GuestSession
 from space.node.agent.service_core import ServiceCore
 from space.protocol import Channel, FrameType

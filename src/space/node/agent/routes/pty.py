@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from space.core import errors
 from space.node.agent import rpc_models as rm
-from space.node.agent.channel import Call
+from space.node.agent.channel_call import Call
 from space.node.agent.guest import GuestSession
 from space.node.agent.routes.deps import Service
 from space.node.agent.rpc_auth import resource_router

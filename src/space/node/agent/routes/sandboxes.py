@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from space.core import errors
 from space.node.agent import rpc_models as rm
-from space.node.agent.egress_wiring import EgressRequest
+from space.node.agent.egress_settings import EgressRequest
 from space.node.agent.routes.deps import Service
 from space.node.agent.rpc_auth import resource_router
 from space.node.agent.service import ACTION_TARGETS
