@@ -84,13 +84,25 @@ def test_every_public_answer_is_typed(schema: dict[str, Any]) -> None:
         assert key in ops, f"{key} is listed as untyped but is no longer in /openapi.json"
 
 
+#: Operations whose body is raw bytes (streamed to the sandbox), not JSON.
+RAW_BODIES = {
+    ("put", "/v1/sandboxes/{sandbox_id}/files"),
+    ("post", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/stdin"),
+}
+
+
 def test_every_public_request_body_is_typed(schema: dict[str, Any]) -> None:
     loose = []
+    raw = set()
     for key, op in sorted(operations(schema).items()):
-        body = (op.get("requestBody") or {}).get("content", {}).get("application/json")
+        content = (op.get("requestBody") or {}).get("content", {})
+        body = content.get("application/json")
         if body is not None and not is_typed(schema, body.get("schema")):
             loose.append(f"{key[0].upper()} {key[1]}")
+        if "application/octet-stream" in content:
+            raw.add(key)
     assert loose == []
+    assert raw == RAW_BODIES
 
 
 def normalized(path: str) -> str:

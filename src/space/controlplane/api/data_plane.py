@@ -49,6 +49,13 @@ NDJSON_ANSWER: dict[int | str, dict[str, Any]] = {
 BYTES_ANSWER: dict[int | str, dict[str, Any]] = {
     200: {"description": "The file's bytes (streamed)", "content": {"application/octet-stream": {}}}
 }
+#: The raw body of an upload or of stdin: read by the relay as a stream, so FastAPI does not declare it.
+RAW_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": False,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 router = APIRouter()
 
@@ -92,7 +99,11 @@ async def process_output(
     )  # fmt: skip
 
 
-@router.post("/sandboxes/{sandbox_id}/processes/{process_id}/stdin", response_model=rm.StdinWritten)
+@router.post(
+    "/sandboxes/{sandbox_id}/processes/{process_id}/stdin",
+    response_model=rm.StdinWritten,
+    openapi_extra=RAW_BODY,
+)
 async def process_stdin(
     sandbox_id: str, process_id: str, request: Request, who: Auth, *, services: Svc, eof: bool = False
 ) -> Response:
@@ -134,7 +145,7 @@ async def read_file(
     return await relay(request, services, who, sandbox_id, "files", mutating=False, params=params)
 
 
-@router.put("/sandboxes/{sandbox_id}/files", response_model=rm.FileWritten)
+@router.put("/sandboxes/{sandbox_id}/files", response_model=rm.FileWritten, openapi_extra=RAW_BODY)
 async def write_file(
     sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc, *, mode: FileMode = None,
     append: bool = False,
