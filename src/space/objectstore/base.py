@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Any  # issue-10-shim
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from space.core import errors
@@ -105,11 +104,3 @@ def redact_url(url: str) -> str:
         return url
     query = [(k, "***" if k in SECRET_URL_PARAMETERS else v) for k, v in parse_qsl(parts.query)]
     return urlunsplit(parts._replace(query=urlencode(query, safe=":/*")))
-
-
-def __getattr__(name: str) -> Any:  # issue-10-shim: open_store moved to space.objectstore.backends
-    if name == "open_store":  # issue-10-shim
-        from space.objectstore.backends import open_store  # issue-10-shim
-
-        return open_store  # issue-10-shim
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # issue-10-shim

@@ -106,7 +106,7 @@ def _services(
     nodes = NodePool(store, node_token, pools=PoolSettings.of(settings))  # control and data pools (ADR 0025)
     objects = None
     if store_url is not None:
-        from space.objectstore.base import open_store
+        from space.objectstore.backends import open_store
 
         objects = open_store(store_url)
     if data_keys is None and data_dir is not None:

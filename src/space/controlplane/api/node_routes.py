@@ -34,10 +34,11 @@ from space.controlplane.api.bodies import NodeAuditBody, NodeAuditEvent
 from space.controlplane.api.deps import Services, Svc, credential_service
 from space.controlplane.credentials import spec
 from space.controlplane.credentials.service import CredentialService
-from space.controlplane.reconciler.loop import is_orphan_copy
+from space.controlplane.reconciler.deletion import is_orphan_copy
 from space.controlplane.store.credentials import AuditEntry, CredentialRecord
+from space.controlplane.store.digests import new_node_identity
 from space.controlplane.store.records import SandboxRecord
-from space.controlplane.store.store import Store, new_node_identity
+from space.controlplane.store.store import Store
 from space.core import errors, ids
 from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State

@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from space.controlplane.nodes import NodePool
-from space.controlplane.reconciler import deletion
 from space.controlplane.reconciler.context import log
 from space.controlplane.reconciler.creation import CreationSteps
 from space.controlplane.reconciler.deletion import DeletionSteps
@@ -58,7 +57,6 @@ if TYPE_CHECKING:
 LEASE_S = 8.0
 BATCH = 16
 
-is_orphan_copy = deletion.is_orphan_copy  # api/node_routes.py imports it from here  # issue-10-shim
 
 Effect = Callable[[SandboxRecord], Awaitable[SandboxRecord | None]]
 

@@ -30,7 +30,6 @@ from sqlalchemy import Engine, text
 from sqlalchemy.engine import URL
 
 from space.controlplane.store.database import Clock, Database, Repository, utcnow
-from space.controlplane.store.digests import new_node_identity as new_node_identity  # noqa: PLC0414  # issue-10-shim
 from space.controlplane.store.engine import make_engine
 from space.controlplane.store.enrolment_tokens import EnrolmentTokenRepository
 from space.controlplane.store.idempotency import IdempotencyRepository
