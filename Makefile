@@ -13,6 +13,8 @@ check: setup
 	$(VENV)/bin/ruff format --check src tests bench examples scripts
 	$(VENV)/bin/mypy
 	$(PY) scripts/check_imports.py
+	$(PY) scripts/check_shape.py
+	$(PY) scripts/check_docs.py
 	$(PY) scripts/gen_sync_sdk.py --check
 
 test: check

@@ -87,15 +87,19 @@ def host_is_reserved(host: str) -> bool:
     return address.is_private or address.is_loopback or address.is_unspecified or address.is_link_local
 
 
-def main() -> int:
+def adr_problems() -> list[str]:
+    return [
+        f"{adr.relative_to(ROOT)}: no `Status:` line"
+        for adr in sorted((ROOT / "docs" / "adr").glob("*.md"))
+        if not re.search(r"^Status: ", adr.read_text(), re.MULTILINE)
+    ]
+
+
+def reference_problems(files: list[pathlib.Path]) -> list[str]:
     problems: list[str] = []
-    files = tree_files()
     names = {p.name for p in files}
     rels = {str(p.relative_to(ROOT)) for p in files}
     modules = module_names()
-    for adr in sorted((ROOT / "docs" / "adr").glob("*.md")):
-        if not re.search(r"^Status: ", adr.read_text(), re.MULTILINE):
-            problems.append(f"{adr.relative_to(ROOT)}: no `Status:` line")
     for doc in DOCS:
         text = doc.read_text()
         where = doc.relative_to(ROOT)
@@ -110,15 +114,25 @@ def main() -> int:
         for ref in sorted(set(MODULE_REF.findall(text)) - FILE_LIKE_REFS):
             if (problem := module_problem(ref, modules)) is not None:
                 problems.append(f"{where}: {problem}")
+    return problems
+
+
+def host_problems(files: list[pathlib.Path]) -> list[str]:
+    problems: list[str] = []
     for path in files:
         rel = path.relative_to(ROOT)
-        if rel.parts[0] not in HOST_SCANNED and path.name != "README.md":
-            continue
-        if path.suffix not in {".py", ".md", ".sh", ".toml", ".txt"}:
+        scanned = rel.parts[0] in HOST_SCANNED or path.name == "README.md"
+        if not scanned or path.suffix not in {".py", ".md", ".sh", ".toml", ".txt"}:
             continue
         for host in sorted(set(URL_HOST.findall(path.read_text(errors="replace")))):
             if not host_is_reserved(host):
                 problems.append(f"{rel}: names the host {host}; use a reserved example domain")
+    return problems
+
+
+def main() -> int:
+    files = tree_files()
+    problems = [*adr_problems(), *reference_problems(files), *host_problems(files)]
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0

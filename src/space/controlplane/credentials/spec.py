@@ -354,11 +354,19 @@ def parse_injection(method: object, header: object = None, query_param: object =
     if method == "basic":
         return Injection("basic", "Authorization", "Basic {value}")
     if method == "query":
-        if not isinstance(query_param, str) or QUERY_PARAM_PATTERN.fullmatch(query_param) is None:
-            raise errors.InvalidArgument(
-                "method 'query' needs query_param (a parameter name)", field="query_param"
-            )
-        return Injection("query", query_param=query_param)
+        return _query_injection(query_param)
+    return _header_injection(header)
+
+
+def _query_injection(query_param: object) -> Injection:
+    if not isinstance(query_param, str) or QUERY_PARAM_PATTERN.fullmatch(query_param) is None:
+        raise errors.InvalidArgument(
+            "method 'query' needs query_param (a parameter name)", field="query_param"
+        )
+    return Injection("query", query_param=query_param)
+
+
+def _header_injection(header: object) -> Injection:
     if not isinstance(header, str) or ":" not in header:
         raise errors.InvalidArgument(
             "method 'header' needs header, e.g. 'Authorization: Bearer {value}'", field="header"
