@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from space.node.volumes.sendstream import (
+    A_CLONE_CTRANSID,
+    A_CLONE_LEN,
+    A_CLONE_OFFSET,
     A_CLONE_PATH,
     A_CLONE_UUID,
     A_PATH,
@@ -123,15 +126,23 @@ class _Symlinks:
         self._taken(parts)
 
 
+#: The attributes naming a clone's source; only CLONE may carry them (the first command, a SNAPSHOT, names
+#: its parent with them and is checked by `StreamChecker.first`).
+CLONE_ATTRS = (A_CLONE_UUID, A_CLONE_CTRANSID, A_CLONE_OFFSET, A_CLONE_LEN)
+
+
 def _check_foreign_path_attrs(command: Command, index: int) -> None:
-    """Path attributes travel only on the commands whose paths the checker examined: a path it did not
-    look at is refused, not forwarded."""
+    """Path and clone attributes travel only on the commands whose values the checker examined: one it did
+    not look at is refused, not forwarded (a clone source on a MKFILE would otherwise pass unchecked)."""
     cmd = command.cmd
     for kind in (A_PATH_TO, A_CLONE_PATH):
         if kind in command.attrs and cmd not in (C_RENAME, C_CLONE):
             raise corrupt(f"{command.name} (command {index}) carries path attribute {kind}")
     if A_PATH_LINK in command.attrs and cmd not in (C_SYMLINK, C_LINK):
         raise corrupt(f"{command.name} (command {index}) carries a link target")
+    for kind in CLONE_ATTRS:
+        if kind in command.attrs and cmd != C_CLONE:
+            raise corrupt(f"{command.name} (command {index}) carries clone attribute {kind}")
 
 
 class StreamChecker:
