@@ -1,48 +1,52 @@
 """Shared fixtures. `node` is one real node (root helper + runsc + btrfs image) for the whole session;
 its finalizer destroys everything and then checks the host for leaks (mounts, loop devices, processes,
-cgroups), so a leak fails the run instead of breaking the next one."""
+cgroups), so a leak fails the run instead of breaking the next one.
+
+Every test that uses a fixture needing root (ROOT_FIXTURES) must carry the `root` mark; collection fails
+otherwise, so `pytest -m "not root"` (make test-unit) selects only tests that run without root."""
 
 from __future__ import annotations
 
 import os
-import pathlib
-import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from space.node.agent.agent import NodeAgent
-from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode
-from tests.support.host import (
-    cgroups_under,
-    loop_devices_for,
-    mounts_under,
-    network_traces,
-    processes_mentioning,
-)
 from tests.support.loop import BackgroundLoop
+from tests.support.realnode import RealNode, assert_no_leaks, make_data_dir, require_root, sandbox_ids_in
 from tests.support.s3server import s3_server  # noqa: F401 - session fixture: S3+KMS server on loopback
+from tests.support.sdk_server import cli_server  # noqa: F401 - the fake API server behind the `space` CLI
+
+# (module, name) of the fixtures that start a node's root helper, runsc or btrfs.
+ROOT_FIXTURES = {
+    ("tests.conftest", "node"),
+    ("tests.support.cluster", "real_cluster"),
+    ("tests.support.realcluster", "two_nodes"),
+    ("tests.e2e.conftest", "cli"),
+}
 
 
-@dataclass
-class RealNode:
-    node: LocalNode
-    agent: NodeAgent
-    loop: BackgroundLoop
-
-    @property
-    def data_dir(self) -> pathlib.Path:
-        return self.node.layout.data_dir
-
-    def run(self, coro, timeout: float = 300.0):  # type: ignore[no-untyped-def]
-        return self.loop.run(coro, timeout)
+def root_fixtures_of(item: pytest.Item) -> list[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [
+        name
+        for name, defs in info.name2fixturedefs.items()
+        if defs and (defs[-1].func.__module__, defs[-1].func.__name__) in ROOT_FIXTURES
+    ]
 
 
-def require_root() -> None:
-    if os.geteuid() != 0:
-        pytest.fail("this test needs root (runsc, btrfs, the node helper); CI runs as root")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = {
+        item.nodeid: used
+        for item in items
+        if item.get_closest_marker("root") is None and (used := root_fixtures_of(item))
+    }
+    if unmarked:
+        listing = "\n".join(f"  {nodeid} (uses {', '.join(used)})" for nodeid, used in unmarked.items())
+        raise pytest.UsageError(f"tests that need root lack the `root` mark:\n{listing}")
 
 
 @pytest.fixture(scope="session")
@@ -50,30 +54,6 @@ def loop() -> Iterator[BackgroundLoop]:
     background = BackgroundLoop()
     yield background
     background.close()
-
-
-def make_data_dir(tag: str) -> pathlib.Path:
-    return pathlib.Path(tempfile.mkdtemp(prefix=f"space-test-{tag}-", dir="/var/tmp"))
-
-
-def sandbox_ids_in(data_dir: pathlib.Path) -> set[str]:
-    found: set[str] = set()
-    for sub in ("fs/sandboxes", "run"):
-        root = data_dir / sub
-        if root.is_dir():
-            found.update(p.name for p in root.iterdir() if p.name.startswith("sb-"))
-    return found
-
-
-def assert_no_leaks(data_dir: pathlib.Path, sandbox_ids: set[str]) -> None:
-    """Only this node's traces count: other test sessions may share the machine."""
-    prefix = str(data_dir)
-    assert mounts_under(prefix) == [], "mounts left behind"
-    assert loop_devices_for(prefix) == [], "loop devices left behind"
-    assert processes_mentioning(prefix) == [], "processes left behind"
-    leftover = [g for g in cgroups_under("space") if pathlib.Path(g).name.rsplit("-", 1)[0] in sandbox_ids]
-    assert leftover == [], "cgroups left behind"
-    assert network_traces(node_tag(data_dir.resolve())) == [], "network namespaces, links or nft table left"
 
 
 @pytest.fixture(scope="session")

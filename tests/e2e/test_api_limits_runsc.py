@@ -4,7 +4,7 @@ another tenant's exec and download on the same node; every process of the instal
 open-file limit raised.
 
 The fake-driver version of these attacks, with small limits and the timeouts, is
-tests/integration/test_api_limits.py.
+tests/controlplane/test_api_limits.py.
 """
 
 from __future__ import annotations

@@ -6,84 +6,14 @@ HOME is a temporary directory, so the developer's ~/.config/space/config.json is
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
-from tests.support.cluster import free_port, host_leftovers, sandbox_ids_in, wait_for
+from tests.support.cluster import free_port, wait_for
+from tests.support.space_up import Cli
 
 pytestmark = pytest.mark.root
-
-
-@dataclass
-class Cli:
-    home: pathlib.Path
-    data_dir: pathlib.Path
-
-    def env(self) -> dict[str, str]:
-        # Nothing SPACE_* exported: the config file is the only source.
-        return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.home), "LANG": "C.UTF-8"}
-
-    def run(
-        self, *args: str, stdin: bytes | None = None, timeout: float = 120, check: bool = True
-    ) -> subprocess.CompletedProcess[bytes]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "space.cli.main", *args], input=stdin, capture_output=True, env=self.env(),
-            cwd=self.home, timeout=timeout, check=False,
-        )  # fmt: skip
-        if check and proc.returncode != 0:
-            out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
-            pytest.fail(
-                f"space {' '.join(args)} exited {proc.returncode}\nstdout: {out}\nstderr: {err[-3000:]}\n"
-                + self.logs()
-            )
-        return proc
-
-    def json(self, *args: str) -> dict[str, object]:
-        data = json.loads(self.run(*args).stdout)
-        assert isinstance(data, dict), data
-        return data
-
-    def logs(self) -> str:
-        parts = []
-        for name in ("space.log", "controlplane.log", "agent.log", "helper.log"):
-            path = self.data_dir / name
-            if path.exists():
-                parts.append(f"--- {name} ---\n{path.read_text(errors='replace')[-1500:]}")
-        return "\n".join(parts)
-
-
-@pytest.fixture
-def cli(tmp_path: pathlib.Path) -> Iterator[Cli]:
-    if os.geteuid() != 0:
-        pytest.fail("`space up` starts the node's root helper: run the tests as root")
-    home = tmp_path / "home"
-    home.mkdir()
-    data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-up-", dir="/var/tmp"))
-    made = Cli(home, data_dir)
-    try:
-        yield made
-    finally:
-        seen = sandbox_ids_in(data_dir)
-        down = made.run("down", "--data-dir", str(data_dir), "--purge", timeout=600, check=False)
-        logs = made.logs()
-        left = host_leftovers(data_dir, seen)
-        remains = (
-            sorted(str(p.relative_to(data_dir)) for p in data_dir.rglob("*")) if data_dir.exists() else []
-        )
-        if not left["mounts"]:  # never recurse into a mount left behind: leave it for a post-mortem
-            shutil.rmtree(data_dir, ignore_errors=True)
-        assert down.returncode == 0, down.stderr.decode(errors="replace") + logs
-        assert {k: v for k, v in left.items() if v} == {}, f"left behind by `space down --purge`: {left}"
-        assert remains == [], f"files left in the data directory after --purge: {remains[:20]}"
 
 
 def test_space_up_then_the_cli_with_nothing_exported(cli: Cli) -> None:

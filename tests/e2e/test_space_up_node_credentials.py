@@ -17,8 +17,8 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.records import NodeRecord
 from space.controlplane.store.store import Store
 from space.node.agent.identity import default_identity_file, default_rpc_token_file, identity_dir
-from tests.e2e.test_space_up import Cli, cli  # noqa: F401 - the fixture: `space up` in a private data dir
 from tests.support.cluster import free_port, wait_for
+from tests.support.space_up import Cli
 
 pytestmark = pytest.mark.root
 
@@ -43,7 +43,7 @@ def rpc(url: str, token: str, path: str = "/node/v1/info") -> httpx.Response:
     return httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {token}"}, timeout=15)
 
 
-def test_the_agents_rpc_refuses_the_cluster_token_and_a_restart_keeps_the_node(cli: Cli) -> None:  # noqa: F811
+def test_the_agents_rpc_refuses_the_cluster_token_and_a_restart_keeps_the_node(cli: Cli) -> None:
     port = free_port()
     up = cli.run("up", "--data-dir", str(cli.data_dir), "--port", str(port), "--detach", timeout=900)
     assert re.search(r"^SPACE_URL=", up.stdout.decode(), re.M), up.stdout

@@ -19,6 +19,7 @@ import contextlib
 import os
 import pathlib
 import pwd
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -29,11 +30,14 @@ from dataclasses import dataclass
 import pytest
 import sqlalchemy as sa
 
+from space.controlplane.store.models import Base
 from tests.support.host import processes_mentioning
 from tests.support.shared_server import SharedServer
 
 PG_BIN = pathlib.Path(os.environ.get("SPACE_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_PORT = 5432  # only names the socket file (.s.PGSQL.5432) inside our private directory
+# Every table of the control plane store, dependents first (the order TRUNCATE accepts).
+STORE_TABLES = [t.name for t in reversed(Base.metadata.sorted_tables)]
 DATABASE = "space_test"
 
 
@@ -141,6 +145,19 @@ def fresh_database(base_url: str, name: str) -> str:
     finally:
         admin.dispose()
     return sa.make_url(base_url).set(database=name).render_as_string(hide_password=False)
+
+
+def new_database(server_url: str) -> str:
+    """A new, empty database with a random name on the server of `server_url` (for a module that must not
+    share the default database with others)."""
+    name = f"space_cp_{secrets.token_hex(4)}"
+    engine = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        engine.dispose()
+    return sa.make_url(server_url).set(database=name).render_as_string(hide_password=False)
 
 
 def _alive(pid: int) -> bool:

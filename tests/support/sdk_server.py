@@ -123,5 +123,11 @@ def serve_the_cli(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
     return fake
 
 
+@pytest.fixture
+def cli_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
+    """The fake API server behind the `space` command (registered for every test in tests/conftest.py)."""
+    return serve_the_cli(monkeypatch)
+
+
 def invoke(*args: str, input: bytes | str | None = None) -> Any:
     return runner.invoke(app, list(args), input=input)

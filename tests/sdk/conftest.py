@@ -1,0 +1,13 @@
+"""Fixtures of the SDK and CLI tests. `server`: the fake API server behind the `space` command
+(tests/support/sdk_server.py), under the name the CLI tests use."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.sdk_server import FakeServer
+
+
+@pytest.fixture
+def server(cli_server: FakeServer) -> FakeServer:
+    return cli_server
