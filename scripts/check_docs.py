@@ -1,7 +1,7 @@
 """Keep the documentation true to the tree (run by `make check`).
 
 - Every ADR in docs/adr has a `Status:` line.
-- Every file a document names in backticks (`node/agent/agent.py`, `tests/unit/test_x.py`, `setup.sh`)
+- Every file a document names in backticks (`node/agent/agent.py`, `tests/core/test_x.py`, `setup.sh`)
   exists: as written from the repository root, as the tail of a path in the tree, or (a bare file name)
   anywhere in the tree.
 - Every module a document names (`space.node.agent.server`, `space.core.errors.SpaceError`) exists: its
