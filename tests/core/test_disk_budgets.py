@@ -5,7 +5,6 @@ over the fake driver, and the scheduler's disk admission over an in-memory store
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -21,8 +20,12 @@ from space.core.lifecycle import State
 from space.core.settings import STORAGE_MB_MAX, DiskReserve, SandboxLimits, parse_limits
 from space.node.agent.agent import NodeAgent
 from space.node.drivers.fake import FakeDriver
+from tests.support import fake_agent
 from tests.support.loop import BackgroundLoop
 from tests.support.sdk_server import invoke, sandbox_json
+
+loop = fake_agent.loop  # a fresh BackgroundLoop per test (not the session loop)
+agent = fake_agent.agent  # a NodeAgent over the fake driver
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -141,22 +144,6 @@ def test_count_cap_drops_the_oldest_prunable() -> None:
 
 
 # -- the node agent over the fake driver ---------------------------------------------------------------------
-@pytest.fixture
-def loop() -> Iterator[BackgroundLoop]:
-    background = BackgroundLoop()
-    yield background
-    background.close()
-
-
-@pytest.fixture
-def agent(loop: BackgroundLoop, tmp_path: pathlib.Path) -> Iterator[NodeAgent]:
-    node = NodeAgent(FakeDriver(tmp_path))
-    loop.run(node.prepare())
-    yield node
-    loop.run(node.delete_all())
-    loop.run(node.close())
-
-
 def snapshot_dirs(tmp_path: pathlib.Path, sandbox_id: str) -> list[str]:
     root = tmp_path / "snapshots" / sandbox_id
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []

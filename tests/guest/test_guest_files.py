@@ -18,13 +18,6 @@ from space.protocol.frames import Channel, FrameType
 from tests.support.guest_harness import Guest
 
 
-@pytest.fixture(scope="module")
-def guest() -> Iterator[Guest]:
-    g = Guest()
-    yield g
-    g.close()
-
-
 def vm_hwm_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:

@@ -7,9 +7,6 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterator
-
-import pytest
 
 from space.guest.daemon import HANDLERS
 from space.protocol import methods as m
@@ -25,13 +22,6 @@ from space.protocol.frames import (
 )
 from space.protocol.version import PROTOCOL_VERSION
 from tests.support.guest_harness import Guest
-
-
-@pytest.fixture(scope="module")
-def guest() -> Iterator[Guest]:
-    g = Guest()
-    yield g
-    g.close()
 
 
 def raw_header(frame_type: int, stream: int, length: int) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,23 +12,11 @@ from space.core import errors
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
 from space.node.drivers.fake import FakeDriver
+from tests.support import fake_agent
 from tests.support.loop import BackgroundLoop
 
-
-@pytest.fixture
-def loop() -> Iterator[BackgroundLoop]:
-    background = BackgroundLoop()
-    yield background
-    background.close()
-
-
-@pytest.fixture
-def agent(loop: BackgroundLoop, tmp_path: pathlib.Path) -> Iterator[NodeAgent]:
-    node = NodeAgent(FakeDriver(tmp_path))
-    loop.run(node.prepare())
-    yield node
-    loop.run(node.delete_all())
-    loop.run(node.close())
+loop = fake_agent.loop  # a fresh BackgroundLoop per test (not the session loop)
+agent = fake_agent.agent  # a NodeAgent over the fake driver
 
 
 def test_fake_driver_says_it_does_not_isolate(

@@ -26,7 +26,10 @@ from space.node.rpc_client import NodeClient
 from space.objectstore.artifacts import read_manifest, restorable
 from space.objectstore.backends import open_store
 from space.objectstore.local import LocalDirectoryStore
+from tests.support import fake_agent
 from tests.support.loop import BackgroundLoop
+
+loop = fake_agent.loop  # a fresh BackgroundLoop per test (not the session loop)
 
 TOKEN = "test-token"
 
@@ -35,13 +38,6 @@ TOKEN = "test-token"
 class FakeNode:
     agent: NodeAgent
     client: NodeClient
-
-
-@pytest.fixture
-def loop() -> Iterator[BackgroundLoop]:
-    background = BackgroundLoop()
-    yield background
-    background.close()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ not send streams."""
 from __future__ import annotations
 
 import io
-import os
 import pathlib
 import struct
 from collections.abc import Mapping
@@ -17,21 +16,13 @@ from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.agent import transfer as agent_transfer
 from space.node.helper import staging
 from space.node.helper.context import HelperContext
-from space.node.helper.runsc import Runsc
 from space.node.helper.server import dispatch
-from space.node.layout import NodeLayout
 from space.node.volumes import sendstream
 from space.objectstore.artifacts import ArtifactWriter, read_manifest
 from space.objectstore.backends import open_store
+from tests.support import helper_context
 
-
-@pytest.fixture
-def ctx(tmp_path: pathlib.Path) -> HelperContext:
-    layout = NodeLayout(tmp_path / "data")
-    layout.data_dir.mkdir()
-    return HelperContext(
-        layout=layout, runsc=Runsc(root=layout.runsc_root, binary="/nonexistent/runsc"), owner_uid=os.getuid()
-    )
+ctx = helper_context.ctx  # a helper context without root
 
 
 def _answer(ctx: HelperContext, verb: str, args: Mapping[str, object]) -> dict[str, object]:

@@ -14,20 +14,11 @@ import pytest
 
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.node.helper.context import HelperContext
-from space.node.helper.runsc import Runsc
 from space.node.helper.server import HelperServer, dispatch
 from space.node.helper.verbs import VERBS
-from space.node.layout import NodeLayout
+from tests.support import helper_context
 
-
-@pytest.fixture
-def ctx(tmp_path: pathlib.Path) -> HelperContext:
-    layout = NodeLayout(tmp_path / "data")
-    layout.data_dir.mkdir()
-    # A runsc binary that does not exist: any verb that got past validation would fail loudly.
-    return HelperContext(
-        layout=layout, runsc=Runsc(root=layout.runsc_root, binary="/nonexistent/runsc"), owner_uid=os.getuid()
-    )
+ctx = helper_context.ctx  # a helper context without root
 
 
 def refused(answer: dict[str, object], code: str = "invalid_argument") -> str:
