@@ -16,7 +16,6 @@ from space.node.local import LocalNode
 from tests.support.loop import BackgroundLoop
 from tests.support.realnode import RealNode, assert_no_leaks, make_data_dir, require_root, sandbox_ids_in
 from tests.support.s3server import s3_server  # noqa: F401 - session fixture: S3+KMS server on loopback
-from tests.support.sdk_server import cli_server  # noqa: F401 - the fake API server behind the `space` CLI
 
 # (module, name) of the fixtures that start a node's root helper, runsc or btrfs.
 ROOT_FIXTURES = {

@@ -20,12 +20,13 @@ from space.core.lifecycle import State
 from space.core.settings import STORAGE_MB_MAX, DiskReserve, SandboxLimits, parse_limits
 from space.node.agent.agent import NodeAgent
 from space.node.drivers.fake import FakeDriver
-from tests.support import fake_agent
+from tests.support import fake_agent, sdk_server
 from tests.support.loop import BackgroundLoop
 from tests.support.sdk_server import invoke, sandbox_json
 
 loop = fake_agent.loop  # a fresh BackgroundLoop per test (not the session loop)
 agent = fake_agent.agent  # a NodeAgent over the fake driver
+cli_server = sdk_server.cli_server  # the fake API server behind the `space` command
 
 MiB = 1 << 20
 GiB = 1 << 30

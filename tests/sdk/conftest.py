@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support import sdk_server
 from tests.support.sdk_server import FakeServer
+
+cli_server = sdk_server.cli_server
 
 
 @pytest.fixture

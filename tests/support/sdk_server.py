@@ -125,7 +125,8 @@ def serve_the_cli(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
 
 @pytest.fixture
 def cli_server(monkeypatch: pytest.MonkeyPatch) -> FakeServer:
-    """The fake API server behind the `space` command (registered for every test in tests/conftest.py)."""
+    """The fake API server behind the `space` command; a test module or conftest binds it
+    (`cli_server = sdk_server.cli_server`)."""
     return serve_the_cli(monkeypatch)
 
 
