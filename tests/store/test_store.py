@@ -166,6 +166,21 @@ def test_downgrade_and_upgrade_again(fresh_url: str) -> None:
         assert s.create_org("again").name == "again"
 
 
+def test_upgrading_to_0007_moves_known_codes_out_of_the_error_text(fresh_url: str) -> None:
+    migrate(fresh_url)
+    with open_store(fresh_url) as s:
+        project = s.create_project(s.create_org("acme").id, "default").id
+        revoked = s.create_sandbox(project, "python")
+        s.record_failure(revoked.id, "key_revoked: the key was revoked", code="key_revoked", retry_in_s=0)
+        odd = s.create_sandbox(project, "python")
+        s.record_failure(odd.id, "not_a_code: words", code="internal", retry_in_s=0)
+    downgrade(fresh_url, "0006")  # back to codes only in the text
+    migrate(fresh_url)
+    with open_store(fresh_url) as s:
+        assert s.load_sandbox(revoked.id).error_code == "key_revoked"  # type: ignore[union-attr]
+        assert s.load_sandbox(odd.id).error_code is None  # type: ignore[union-attr]
+
+
 # ---- orgs, projects, keys ----------------------------------------------------------------------------
 
 
@@ -298,13 +313,18 @@ def test_transition_fields_and_deletion(store: Store, project: str, clock: FakeC
     node = store.register_node("http://n1:7000", "tok")
     sb = store.transition(sb.id, State.PENDING, 0, Event.CREATE, node_id=node.id)
     assert sb.node_id == node.id
-    sb = store.transition(sb.id, sb.state, sb.generation, Event.FAIL, error="disk full", error_permanent=True)
+    sb = store.transition(
+        sb.id, sb.state, sb.generation, Event.FAIL, error="disk full", error_code="storage_exhausted",
+        error_permanent=True,
+    )  # fmt: skip
     assert sb.state is State.FAILED and sb.error == "disk full" and sb.error_permanent
+    assert sb.error_code == "storage_exhausted"
     with pytest.raises(TypeError):
         store.transition(sb.id, sb.state, sb.generation, Event.DELETE, generation=99)
     clock.advance(5)
     sb = store.transition(sb.id, sb.state, sb.generation, Event.DELETE, desired_state=State.DELETED)
-    assert sb.error is None and not sb.error_permanent and sb.desired_state is State.DELETED
+    assert sb.error is None and sb.error_code is None and not sb.error_permanent
+    assert sb.desired_state is State.DELETED
     sb = store.transition(sb.id, sb.state, sb.generation, Event.DELETED)
     assert sb.state is State.DELETED and sb.deleted_at == clock()
     assert store.list_sandboxes(project) == []
@@ -334,9 +354,10 @@ def test_set_desired_and_update_observed(store: Store, project: str, clock: Fake
         store.update_observed(sb.id, expected_generation=0, error="x")
     with pytest.raises(TypeError):
         store.update_observed(sb.id, state="running")
-    failed = store.record_failure(sb.id, "node unreachable", retry_in_s=10)
-    failed = store.record_failure(sb.id, "node unreachable", retry_in_s=10)
+    failed = store.record_failure(sb.id, "node unreachable", code="unavailable", retry_in_s=10)
+    failed = store.record_failure(sb.id, "node unreachable", code="unavailable", retry_in_s=10)
     assert failed.attempts == 2 and failed.next_attempt_at == clock() + timedelta(seconds=10)
+    assert (failed.error, failed.error_code) == ("node unreachable", "unavailable")
     store.record_activity(sb.id, clock() - timedelta(hours=1))  # never backwards
     assert store.load_sandbox(sb.id) is not None
     assert store.get_sandbox(project, sb.id).last_activity_at == later  # type: ignore[union-attr]
@@ -364,9 +385,9 @@ def test_claim_work_selects_what_needs_work(store: Store, project: str, clock: F
     in_flight = store.create_sandbox(project, "python")
     store.transition(in_flight.id, State.PENDING, 0, Event.CREATE)
     later = store.create_sandbox(project, "python")
-    store.record_failure(later.id, "retry later", retry_in_s=30)
+    store.record_failure(later.id, "retry later", code="unavailable", retry_in_s=30)
     given_up = store.create_sandbox(project, "python")
-    store.record_failure(given_up.id, "template missing", retry_in_s=0, permanent=True)
+    store.record_failure(given_up.id, "template missing", code="not_found", retry_in_s=0, permanent=True)
 
     claimed = store.claim_work("r1", limit=10, lease_s=5)
     assert {s.id for s in claimed} == {pending.id, in_flight.id}

@@ -246,7 +246,7 @@ _FAILURES_KEPT: tuple[type[errors.SpaceError], ...] = (errors.KeyRevoked, errors
 def _settle_failure(sb: SandboxRecord) -> errors.SpaceError:
     message = f"sandbox {sb.id} could not reach '{sb.desired_state}': {sb.error}"
     for kind in _FAILURES_KEPT:
-        if (sb.error or "").startswith(f"{kind.code}:"):
+        if sb.error_code == kind.code:
             return kind(message, state=sb.state.value)
     return errors.RuntimeFailure(message, state=sb.state.value)
 

@@ -47,6 +47,7 @@ class Sandbox(_View):
     updated_at: str
     last_activity_at: str
     error: str | None
+    error_code: str | None = Field(description="The typed code of `error` (see the error table).")
     forked_from: str | None
     notice: str | None = Field(description="What happened to the sandbox that its user should know.")
     crash_count: int
@@ -77,6 +78,7 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "updated_at": sb.updated_at.isoformat(),
         "last_activity_at": sb.last_activity_at.isoformat(),
         "error": sb.error,
+        "error_code": sb.error_code,
         "forked_from": sb.forked_from,
         # Issue 4: what happened to the sandbox that the user should be able to see.
         "notice": sb.notice,

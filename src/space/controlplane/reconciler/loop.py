@@ -228,13 +228,16 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
                 extra: dict[str, Any] = {}
                 if current.state == State.RESTORING:
                     extra["node_id"] = None  # nothing booted on the target; suspended = on no node
-                return await self._transition(current, Event.FAIL, error=error, error_permanent=True, **extra)
+                return await self._transition(
+                    current, Event.FAIL, error=error, error_code=exc.code, error_permanent=True, **extra
+                )
         else:
             log.info("sandbox %s: %s failed, will retry: %s", current.id, current.state, exc.message)
         await asyncio.to_thread(
             self.store.record_failure,
             current.id,
             error,
+            code=exc.code,
             retry_in_s=backoff(current.attempts),
             permanent=permanent,
             expected_generation=current.generation,

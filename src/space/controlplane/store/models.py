@@ -52,6 +52,7 @@ NAMING_CONVENTION = {
 
 ID_LENGTH = 40  # the longest prefix ("snap-") + 26 characters, with room to spare
 STATE_LENGTH = 32
+ERROR_CODE_LENGTH = 64  # a space.core.errors code (snake_case, short)
 
 ROLES = ("admin", "member", "read-only")
 NODE_STATUSES = ("ready", "lost", "draining")
@@ -170,6 +171,7 @@ class Sandbox(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     last_activity_at: Mapped[datetime] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text)
+    error_code: Mapped[str | None] = mapped_column(String(ERROR_CODE_LENGTH))
     error_permanent: Mapped[bool] = mapped_column(Boolean)
     attempts: Mapped[int] = mapped_column(Integer)
     next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -102,6 +102,9 @@ class SandboxRecord:
     crash_count: int = 0
     notice: str | None = None
     data_key_id: str | None = None
+    # The typed code (space.core.errors) of the failure in `error`, so callers decide on the code, never
+    # on the text.
+    error_code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

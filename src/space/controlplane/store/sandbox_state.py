@@ -38,6 +38,7 @@ TRANSITION_FIELDS: Final = frozenset(
     {
         "node_id",
         "error",
+        "error_code",
         "error_permanent",
         "attempts",
         "next_attempt_at",
@@ -60,6 +61,7 @@ OBSERVED_FIELDS: Final = frozenset(
     {
         "node_id",
         "error",
+        "error_code",
         "error_permanent",
         "attempts",
         "next_attempt_at",
@@ -163,6 +165,7 @@ class SandboxStateRepository(Repository):
         values: dict[str, Any] = {
             "attempts": 0,
             "error": None,
+            "error_code": None,
             "error_permanent": False,
             "next_attempt_at": now,
         }
@@ -230,17 +233,20 @@ class SandboxStateRepository(Repository):
         sandbox_id: str,
         error: str,
         *,
+        code: str,
         retry_in_s: float,
         permanent: bool = False,
         expected_generation: int | None = None,
     ) -> SandboxRecord:
-        """A step attempt failed: attempts += 1 (atomically), error recorded, next try after retry_in_s.
+        """A step attempt failed: attempts += 1 (atomically), error and its typed code recorded, next try
+        after retry_in_s.
         With permanent=True the reconciler stops retrying until the next state change or set_desired."""
         now = self.now()
         conditions = [] if expected_generation is None else [Sandbox.generation == expected_generation]
         values = {
             "attempts": Sandbox.attempts + 1,
             "error": error,
+            "error_code": code,
             "error_permanent": permanent,
             "next_attempt_at": now + seconds(retry_in_s, "retry_in_s"),
             "updated_at": now,
