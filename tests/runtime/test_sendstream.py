@@ -201,6 +201,13 @@ def test_path_attributes_only_where_they_belong_and_symlink_targets_sane() -> No
     refused(full(sb.symlink(b"l", b"a\0b")), match="symlink target")
 
 
+@pytest.mark.parametrize("kind", [ss.A_CLONE_UUID, ss.A_CLONE_CTRANSID, ss.A_CLONE_OFFSET, ss.A_CLONE_LEN])
+def test_clone_attributes_only_on_clone(kind: int) -> None:
+    # A clone source on any other command would be forwarded without the CLONE checks.
+    value = UUID if kind == ss.A_CLONE_UUID else bytes(8)
+    refused(full(sb.Cmd(ss.C_MKFILE, [(ss.A_PATH, b"a"), (kind, value)])), match="clone attribute")
+
+
 # --- forwarding ---------------------------------------------------------------------------------------------
 def test_a_refused_command_is_never_handed_on() -> None:
     bad = sb.mkfile(b"../../etc/pwned")
