@@ -20,8 +20,9 @@ check: setup
 test: check
 	$(PY) -m pytest tests -q
 
+# The fast tests: every test that needs no root (tests/conftest.py refuses a root-needing test without the mark).
 test-unit: setup
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests -q -m "not root"
 
 DEMO_DIR := /var/lib/space-demo
 DEMO_PORT := 8470
