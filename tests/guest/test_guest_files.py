@@ -97,6 +97,7 @@ def test_read_write_errors(guest: Guest, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/work"), reason="relative paths resolve against /work")
+@pytest.mark.root  # writes under the host's /work, which only root may write
 def test_relative_paths_resolve_against_work(guest: Guest) -> None:
     name = f"spaced-test-{os.getpid()}"
     try:

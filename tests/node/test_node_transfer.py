@@ -51,6 +51,7 @@ def test_transfer_verbs_validate_their_arguments(ctx: HelperContext) -> None:
     assert _code(_answer(ctx, "staging.release", {"kind": "import"})) == "invalid_argument"  # ids needed
 
 
+@pytest.mark.root  # take_ownership chowns what it accepts, which needs root
 def test_staged_files_are_never_followed_through_symlinks(tmp_path: pathlib.Path) -> None:
     staged = tmp_path / "staged"
     staged.mkdir()
