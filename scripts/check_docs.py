@@ -1,11 +1,12 @@
 """Keep the documentation true to the tree (run by `make check`).
 
 - Every ADR in docs/adr has a `Status:` line.
-- Every file a document names in backticks (`node/agent/agent.py`, `tests/core/test_x.py`, `setup.sh`)
+- Every file a document names in backticks (`node/agent/agent.py`, `tests/<topic>/test_x.py`, `setup.sh`)
   exists: as written from the repository root, as the tail of a path in the tree, or (a bare file name)
   anywhere in the tree.
 - Every module a document names (`space.node.agent.server`, `space.core.errors.SpaceError`) exists: its
   longest module prefix is a module of the tree and the rest, if any, is a name defined in it.
+- Every test file the source names in a docstring or comment (`tests/<topic>/test_x.py`) exists.
 - Examples, tests and documents name only reserved hosts in URLs (RFC 2606/6761: example.com/net/org,
   *.example, *.test, *.invalid, *.localhost, loopback and private addresses), never a real service.
 """
@@ -117,6 +118,21 @@ def reference_problems(files: list[pathlib.Path]) -> list[str]:
     return problems
 
 
+TEST_PATH = re.compile(r"\btests/[a-z_]+/(?:[a-z_]+/)*test_[a-z0-9_]+\.py")
+
+
+def source_test_path_problems(files: list[pathlib.Path]) -> list[str]:
+    """Docstrings and comments that name a test file (`tests/<topic>/test_x.py`) name one that exists."""
+    rels = {str(p.relative_to(ROOT)) for p in files}
+    return [
+        f"{path.relative_to(ROOT)}: names {ref}, which does not exist"
+        for path in files
+        if path.suffix == ".py" and path.relative_to(ROOT).parts[0] in {"src", "scripts", "bench"}
+        for ref in sorted(set(TEST_PATH.findall(path.read_text())))
+        if ref not in rels
+    ]
+
+
 def host_problems(files: list[pathlib.Path]) -> list[str]:
     problems: list[str] = []
     for path in files:
@@ -132,7 +148,12 @@ def host_problems(files: list[pathlib.Path]) -> list[str]:
 
 def main() -> int:
     files = tree_files()
-    problems = [*adr_problems(), *reference_problems(files), *host_problems(files)]
+    problems = [
+        *adr_problems(),
+        *reference_problems(files),
+        *source_test_path_problems(files),
+        *host_problems(files),
+    ]
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0

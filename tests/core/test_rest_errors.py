@@ -15,11 +15,14 @@ from space.rest import errors as rest_errors
 
 
 def _every_error_class() -> list[type[errors.SpaceError]]:
+    """The classes of the hierarchy (space.core.errors); a client's own errors (the SDK's transport and
+    configuration errors) never cross an HTTP surface and are not in the map."""
     found: list[type[errors.SpaceError]] = []
     pending = [errors.SpaceError]
     while pending:
         for sub in pending.pop().__subclasses__():
-            found.append(sub)
+            if sub.__module__ == errors.__name__:
+                found.append(sub)
             pending.append(sub)
     return found
 

@@ -4,7 +4,7 @@
 (SIGKILL: nothing gets to clean up, exactly like a crash) the first time it reaches one of those points.
 Unset (always, outside tests), `hit` is a set lookup and nothing else. The integration tests use it to crash
 the control plane at every step of suspend and restore and check that a restart converges
-(tests/integration/test_controlplane_suspend.py); the points are listed in POINTS so a renamed point fails
+(tests/controlplane/test_controlplane_suspend.py); the points are listed in POINTS so a renamed point fails
 those tests instead of silently never firing.
 """
 

@@ -12,7 +12,7 @@ Vocabulary:
   reconciler re-runs that step idempotently and reports its completion (or `fail`).
 - A *stable* state is any other state; the reconciler has nothing in flight for it.
 
-Invariants (checked when this module is imported, and again by tests/unit/test_core_lifecycle.py):
+Invariants (checked when this module is imported, and again by tests/core/test_core_lifecycle.py):
 - Every in-progress state has exactly one completion event leading to a stable state, a `fail` event
   leading to a stable state, and allows `delete`: a crash mid-operation can always be driven forward,
   backed out, or cleaned up.

@@ -5,7 +5,7 @@ per 5 minutes for the last hour, one per hour for the last day, one per day for 
 aligned to the epoch (floor(timestamp / every_s)), not to the age, so a snapshot does not hop between
 buckets as time passes; in each bucket the NEWEST snapshot is kept.
 
-Invariants (tests/unit/test_core_retention.py checks them, partly with hypothesis):
+Invariants (tests/core/test_core_retention.py checks them, partly with hypothesis):
 - `keep` never drops the newest usable full checkpoint (the one crash recovery and suspend rely on), nor a
   snapshot it cannot date sensibly (created in the future: clock skew keeps it, it is "age 0").
 - Tiers are applied per kind (disk snapshots and full checkpoints thin out independently), so a frequent

@@ -2,7 +2,7 @@
 
 Invariants:
 - Each model lists exactly the fields its view function emits, in the same order: the routes answer
-  through these models, so a field missing here would silently vanish from the answer (tests/integration
+  through these models, so a field missing here would silently vanish from the answer (tests/controlplane
   check the fields the SDK reads; test_controlplane_openapi checks every public answer is typed).
 - Times are ISO 8601 strings as `datetime.isoformat()` writes them (never re-encoded by pydantic).
 - No answer to an API key carries a credential value or vault reference.

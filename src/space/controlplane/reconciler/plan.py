@@ -4,7 +4,7 @@ The lifecycle table (space.core.lifecycle) says which events are allowed and whe
 says which of them the reconciler takes on its own to move a sandbox toward its desired state, and how a
 failure is classified. Pure: no I/O.
 
-Invariants (checked when this module is imported, and by tests/unit/test_reconciler_plan.py):
+Invariants (checked when this module is imported, and by tests/controlplane/test_reconciler_plan.py):
 - Every NEXT_STEP pair starts from a stable state with an event the table allows there, and that event
   leads into an in-progress state, whose completion event (lifecycle.STEPS) the step reports when done.
 - NODE_CALLS names the in-progress states whose whole side effect is one idempotent node call: its name is

@@ -1,7 +1,7 @@
 """The control plane's tables (SQLAlchemy 2 typed declarative).
 
 Invariants:
-- These models and migrations/versions/* describe the same schema; tests/integration/test_store.py runs
+- These models and migrations/versions/* describe the same schema; tests/store/test_store.py runs
   Alembic's autogenerate comparison against a migrated database and requires an empty diff. Change both
   together: a model edit without a new migration fails that test.
 - Ids are the prefixed random ids of space.core.ids, stored as text. Every timestamp is aware UTC

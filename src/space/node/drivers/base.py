@@ -5,7 +5,8 @@ Invariants:
   sandbox only through that channel (space.node.agent.channel.GuestChannel).
 - Every operation is idempotent with respect to the runtime's actual state: stopping a stopped sandbox or
   destroying a missing one converges instead of failing, so a restarted agent can simply repeat the step.
-- All drivers pass the same conformance suite (tests/integration/test_driver_conformance.py).
+- All drivers implement the same Driver protocol; the runsc driver is exercised by
+  tests/runtime/test_runsc_*.py and the fake driver by tests/node/test_agent_fake.py.
 """
 
 from __future__ import annotations
