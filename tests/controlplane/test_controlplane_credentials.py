@@ -133,9 +133,7 @@ def test_every_route_needs_an_api_key(fake_cluster: c.Cluster, method: str, path
 def test_set_list_rotate_delete_never_return_the_value(project: c.Project) -> None:
     client = admin(project)
     first, second = canary(), canary()
-    made = put(
-        client, "openai", value=first, hosts=["api.openai.com"], header="Authorization: Bearer {value}"
-    )
+    made = put(client, "openai", value=first, hosts=["llm.test"], header="Authorization: Bearer {value}")
     assert made.status_code == 200, made.text
     body = made.json()
     assert body["action"] == "create" and body["version"] == 1 and body["scope"] == "project"
@@ -183,7 +181,7 @@ def test_validation_errors_name_their_field(project: c.Project) -> None:
 
 # -- roles and projects ----------------------------------------------------------------------------------
 def test_read_only_keys_cannot_change_credentials(fake_cluster: c.Cluster, project: c.Project) -> None:
-    assert put(admin_of(project), "gh", value=canary(), hosts=["api.github.com"]).status_code == 200
+    assert put(admin_of(project), "gh", value=canary(), hosts=["code.test"]).status_code == 200
     _id, readonly = project.new_key("read-only")
     ro = fake_cluster.http(readonly)
     error(put(ro, "gh", value=canary()), 403, "permission_denied")
@@ -245,10 +243,10 @@ def test_policy_changes_at_run_time(
 ) -> None:
     client = project.http()
     path = f"/v1/sandboxes/{sandbox['id']}/egress"
-    changed = client.put(path, json={"allow": ["pypi.org", "*.PyPI.org"]})
+    changed = client.put(path, json={"allow": ["pkg.test", "*.Pkg.Test"]})
     assert changed.status_code == 200, changed.text
     body = changed.json()
-    assert body["allow"] == ["pypi.org", "*.pypi.org"] and body["deny"] == ["10.0.0.0/8"]  # deny kept
+    assert body["allow"] == ["pkg.test", "*.pkg.test"] and body["deny"] == ["10.0.0.0/8"]  # deny kept
     assert body["credentials"] == ["tok"] and body["version"] == 2
     # The node got the push; it has no egress gateway wired yet, and says so (see ADR 0017, gaps).
     assert body["applied"] is False and "gateway" in (body["node_error"] or "")
@@ -260,7 +258,7 @@ def test_policy_changes_at_run_time(
     error(c.new_project(fake_cluster).http().put(path, json={"allow": []}), 404, "not_found")
     with project.sdk() as sp:
         again = sp.sandboxes.get(sandbox["id"]).set_egress(deny=["192.168.0.0/16"])
-    assert again["deny"] == ["192.168.0.0/16"] and again["allow"] == ["pypi.org", "*.pypi.org"]
+    assert again["deny"] == ["192.168.0.0/16"] and again["allow"] == ["pkg.test", "*.pkg.test"]
 
 
 def test_a_fork_inherits_its_parents_policy_and_bindings(
@@ -428,7 +426,7 @@ def test_sdk_surface(project: c.Project) -> None:
         assert cred["method"] == "basic" and cred["header"] == "Authorization: Basic {value}"
         assert [c.name for c in sp.credentials.list()] == ["sdk-cred"]
         sb = sp.sandboxes.create(
-            limits=c.SMALL, allow=["pypi.org"], credentials=["sdk-cred"], deny=["10.0.0.0/8"]
+            limits=c.SMALL, allow=["pkg.test"], credentials=["sdk-cred"], deny=["10.0.0.0/8"]
         )
         assert sb.egress()["credentials"] == ["sdk-cred"] and sb.egress()["deny"] == ["10.0.0.0/8"]
         sp.credentials.delete("sdk-cred")
@@ -459,13 +457,13 @@ def test_cli_against_the_real_api(project: c.Project) -> None:
     assert [(x["name"], x["header"], x["rate_per_minute"]) for x in listed] == [
         ("cli-cred", "X-Api-Key: {value}", 9)
     ]
-    sandbox_id = space("sandbox", "create", "--allow", "pypi.org", "--credential", "cli-cred",
+    sandbox_id = space("sandbox", "create", "--allow", "pkg.test", "--credential", "cli-cred",
                        "--deny", "10.0.0.0/8", "--memory-mb", "64", "--cpus", "0.1").strip()  # fmt: skip
     shown = json.loads(space("sandbox", "egress", sandbox_id, "--json"))
-    assert shown["allow"] == ["pypi.org"] and shown["credentials"] == ["cli-cred"]
+    assert shown["allow"] == ["pkg.test"] and shown["credentials"] == ["cli-cred"]
     assert shown["deny"] == ["10.0.0.0/8"]
-    changed = json.loads(space("sandbox", "egress", sandbox_id, "--allow", "*.pypi.org", "--json"))
-    assert changed["allow"] == ["*.pypi.org"] and changed["version"] == 2
+    changed = json.loads(space("sandbox", "egress", sandbox_id, "--allow", "*.pkg.test", "--json"))
+    assert changed["allow"] == ["*.pkg.test"] and changed["version"] == 2
     space("credential", "delete", "cli-cred")
     audit = json.loads(space("credential", "audit", "cli-cred", "--json"))
     assert [e["action"] for e in audit] == ["create", "bind", "delete"]

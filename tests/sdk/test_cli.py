@@ -30,14 +30,14 @@ from tests.support.sdk_server import (
 def test_sandbox_create_prints_the_id(server: FakeServer) -> None:
     server.on("POST", "/v1/sandboxes", httpx.Response(201, json=sandbox_json("sb-new")))
     result = invoke(
-        "sandbox", "create", "--env", "A=1", "--env", "B=x=y", "--allow", "pypi.org", "--credential", "gh"
+        "sandbox", "create", "--env", "A=1", "--env", "B=x=y", "--allow", "pkg.test", "--credential", "gh"
     )
     assert result.exit_code == 0, result.output
     assert result.stdout == "sb-new\n"
     assert server.body() == {
         "template": "python",
         "env": {"A": "1", "B": "x=y"},
-        "allow": ["pypi.org"],
+        "allow": ["pkg.test"],
         "credentials": ["gh"],
         "wait": True,
     }
@@ -315,13 +315,13 @@ def test_credential_set(server: FakeServer) -> None:
     answer = {"id": "cred-1", "name": "gh", "placeholder": "space-cred-gh-0123456789abcdef"}
     server.on("PUT", "/v1/credentials/gh", httpx.Response(200, json=answer))
     result = invoke(
-        "credential", "set", "gh", "--value", "tok", "--host", "api.github.com",
+        "credential", "set", "gh", "--value", "tok", "--host", "code.test",
         "--header", "Authorization: Bearer {value}", "--project", "team",
     )  # fmt: skip
     assert result.exit_code == 0 and result.stdout == "gh space-cred-gh-0123456789abcdef\n"
     assert server.body() == {
         "value": "tok",
-        "hosts": ["api.github.com"],
+        "hosts": ["code.test"],
         "header": "Authorization: Bearer {value}",
         "project": "team",
     }
@@ -337,11 +337,11 @@ def test_credential_set(server: FakeServer) -> None:
 
 
 def test_credential_list_delete_audit(server: FakeServer) -> None:
-    item = {"name": "gh", "scope": "project", "hosts": ["api.github.com"], "method": "bearer", "version": 2}
+    item = {"name": "gh", "scope": "project", "hosts": ["code.test"], "method": "bearer", "version": 2}
     listed = {"credentials": [item | {"expires_at": None, "placeholder": "space-cred-gh-x"}]}
     server.on("GET", "/v1/credentials", httpx.Response(200, json=listed))
     result = invoke("credential", "list")
-    assert result.exit_code == 0 and "space-cred-gh-x" in result.stdout and "api.github.com" in result.stdout
+    assert result.exit_code == 0 and "space-cred-gh-x" in result.stdout and "code.test" in result.stdout
     server.on("DELETE", "/v1/credentials/gh", httpx.Response(200, json={"deleted": True}))
     assert invoke("credential", "delete", "gh").exit_code == 0
     server.on(
@@ -352,14 +352,14 @@ def test_credential_list_delete_audit(server: FakeServer) -> None:
 
 
 def test_sandbox_egress_shows_and_changes_the_policy(server: FakeServer) -> None:
-    policy = {"allow": ["pypi.org"], "deny": [], "credentials": [], "version": 2, "applied": True}
+    policy = {"allow": ["pkg.test"], "deny": [], "credentials": [], "version": 2, "applied": True}
     server.on("PUT", "/v1/sandboxes/sb-1/egress", httpx.Response(200, json=policy))
-    result = invoke("sandbox", "egress", "sb-1", "--allow", "pypi.org", "--json")
+    result = invoke("sandbox", "egress", "sb-1", "--allow", "pkg.test", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["version"] == 2
-    assert server.body() == {"allow": ["pypi.org"]}
+    assert server.body() == {"allow": ["pkg.test"]}
     server.on("GET", "/v1/sandboxes/sb-1/egress", httpx.Response(200, json=policy))
     result = invoke("sandbox", "egress", "sb-1")
-    assert result.exit_code == 0 and "pypi.org" in result.stdout
+    assert result.exit_code == 0 and "pkg.test" in result.stdout
 
 
 # ---- bench, up/down ----------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_create_with_every_option(sp: Space, server: FakeServer) -> None:
         limits={"cpus": 2.0, "memory_mb": 1024},
         idle_timeout_s=60,
         ttl_s=3600,
-        allow=["pypi.org", "10.0.0.0/8"],
+        allow=["pkg.test", "10.0.0.0/8"],
         credentials=["github"],
         idempotency_key="my-key",
     )
@@ -169,7 +169,7 @@ def test_create_with_every_option(sp: Space, server: FakeServer) -> None:
         "limits": {"cpus": 2.0, "memory_mb": 1024},
         "idle_timeout_s": 60,
         "ttl_s": 3600,
-        "allow": ["pypi.org", "10.0.0.0/8"],
+        "allow": ["pkg.test", "10.0.0.0/8"],
         "credentials": ["github"],
         "wait": True,
     }
@@ -531,12 +531,12 @@ def test_projects_keys_credentials(sp: Space, server: FakeServer) -> None:
     server.on("DELETE", "/v1/keys/key-1", httpx.Response(204))
     sp.keys.delete("key-1")
     server.on("PUT", "/v1/credentials/gh", httpx.Response(200, json={"id": "cred-1", "name": "gh"}))
-    cred = sp.credentials.set("gh", value="v", hosts="api.github.com", header="Authorization: Bearer {value}")
+    cred = sp.credentials.set("gh", value="v", hosts="code.test", header="Authorization: Bearer {value}")
     assert cred.id == "cred-1"
     # The name is in the path; only given fields are sent (an update keeps the rest).
     assert server.body() == {
         "value": "v",
-        "hosts": ["api.github.com"],
+        "hosts": ["code.test"],
         "header": "Authorization: Bearer {value}",
     }
     sp.credentials.set("gh", rate_per_minute=5, scope="org")
