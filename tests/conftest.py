@@ -3,7 +3,10 @@ its finalizer destroys everything and then checks the host for leaks (mounts, lo
 cgroups), so a leak fails the run instead of breaking the next one.
 
 Every test that uses a fixture needing root (ROOT_FIXTURES) must carry the `root` mark; collection fails
-otherwise, so `pytest -m "not root"` (make test-unit) selects only tests that run without root."""
+otherwise, so `pytest -m "not root"` (make test-unit) selects only tests that run without root.
+
+A test that runs a SPACE entry point in-process (which sets the owner-only umask, ADR 0022) must not
+change the files later tests create: the process umask is restored after every test."""
 
 from __future__ import annotations
 
@@ -46,6 +49,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if unmarked:
         listing = "\n".join(f"  {nodeid} (uses {', '.join(used)})" for nodeid, used in unmarked.items())
         raise pytest.UsageError(f"tests that need root lack the `root` mark:\n{listing}")
+
+
+@pytest.fixture(autouse=True)
+def _process_umask_restored() -> Iterator[None]:
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
 
 
 @pytest.fixture(scope="session")
