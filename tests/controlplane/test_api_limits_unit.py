@@ -113,7 +113,7 @@ def test_settings_from_the_environment() -> None:
 
 
 def test_one_settings_object_names_every_variable() -> None:
-    """ControlPlaneSettings (ADR 0035): every field documented and read from its own SPACE_ variable,
+    """ControlPlaneSettings (ADR 0030): every field documented and read from its own SPACE_ variable,
     exactly (case-sensitive); blank numbers are defaults; the groups the parts take come from it."""
     fields = ControlPlaneSettings.model_fields
     aliases = [ControlPlaneSettings.env_name(name) for name in fields]

@@ -3,7 +3,7 @@
 The routers, one per resource: sandboxes.py, snapshots.py, data_plane.py (exec, processes, files, PTY),
 projects.py (projects and keys), credentials.py, egress.py, byok.py (tenant keys), node_routes.py (the
 node-facing routes). What they share (principal, store access, idempotency, the relay) is deps.py; the
-bodies are bodies.py and views.py; the periodic jobs are jobs.py. docs/adr/0035-api-routers-and-settings.md.
+bodies are bodies.py and views.py; the periodic jobs are jobs.py. docs/adr/0030-api-routers-and-settings.md.
 
 Invariants:
 - Request limits (api/limits.py) are the outermost layer: a public request is authenticated and its body
