@@ -55,7 +55,8 @@ STATE_LENGTH = 32
 ERROR_CODE_LENGTH = 64  # a space.core.errors code (snake_case, short)
 
 ROLES = ("admin", "member", "read-only")
-NODE_STATUSES = ("ready", "lost", "draining")
+NODE_STATUSES = ("ready", "lost", "draining", "offline")
+EVENT_KIND_LENGTH = 32
 SNAPSHOT_KINDS = ("disk", "full")
 SNAPSHOT_STATES = ("creating", "ready", "deleting")
 
@@ -125,6 +126,9 @@ class Node(Base):
     status: Mapped[str] = mapped_column(String(16))
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime())
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Issue 11 (migration 0008): what this node's runtime can restore (gVisor platform, network mode,
+    # runtime version, ...); NULL until the node reports it.
+    runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class EnrolmentToken(Base):
@@ -193,6 +197,10 @@ class Sandbox(Base):
     notice: Mapped[str | None] = mapped_column(Text)
     # The tenant key (KeyService key id) that wraps this sandbox's data keys.
     data_key_id: Mapped[str | None] = mapped_column(String(256))
+    # Issue 11 (migration 0008): the generation at which the copy on `node_id` was made (created,
+    # restored, recovered, forked): node deletes and orphan collection name it, so a stale request never
+    # removes a newer copy. NULL: no copy on a node.
+    incarnation: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Snapshot(Base):
@@ -225,6 +233,9 @@ class Snapshot(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # Who took it: "user", "policy" (the snapshot scheduler; retention prunes only these), "suspend".
     origin: Mapped[str | None] = mapped_column(String(16))
+    # Issue 11 (migration 0008): the runtime a full checkpoint needs to be restored (platform, network
+    # mode, runtime version, template version); NULL for disk snapshots and older rows.
+    runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class IdempotencyRecord(Base):
@@ -355,3 +366,30 @@ class ProjectPrivateNetworks(Base):
     networks: Mapped[list[str]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_by: Mapped[str] = mapped_column(String(128))
+
+
+class LeaderLease(Base):
+    """A named lease that at most one control-plane replica holds at a time (issue 11): jobs that must run
+    once per cluster (the snapshot scheduler) run only on the holder. Times come from the claimer's clock."""
+
+    __tablename__ = "leader_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class SandboxEvent(Base):
+    """What happened to a sandbox that its owner should see (issue 11): a node lost, a step re-planned, a
+    recovery and its reason. Append-only, like the sandbox rows they belong to."""
+
+    __tablename__ = "sandbox_events"
+    __table_args__ = (Index("ix_sandbox_events_sandbox_id_id", "sandbox_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sandbox_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("sandboxes.id"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    kind: Mapped[str] = mapped_column(String(EVENT_KIND_LENGTH))
+    message: Mapped[str] = mapped_column(Text)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -19,7 +19,7 @@ from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
 
 Role = Literal["admin", "member", "read-only"]
-NodeStatus = Literal["ready", "lost", "draining"]
+NodeStatus = Literal["ready", "lost", "draining", "offline"]
 SnapshotKind = Literal["disk", "full"]
 SnapshotState = Literal["creating", "ready", "deleting"]
 
@@ -65,6 +65,7 @@ class NodeRecord:
     status: NodeStatus
     last_heartbeat_at: datetime
     registered_at: datetime
+    runtime: dict[str, Any] | None = None  # what this node can restore (None: not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class SandboxRecord:
     # The typed code (space.core.errors) of the failure in `error`, so callers decide on the code, never
     # on the text.
     error_code: str | None = None
+    incarnation: int | None = None  # the generation at which the copy on node_id was made
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,7 @@ class SnapshotRecord:
     wrapped_key: str | None = None  # base64 of the wrapped data key of the uploaded copy
     error: str | None = None
     origin: str | None = None  # "user" | "policy" | "suspend"
+    runtime: dict[str, Any] | None = None  # what restoring this full checkpoint needs (None: unknown)
 
     @property
     def locations(self) -> list[str]:

@@ -11,6 +11,7 @@ ONE `Database` (database.py: one engine, one session factory, one transaction he
     enrolment_tokens.py  EnrolmentTokenRepository              node enrolment tokens
     snapshots.py         SnapshotRepository                    snapshot records
     idempotency.py       IdempotencyRepository                 Idempotency-Key records
+    events.py            SandboxEventRepository                what happened to a sandbox (issue 11)
     credentials/         CredentialStore                       credentials, audit, egress, BYOK keys
 
 Invariants:
@@ -32,6 +33,7 @@ from sqlalchemy.engine import URL
 from space.controlplane.store.database import Clock, Database, Repository, utcnow
 from space.controlplane.store.engine import make_engine
 from space.controlplane.store.enrolment_tokens import EnrolmentTokenRepository
+from space.controlplane.store.events import SandboxEventRepository
 from space.controlplane.store.idempotency import IdempotencyRepository
 from space.controlplane.store.leases import WorkLeaseRepository
 from space.controlplane.store.migrate import migrate
@@ -63,6 +65,7 @@ class Store(
     EnrolmentTokenRepository,
     SnapshotRepository,
     IdempotencyRepository,
+    SandboxEventRepository,
     Repository,
 ):
     """Typed operations on the control plane database: every repository over one Database."""
