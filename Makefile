@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup check test test-unit demo demo-node bench clean-host
+.PHONY: setup check test test-unit demo demo-node bench clean-host soak fuzz
 
 setup:
 	@bash scripts/setup.sh
@@ -18,7 +18,7 @@ check: setup
 	$(PY) scripts/gen_sync_sdk.py --check
 
 test: check
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=40
 
 # The fast tests: every test that needs no root (tests/conftest.py refuses a root-needing test without the mark).
 test-unit: setup
@@ -36,6 +36,13 @@ demo: setup
 # The node-level demo (no control plane): one sandbox driven directly through the node agent.
 demo-node: setup
 	$(PY) -m space.node.demo
+
+# The long modes of the reliability harness (issue 11): the same tests as in `make test`, run longer.
+soak: setup
+	SPACE_SOAK=1 $(PY) -m pytest -q tests/crash tests/model tests/load
+
+fuzz: setup
+	SPACE_FUZZ=long $(PY) -m pytest -q tests/fuzz
 
 bench: setup
 	$(PY) -m bench.node_bench
