@@ -1,20 +1,24 @@
-"""Crash injection for tests: named points where a control plane process SIGKILLs itself.
+"""The control plane's kill points, and the full list of kill points of every component.
 
-`SPACE_FAILPOINTS="suspend.uploaded,restore.placed"` in a control plane's environment makes it kill itself
-(SIGKILL: nothing gets to clean up, exactly like a crash) the first time it reaches one of those points.
-Unset (always, outside tests), `hit` is a set lookup and nothing else. The integration tests use it to crash
-the control plane at every step of suspend and restore and check that a restart converges
-(tests/controlplane/test_controlplane_suspend.py); the points are listed in POINTS so a renamed point fails
-those tests instead of silently never firing.
+The mechanism is `space.core.failpoints` (every component imports it; `SPACE_FAILPOINTS` arms it). This
+module adds the control plane's explicitly named points (POINTS: the steps of suspend, restore and
+recovery that are not lifecycle transitions) and `all_points()`, the list the crash-injection harness
+(tests/crash/test_crash_injection.py) covers, derived from the tables that define the steps:
+- the control plane: both sides of the compare-and-swap of every (state, event) of the lifecycle table
+  (`Store.transition`), plus POINTS;
+- the node agent: before and after every route of its RPC app (space.node.agent.killpoints);
+- the root helper: before and after every verb of its verb table (space.node.helper.server);
+- the object store: after a part is written and after one is read (space.objectstore.artifacts).
+A new transition, route, verb or named point is a new kill point without anyone listing it here.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 from typing import Final
 
-from space.controlplane.settings import ControlPlaneSettings
+from space.core import failpoints as core_failpoints
+from space.core.failpoints import transition_points
+from space.core.lifecycle import TRANSITIONS
 
 POINTS: Final = frozenset(
     {
@@ -29,10 +33,29 @@ POINTS: Final = frozenset(
     }
 )
 
-_ARMED: Final = ControlPlaneSettings.from_env(only="failpoints").armed_failpoints
-
 
 def hit(name: str) -> None:
-    """Die here if the failpoint `name` is armed (see module docstring)."""
-    if name in _ARMED:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Die here if the kill point `name` is armed (space.core.failpoints)."""
+    core_failpoints.hit(name)
+
+
+def control_plane_points() -> list[str]:
+    """Every kill point of the control plane process: the lifecycle table's transitions and POINTS."""
+    transitions = [(state.value, event.value) for state, event in TRANSITIONS]
+    return sorted({*transition_points(transitions), *POINTS})
+
+
+def all_points() -> dict[str, list[str]]:
+    """component -> its kill points, derived from the tables that define the steps (module docstring)."""
+    # Imported here: only the harness asks, and the control plane process needs none of these at run time.
+    from space.node.agent.app import ROUTERS
+    from space.node.agent.killpoints import agent_points
+    from space.node.helper.server import helper_points
+    from space.objectstore.artifacts import ARTIFACT_POINTS
+
+    return {
+        "controlplane": control_plane_points(),
+        "agent": agent_points(ROUTERS),
+        "helper": helper_points(),
+        "objectstore": sorted(ARTIFACT_POINTS),
+    }

@@ -20,6 +20,9 @@ Invariants:
   holding a data key refuses an artifact whose manifest claims to be unencrypted (no downgrade).
 - Memory is bounded by the parts in flight (`concurrency`, default 4, each up to three copies: raw,
   compressed, sealed), whatever the entry's size.
+- Two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.core.failpoints): ARTIFACT_POINTS,
+  `objectstore.part_written` after a part was stored (an upload interrupted with parts and no manifest)
+  and `objectstore.part_read` after a part was fetched and verified (a download interrupted half-way).
 - On ArtifactCorrupt during `read_entry`, bytes of earlier (verified) parts may already be in `out`:
   callers discard the output, or call `verify(..., data_key=...)` first when nothing may be touched.
 """
@@ -35,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from space.core import errors
+from space.core import errors, failpoints
 from space.crypto.envelope import DataKey, check_key, mac
 from space.objectstore.base import ObjectStore
 from space.objectstore.manifest import (
@@ -77,6 +80,8 @@ __all__ = [
     "verify",
 ]
 
+#: The kill points of artifact parts (module docstring).
+ARTIFACT_POINTS = ("objectstore.part_written", "objectstore.part_read")
 DEFAULT_CONCURRENCY = 4  # parts in flight per entry: overlaps compression, encryption, hashing and I/O
 
 
@@ -147,6 +152,7 @@ class ArtifactWriter:
             raw, compression=self.compression, data_key=self.data_key, aad=part_aad(self.prefix, name, index)
         )
         self.store.put(key, stored)
+        failpoints.hit("objectstore.part_written")
         return PartRef(key, sha256_hex(stored), len(stored), len(raw))
 
     def add_stream(self, name: str, reader: BinaryIO) -> None:
@@ -267,6 +273,7 @@ def _decoded_parts(
                             decode_part, store, manifest, name, following[0], following[1], data_key=data_key
                         )
                     )
+                failpoints.hit("objectstore.part_read")
                 yield data
                 del data
         finally:

@@ -10,6 +10,8 @@ Invariants:
   Deletion is irrevocable: once desired is `deleted` it cannot be changed back.
 - Callers set only the columns of TRANSITION_FIELDS (with a state change) or OBSERVED_FIELDS (without
   one); ids, project, state, generation, lease and timestamps are owned by the store.
+- Every compare-and-swap of `transition()` has two kill points (crash injection, armed only by
+  SPACE_FAILPOINTS): `cp.<state>.<event>.before` and `.after` (space.core.failpoints.transition_point).
 - `last_activity_at` never moves backwards, so late reports are harmless.
 """
 
@@ -28,7 +30,7 @@ from space.controlplane.store.models import Sandbox
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandboxes import desirable
 from space.controlplane.store.values import aware, seconds, settable
-from space.core import lifecycle
+from space.core import failpoints, lifecycle
 from space.core.errors import Conflict, InvalidState, NotFound
 from space.core.lifecycle import Event, State
 
@@ -174,9 +176,11 @@ class SandboxStateRepository(Repository):
         if target is State.DELETED:
             values["deleted_at"] = now
         conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
-        return self._update_sandbox(
-            sandbox_id, conditions, values, f"{lifecycle.parse_event(event)} on sandbox {sandbox_id}"
-        )
+        step = lifecycle.parse_event(event)
+        failpoints.hit(failpoints.transition_point(current.value, step.value, "before"))
+        record = self._update_sandbox(sandbox_id, conditions, values, f"{step} on sandbox {sandbox_id}")
+        failpoints.hit(failpoints.transition_point(current.value, step.value, "after"))
+        return record
 
     def set_desired(
         self, sandbox_id: str, desired_state: State | str, expected_generation: int | None = None

@@ -7,6 +7,8 @@ Invariants:
 - Errors have one shape, `{"error": {"code", "message", "details"}}`, and one status map (space.rest.errors,
   shared with the control plane's API); an error after a stream's headers went out is its last NDJSON
   line, `{"type": "error", "error": {...}}` (space.node.agent.streams).
+- Kill points (crash injection) around every route exist only in a process armed by SPACE_FAILPOINTS
+  (space.node.agent.killpoints, inside BearerAuth); production apps have no such middleware.
 - The app's state holds the service (`app.state.service`, which the routes use) and the node token
   (`app.state.rpc_token`, the key of the sandbox capabilities).
 """
@@ -17,7 +19,9 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
+from space.core import failpoints
 from space.node.agent.agent import NodeAgent
+from space.node.agent.killpoints import KillPointMiddleware
 from space.node.agent.routes import files, node, processes, pty, sandboxes, snapshots
 from space.node.agent.rpc_auth import BearerAuth
 from space.node.agent.rpc_models import API_PREFIX
@@ -51,5 +55,7 @@ def create_app(
         app.include_router(router)
 
     rest_errors.install(app, surface="node agent")
+    if failpoints.armed():  # tests only; added first, so it runs inside BearerAuth
+        app.add_middleware(KillPointMiddleware, routes=app.routes)
     app.add_middleware(BearerAuth, token=token)
     return app

@@ -11,6 +11,9 @@ Invariants:
   refused with invalid_argument before any side effect.
 - Every failure is answered as a typed error; an unexpected exception is logged and answered as internal,
   and never takes the server down.
+- Each verb has two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.core.failpoints):
+  `helper.<verb>.before` once its arguments are valid and `helper.<verb>.after` once its handler returned,
+  before the answer is sent (`helper_points()` lists them from the verb table).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from space.core import errors
+from space.core import errors, failpoints
 from space.core.settings import NodeSettings
 from space.node.filemodes import set_owner_only_umask
 from space.node.helper.context import HelperContext
@@ -62,6 +65,11 @@ def validation_message(exc: ValidationError) -> tuple[str, list[str]]:
     return "; ".join(parts), fields
 
 
+def helper_points() -> list[str]:
+    """Both kill points of every verb of the verb table."""
+    return sorted(failpoints.phased("helper", VERBS))
+
+
 def dispatch(ctx: HelperContext, request: Any, send_progress: Any) -> dict[str, Any]:
     """Run one request; always returns the final answer object."""
     try:
@@ -80,11 +88,13 @@ def dispatch(ctx: HelperContext, request: Any, send_progress: Any) -> dict[str, 
             message, fields = validation_message(exc)
             raise errors.InvalidArgument(f"{verb.name}: {message}", fields=fields) from exc
         sandbox_id = getattr(params, "sandbox_id", None)
+        failpoints.hit(f"helper.{verb.name}.before")
         if verb.sandbox_scoped and sandbox_id:
             with ctx.lock(sandbox_id):
                 result = verb.handler(ctx, params, send_progress)
         else:
             result = verb.handler(ctx, params, send_progress)
+        failpoints.hit(f"helper.{verb.name}.after")
         return {"ok": True, "result": result}
     except errors.SpaceError as exc:
         return {"ok": False, "error": exc.to_dict()}
