@@ -123,6 +123,13 @@ class RuntimeFailure(SpaceError):
     code = "runtime_failure"
 
 
+class RuntimeIncompatible(SpaceError):
+    """A node's isolation runtime cannot restore this checkpoint (another gVisor platform, network mode,
+    runtime version or template base: space.core.runtimes); `details.reason` says which."""
+
+    code = "runtime_incompatible"
+
+
 class Internal(SpaceError):
     code = "internal"
 

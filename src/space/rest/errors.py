@@ -51,6 +51,9 @@ STATUS_BY_CODE: dict[str, int] = {
     errors.GuestError.code: 502,
     errors.RuntimeFailure.code: 502,
     errors.ArtifactCorrupt.code: 502,
+    # The chosen node's runtime cannot restore this checkpoint (space.core.runtimes): a conflict with the
+    # node, not a failure of it; placement then picks another node.
+    errors.RuntimeIncompatible.code: 409,
     errors.Internal.code: 500,
     errors.KeyRevoked.code: 403,
     errors.KeyUnavailable.code: 503,
