@@ -51,7 +51,7 @@ EXPECTED_STATES = {
 EXPECTED_EVENTS = {
     "create", "created", "fork", "pause", "paused", "resume", "resumed", "suspend", "suspended",
     "restore", "restored", "stop", "stopped", "start", "started", "checkpoint", "checkpointed",
-    "rollback", "rolled_back", "crash", "recover", "recovered", "delete", "deleted", "fail",
+    "rollback", "rolled_back", "crash", "recover", "recovered", "delete", "deleted", "fail", "node_lost",
 }  # fmt: skip
 
 # in-progress state -> (completion event, settles in, `fail` leads to); written by hand from the ADR.
@@ -68,6 +68,13 @@ EXPECTED_STEPS = {
     "recovering": ("recovered", "running", "failed"),
     "deleting": ("deleted", "deleted", "failed"),
 }
+
+# in-progress state -> where `node_lost` (its node is gone) re-plans it; written by hand from ADR 0032.
+EXPECTED_NODE_LOST = {
+    "creating": "pending", "restoring": "suspended", "recovering": "crashed", "pausing": "crashed",
+    "resuming": "crashed", "suspending": "crashed", "stopping": "crashed", "starting": "crashed",
+    "checkpointing": "crashed", "rolling_back": "crashed",
+}  # fmt: skip
 
 EXPECTED_LIVE = {"running", "pausing", "paused", "resuming", "suspending", "stopping", "checkpointing"}
 
@@ -287,6 +294,25 @@ def test_crash_is_accepted_exactly_in_live_states_and_is_recoverable(state: Stat
     assert crashed is State.CRASHED
     assert _run(crashed, ["recover", "recovered"]) is State.RUNNING
     assert _run(crashed, ["stop", "stopped"]) is State.STOPPED
+
+
+@pytest.mark.parametrize("state", sorted(State))
+def test_node_lost_replans_every_step_but_deleting(state: State) -> None:
+    if state.value not in EXPECTED_NODE_LOST:
+        with pytest.raises(errors.InvalidState):
+            transition(state, Event.NODE_LOST)
+        return
+    target = transition(state, Event.NODE_LOST)
+    assert target.value == EXPECTED_NODE_LOST[state.value]
+    assert target in STABLE_STATES
+    # Re-planned, never stuck: from where it lands, running is reachable again.
+    assert State.RUNNING in _reachable(target)
+
+
+def test_a_replanned_create_is_placed_again() -> None:
+    assert _run("pending", ["create", "node_lost", "create", "created"]) is State.RUNNING
+    assert _run("pending", ["fork", "node_lost", "fork", "created"]) is State.RUNNING
+    assert _run("suspended", ["restore", "node_lost", "restore", "restored"]) is State.RUNNING
 
 
 def test_failed_recovery_can_be_retried_or_deleted() -> None:

@@ -17,6 +17,8 @@ Invariants (checked when this module is imported, and again by tests/core/test_c
   leading to a stable state, and allows `delete`: a crash mid-operation can always be driven forward,
   backed out, or cleaned up.
 - `crash` is allowed exactly in LIVE_STATES (a runtime is established on a node, so it can die).
+- `node_lost` is allowed exactly in REPLANNED_STATES (every in-progress state but deleting) and leads to a
+  stable state: no step ever waits on a node that is gone (docs/adr/0032-lost-nodes-and-incarnations.md).
 - DELETED is the only terminal state; it has no exits. Every non-terminal state allows `delete`.
 - Every state is reachable from PENDING (the first state of every sandbox, forked or not).
 """
@@ -80,6 +82,9 @@ class Event(StrEnum):
     DELETE = "delete"
     DELETED = "deleted"
     FAIL = "fail"
+    # The node of an in-progress step is gone (lost, or deregistered on purpose): the step is re-planned
+    # elsewhere instead of waiting for that node (docs/adr/0032-lost-nodes-and-incarnations.md).
+    NODE_LOST = "node_lost"
 
 
 class Action(StrEnum):
@@ -109,9 +114,14 @@ E = Event
 #   came from (the reconciler makes that true before reporting `fail`);
 # - crashed when the runtime is in an unknown state but the data is intact (stopping, rolling_back);
 # - failed when there is nothing trustworthy to go back to (creating, recovering, deleting).
+# Why each `node_lost` target (the step's node is gone; ADR 0032): a step that has not made anything
+# yet goes back to where it can be placed again (creating -> pending, restoring -> suspended: the artifact
+# is still in object storage); a step on an established runtime, or one bringing one up on the kept disk,
+# leaves the sandbox crashed (its data is on the gone node; recovery uses an uploaded checkpoint or waits
+# for the node); deleting needs no node to finish, so it has no `node_lost`.
 _TABLE: Final[dict[State, dict[Event, State]]] = {
     S.PENDING: {E.CREATE: S.CREATING, E.FORK: S.CREATING, E.FAIL: S.FAILED, E.DELETE: S.DELETING},
-    S.CREATING: {E.CREATED: S.RUNNING, E.FAIL: S.FAILED, E.DELETE: S.DELETING},
+    S.CREATING: {E.CREATED: S.RUNNING, E.FAIL: S.FAILED, E.NODE_LOST: S.PENDING, E.DELETE: S.DELETING},
     S.RUNNING: {
         E.PAUSE: S.PAUSING,
         E.SUSPEND: S.SUSPENDING,
@@ -121,7 +131,13 @@ _TABLE: Final[dict[State, dict[Event, State]]] = {
         E.CRASH: S.CRASHED,
         E.DELETE: S.DELETING,
     },
-    S.PAUSING: {E.PAUSED: S.PAUSED, E.FAIL: S.RUNNING, E.CRASH: S.CRASHED, E.DELETE: S.DELETING},
+    S.PAUSING: {
+        E.PAUSED: S.PAUSED,
+        E.FAIL: S.RUNNING,
+        E.CRASH: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
+        E.DELETE: S.DELETING,
+    },
     S.PAUSED: {
         E.RESUME: S.RESUMING,
         E.SUSPEND: S.SUSPENDING,
@@ -130,27 +146,51 @@ _TABLE: Final[dict[State, dict[Event, State]]] = {
         E.CRASH: S.CRASHED,
         E.DELETE: S.DELETING,
     },
-    S.RESUMING: {E.RESUMED: S.RUNNING, E.FAIL: S.PAUSED, E.CRASH: S.CRASHED, E.DELETE: S.DELETING},
-    S.SUSPENDING: {E.SUSPENDED: S.SUSPENDED, E.FAIL: S.PAUSED, E.CRASH: S.CRASHED, E.DELETE: S.DELETING},
+    S.RESUMING: {
+        E.RESUMED: S.RUNNING,
+        E.FAIL: S.PAUSED,
+        E.CRASH: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
+        E.DELETE: S.DELETING,
+    },
+    S.SUSPENDING: {
+        E.SUSPENDED: S.SUSPENDED,
+        E.FAIL: S.PAUSED,
+        E.CRASH: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
+        E.DELETE: S.DELETING,
+    },
     S.SUSPENDED: {E.RESTORE: S.RESTORING, E.DELETE: S.DELETING},
-    S.RESTORING: {E.RESTORED: S.RUNNING, E.FAIL: S.SUSPENDED, E.DELETE: S.DELETING},
-    S.STOPPING: {E.STOPPED: S.STOPPED, E.FAIL: S.CRASHED, E.CRASH: S.CRASHED, E.DELETE: S.DELETING},
+    S.RESTORING: {E.RESTORED: S.RUNNING, E.FAIL: S.SUSPENDED, E.NODE_LOST: S.SUSPENDED, E.DELETE: S.DELETING},
+    S.STOPPING: {
+        E.STOPPED: S.STOPPED,
+        E.FAIL: S.CRASHED,
+        E.CRASH: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
+        E.DELETE: S.DELETING,
+    },
     S.STOPPED: {E.START: S.STARTING, E.ROLLBACK: S.ROLLING_BACK, E.DELETE: S.DELETING},
-    S.STARTING: {E.STARTED: S.RUNNING, E.FAIL: S.STOPPED, E.DELETE: S.DELETING},
+    S.STARTING: {E.STARTED: S.RUNNING, E.FAIL: S.STOPPED, E.NODE_LOST: S.CRASHED, E.DELETE: S.DELETING},
     S.CHECKPOINTING: {
         E.CHECKPOINTED: S.RUNNING,
         E.FAIL: S.RUNNING,
         E.CRASH: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
         E.DELETE: S.DELETING,
     },
-    S.ROLLING_BACK: {E.ROLLED_BACK: S.RUNNING, E.FAIL: S.CRASHED, E.DELETE: S.DELETING},
+    S.ROLLING_BACK: {
+        E.ROLLED_BACK: S.RUNNING,
+        E.FAIL: S.CRASHED,
+        E.NODE_LOST: S.CRASHED,
+        E.DELETE: S.DELETING,
+    },
     S.CRASHED: {
         E.RECOVER: S.RECOVERING,
         E.STOP: S.STOPPING,
         E.ROLLBACK: S.ROLLING_BACK,
         E.DELETE: S.DELETING,
     },
-    S.RECOVERING: {E.RECOVERED: S.RUNNING, E.FAIL: S.FAILED, E.DELETE: S.DELETING},
+    S.RECOVERING: {E.RECOVERED: S.RUNNING, E.FAIL: S.FAILED, E.NODE_LOST: S.CRASHED, E.DELETE: S.DELETING},
     # `delete` while deleting is an accepted no-op, so a retried DELETE request is idempotent.
     S.DELETING: {E.DELETED: S.DELETED, E.FAIL: S.FAILED, E.DELETE: S.DELETING},
     S.DELETED: {},
@@ -189,6 +229,10 @@ LIVE_STATES: Final = frozenset(
     {S.RUNNING, S.PAUSING, S.PAUSED, S.RESUMING, S.SUSPENDING, S.STOPPING, S.CHECKPOINTING}
 )
 
+# In-progress states whose step waits on its node: when that node is gone, `node_lost` re-plans them.
+# Deleting is not one of them: it finishes without its node (the copy is collected when the node returns).
+REPLANNED_STATES: Final = IN_PROGRESS_STATES - {S.DELETING}
+
 ACTION_EVENTS: Final[Mapping[Action, Event]] = MappingProxyType(
     {
         Action.PAUSE: E.PAUSE,
@@ -205,7 +249,7 @@ ACTION_EVENTS: Final[Mapping[Action, Event]] = MappingProxyType(
 )
 REQUEST_EVENTS: Final = frozenset(ACTION_EVENTS.values())
 # Events that never complete a step: they start one, abandon one, or observe a crash.
-_NON_COMPLETION_EVENTS: Final = frozenset({E.FAIL, E.CRASH, E.DELETE})
+_NON_COMPLETION_EVENTS: Final = frozenset({E.FAIL, E.CRASH, E.DELETE, E.NODE_LOST})
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +298,12 @@ def _check_table() -> None:
             raise RuntimeError(f"lifecycle table: crash must be allowed exactly in live states ({state})")
         if state in IN_PROGRESS_STATES and row[E.FAIL] not in STABLE_STATES:
             raise RuntimeError(f"lifecycle table: fail from {state} must settle in a stable state")
+        if (E.NODE_LOST in row) != (state in REPLANNED_STATES):
+            raise RuntimeError(
+                f"lifecycle table: node_lost must be allowed exactly in re-planned states ({state})"
+            )
+        if E.NODE_LOST in row and row[E.NODE_LOST] not in STABLE_STATES:
+            raise RuntimeError(f"lifecycle table: node_lost from {state} must settle in a stable state")
 
 
 _check_table()
