@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 from space.node.helper import (
+    fence_verbs,
     network_verbs,
     node_verbs,
     sandbox_verbs,
@@ -29,6 +30,7 @@ from space.node.helper import (
     transfer,
 )
 from space.node.helper.context import Verb
+from space.node.helper.fence_verbs import guarded
 from space.node.helper.params import (
     AdoptWarmParams,
     CheckpointParams,
@@ -58,13 +60,17 @@ VERBS: dict[str, Verb] = {
         Verb("template.receive", TemplateReceiveParams, template_verbs.template_receive),
         Verb("template.warm_status", TemplateParams, template_verbs.template_warm_status),
         Verb("template.adopt_warm", AdoptWarmParams, template_verbs.template_adopt_warm),
-        Verb("sandbox.create", CreateParams, sandbox_verbs.sandbox_create, sandbox_scoped=True),
-        Verb("sandbox.start", SandboxParams, sandbox_verbs.sandbox_start, sandbox_scoped=True),
+        # the node's lease (space.node.helper.fence_verbs, docs/adr/0033-fencing.md); while the node is
+        # fenced, the verbs that make a runtime run are refused (`guarded`)
+        Verb("node.fence", fence_verbs.FenceParams, fence_verbs.node_fence),
+        Verb("node.fence_status", NoParams, fence_verbs.node_fence_status),
+        Verb("sandbox.create", CreateParams, guarded(sandbox_verbs.sandbox_create), sandbox_scoped=True),
+        Verb("sandbox.start", SandboxParams, guarded(sandbox_verbs.sandbox_start), sandbox_scoped=True),
         Verb("sandbox.pause", SandboxParams, sandbox_verbs.sandbox_pause, sandbox_scoped=True),
-        Verb("sandbox.resume", SandboxParams, sandbox_verbs.sandbox_resume, sandbox_scoped=True),
+        Verb("sandbox.resume", SandboxParams, guarded(sandbox_verbs.sandbox_resume), sandbox_scoped=True),
         Verb("sandbox.stop", SandboxParams, sandbox_verbs.sandbox_stop, sandbox_scoped=True),
         Verb("sandbox.checkpoint", CheckpointParams, snapshot_verbs.sandbox_checkpoint, sandbox_scoped=True),
-        Verb("sandbox.restore", RestoreParams, snapshot_verbs.sandbox_restore, sandbox_scoped=True),
+        Verb("sandbox.restore", RestoreParams, guarded(snapshot_verbs.sandbox_restore), sandbox_scoped=True),
         Verb(
             "sandbox.disk_snapshot", SnapshotParams, snapshot_verbs.sandbox_disk_snapshot, sandbox_scoped=True
         ),
