@@ -183,6 +183,8 @@ class NodeInfo(BaseModel):
     templates: list[str]
     time: float
     store_url: str | None = None  # the only object store suspend/restore requests may name on this node
+    #: What this node's runtime restores (space.core.runtimes; None: not known yet). ADR 0035.
+    runtime: dict[str, str | None] | None = None
 
 
 # -- data plane ------------------------------------------------------------------------------------------
@@ -351,6 +353,7 @@ class RegisterRequest(BaseModel):
     templates: list[str]
     driver: str
     isolating: bool
+    runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
 
 
 class Heartbeat(BaseModel):
@@ -373,6 +376,7 @@ class Heartbeat(BaseModel):
     activity: dict[str, float]
     sandboxes: list[SandboxObserved]
     unmanaged: list[str] = Field(default_factory=list)
+    runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
 
 
 # -- suspend / restore / recover (object storage) -----------------------------------------------------------
