@@ -220,7 +220,7 @@ class NodeRepository(Repository):
                 capacity=capacity,
                 templates=templates,
                 labels=row.labels,  # kept
-                status="ready" if row.status == "lost" else row.status,  # a draining node stays draining
+                status="ready" if row.status in ("lost", "offline") else row.status,  # draining stays so
             )
             session.flush()
             return node_record(row)
