@@ -13,11 +13,16 @@ Invariants:
 - Every compare-and-swap of `transition()` has two kill points (crash injection, armed only by
   SPACE_FAILPOINTS): `cp.<state>.<event>.before` and `.after` (space.core.failpoints.transition_point).
 - `last_activity_at` never moves backwards, so late reports are harmless.
+- A transition given a `note` writes that sandbox event in the SAME transaction as the state change, so a
+  move and the event that explains it (node lost, step re-planned, crashed, recovered) are never apart.
+- `incarnation` (docs/adr/0032-lost-nodes-and-incarnations.md) is the generation at which the copy on
+  `node_id` was made; callers set it together with the node the copy is placed on, before the node call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
@@ -25,8 +30,10 @@ from sqlalchemy import ColumnElement, update
 from sqlalchemy.orm import Session
 
 from space.controlplane.store.database import Repository
+from space.controlplane.store.events import MESSAGE_LENGTH
+from space.controlplane.store.events import _kind as check_kind  # the one rule for event kinds
 from space.controlplane.store.mapping import sandbox_record
-from space.controlplane.store.models import Sandbox
+from space.controlplane.store.models import Sandbox, SandboxEvent
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandboxes import desirable
 from space.controlplane.store.values import aware, seconds, settable
@@ -39,6 +46,7 @@ from space.core.lifecycle import Event, State
 TRANSITION_FIELDS: Final = frozenset(
     {
         "node_id",
+        "incarnation",
         "error",
         "error_code",
         "error_permanent",
@@ -62,6 +70,7 @@ TRANSITION_FIELDS: Final = frozenset(
 OBSERVED_FIELDS: Final = frozenset(
     {
         "node_id",
+        "incarnation",
         "error",
         "error_code",
         "error_permanent",
@@ -80,6 +89,15 @@ OBSERVED_FIELDS: Final = frozenset(
     }
 )
 _TIME_FIELDS: Final = ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at")
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A sandbox event written with a state change (space.controlplane.store.events has the rules)."""
+
+    kind: str
+    message: str
+    detail: Mapping[str, Any] = field(default_factory=dict)
 
 
 def sandbox_values(fields: Mapping[str, Any], allowed: frozenset[str]) -> dict[str, Any]:
@@ -130,6 +148,7 @@ class SandboxStateRepository(Repository):
         conditions: list[ColumnElement[bool]],
         values: dict[str, Any],
         what: str,
+        note: Note | None = None,
     ) -> SandboxRecord:
         """UPDATE one sandbox where `conditions` still hold (the compare of compare-and-swap) and return
         it; Conflict (or NotFound) naming what the row is now if someone else changed it first."""
@@ -144,6 +163,13 @@ class SandboxStateRepository(Repository):
             row = session.scalars(statement).one_or_none()
             if row is None:
                 raise _conflict(session, sandbox_id, what)
+            if note is not None:
+                session.add(
+                    SandboxEvent(
+                        sandbox_id=sandbox_id, at=self.now(), kind=check_kind(note.kind),
+                        message=(note.message or note.kind)[:MESSAGE_LENGTH], detail=dict(note.detail),
+                    )
+                )  # fmt: skip
             return sandbox_record(row)
 
     def transition(
@@ -152,6 +178,8 @@ class SandboxStateRepository(Repository):
         expected_state: State | str,
         expected_generation: int,
         event: Event | str,
+        *,
+        note: Note | None = None,
         **fields: Any,
     ) -> SandboxRecord:
         """Apply `event` to a sandbox believed to be in (expected_state, expected_generation).
@@ -285,9 +313,10 @@ class SandboxStateRepository(Repository):
             if observed_at is not None and row.updated_at > aware(observed_at, "observed_at"):
                 return None
             state, generation, crashes = row.state, row.generation, row.crash_count or 0
+        note = Note("sandbox.crashed", notice, {"node_id": node_id, "from": state})
         try:
             return self.transition(
-                sandbox_id, state, generation, Event.CRASH, crash_count=crashes + 1, notice=notice
+                sandbox_id, state, generation, Event.CRASH, crash_count=crashes + 1, notice=notice, note=note
             )
         except (Conflict, InvalidState, NotFound):
             return None  # moved meanwhile: whoever moved it decides
