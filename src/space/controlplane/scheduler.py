@@ -1,8 +1,10 @@
 """Node choice for a new sandbox: free capacity first, template locality as the tie-breaker.
 
 Invariants:
-- Only nodes in status `ready` whose free capacity fits the sandbox's limits are candidates; no candidate is
-  a ResourceExhausted error, which the reconciler retries with back-off (a node may come back).
+- Only nodes in status `ready` whose free capacity fits the sandbox's limits (and, for a restore or a
+  recovery, whose runtime can restore its checkpoint: space.controlplane.restore_targets) are candidates;
+  no candidate is a ResourceExhausted error, which the reconciler retries with back-off (a node may come
+  back).
 - Disk admission (docs/adr/0027-disk-budgets.md): on a node that reports its disk, the `disk_mb` of every
   sandbox placed on it (from the store, so two placements between heartbeats cannot both take the last
   room) plus the new one's, plus the node's reserve, fit in its disk; a node already below its reserve
@@ -13,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+from space.controlplane import restore_targets
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors
@@ -70,7 +73,8 @@ def placed_disk_mb(store: Store, node_id: str, *, besides: str | None = None) ->
 
 def choose_node(store: Store, sandbox: SandboxRecord) -> str:
     candidates = []
-    for node in store.list_nodes("ready"):
+    # A restore or recovery goes only to nodes whose runtime can restore its checkpoint (ADR 0035).
+    for node in restore_targets.able_nodes(store, sandbox, store.list_nodes("ready")):
         placed = placed_disk_mb(store, node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
         value = score(node, sandbox, placed)
         if value is not None:

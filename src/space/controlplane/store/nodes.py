@@ -238,9 +238,11 @@ class NodeRepository(Repository):
         templates: Sequence[str] | None = None,
         activity: Mapping[str, datetime] | None = None,
         capacity: Mapping[str, Any] | None = None,
+        runtime: Mapping[str, Any] | None = None,
     ) -> NodeRecord:
-        """A node's periodic report: resource use, templates present, and per-sandbox last activity
-        (applied only to sandboxes assigned to this node, never moving backwards). A lost node that
+        """A node's periodic report: resource use, templates present, per-sandbox last activity
+        (applied only to sandboxes assigned to this node, never moving backwards) and, when given, its
+        runtime descriptor (already parsed by the caller: space.core.runtimes). A lost node that
         reports again is ready; a draining one stays draining. NotFound: register again."""
         now = self.now()
         statement = (
@@ -252,6 +254,7 @@ class NodeRepository(Repository):
                 status=case((Node.status == "lost", "ready"), else_=Node.status),
                 **({"templates": list(templates)} if templates is not None else {}),
                 **({"capacity": dict(capacity)} if capacity is not None else {}),
+                **({"runtime": dict(runtime)} if runtime is not None else {}),
             )
             .returning(Node)
             .execution_options(synchronize_session=False)

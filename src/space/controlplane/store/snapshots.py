@@ -10,6 +10,8 @@ Invariants:
   methods.
 - A snapshot counts as restorable only once its uploaded copy is known complete (`restorable`); restore
   and recovery use nothing else.
+- A full checkpoint's row records the runtime it needs (`runtime`, ADR 0035): given by the caller, else the
+  runtime its node reported, copied in the transaction that writes the row.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from sqlalchemy import and_, delete, select, update
 
 from space.controlplane.store.database import Repository
 from space.controlplane.store.mapping import snapshot_record
-from space.controlplane.store.models import Sandbox, Snapshot
+from space.controlplane.store.models import Node, Sandbox, Snapshot
 from space.controlplane.store.records import SnapshotKind, SnapshotRecord
 from space.controlplane.store.values import aware, rowcount, settable
 from space.core import ids
@@ -40,6 +42,7 @@ SNAPSHOT_FIELDS: Final = frozenset(
         "wrapped_key",
         "error",
         "origin",
+        "runtime",
     }
 )
 _SNAPSHOT_KINDS: Final = frozenset(get_args(SnapshotKind))
@@ -74,6 +77,9 @@ class SnapshotRepository(Repository):
         for name, value in settable(fields, SNAPSHOT_FIELDS).items():
             setattr(row, name, value)
         with self._tx(f"creating a snapshot of sandbox {sandbox_id}") as session:
+            if kind == "full" and row.runtime is None and node_id is not None:
+                node = session.get(Node, node_id)
+                row.runtime = dict(node.runtime) if node is not None and node.runtime else None
             session.add(row)
         return snapshot_record(row)
 
