@@ -55,6 +55,23 @@ class CreateSandboxRequest(BaseModel):
     limits: SandboxLimits | None = None
     #: None: the node asks the control plane (if any) when the sandbox comes up; no policy = no egress.
     egress: EgressBody | None = None
+    #: The control plane's generation at which this copy is placed (ADR 0032); None: not recorded.
+    incarnation: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+class IncarnationBody(BaseModel):
+    """The incarnation of the copy about to be placed on the node (before a restore or a fork, ADR 0032)."""
+
+    model_config = _REQUEST
+
+    incarnation: int = Field(ge=0, le=2**63 - 1)
+
+
+class IncarnationHeld(BaseModel):
+    """Which incarnation of a sandbox the node holds (None: a copy from before incarnations)."""
+
+    sandbox_id: str
+    incarnation: int | None
 
 
 class SnapshotRequest(BaseModel):
