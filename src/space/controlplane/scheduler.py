@@ -5,6 +5,9 @@ Invariants:
   recovery, whose runtime can restore its checkpoint: space.controlplane.restore_targets) are candidates;
   no candidate is a ResourceExhausted error, which the reconciler retries with back-off (a node may come
   back).
+- A candidate is also FRESH (docs/adr/0032-lost-nodes-and-incarnations.md): its last heartbeat is younger
+  than `freshness_bound` (3 heartbeat intervals, or node_lost_after_s when that is shorter), so a node
+  that died and is not yet marked lost is not chosen; `lost`, `offline` and `draining` nodes never are.
 - Disk admission (docs/adr/0027-disk-budgets.md): on a node that reports its disk, the `disk_mb` of every
   sandbox placed on it (from the store, so two placements between heartbeats cannot both take the last
   room) plus the new one's, plus the node's reserve, fit in its disk; a node already below its reserve
@@ -15,12 +18,34 @@ Invariants:
 
 from __future__ import annotations
 
+from datetime import timedelta
+from typing import Final
+
 from space.controlplane import restore_targets
+from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
+from space.node.agent.settings import NodeAgentSettings
+
+#: Heartbeats a ready node may miss before the scheduler stops choosing it (it is marked lost later).
+MISSED_HEARTBEATS: Final = 3
+_DEFAULT_HEARTBEAT_S: Final[float] = NodeAgentSettings.model_fields["heartbeat_interval_s"].default
+_DEFAULT_LOST_AFTER_S: Final[float] = ControlPlaneSettings.model_fields["node_lost_after_s"].default
+
+
+def freshness_bound(
+    node_lost_after_s: float = _DEFAULT_LOST_AFTER_S, heartbeat_interval_s: float = _DEFAULT_HEARTBEAT_S
+) -> float:
+    """How young a node's last heartbeat must be for the scheduler to choose it: MISSED_HEARTBEATS
+    intervals, or node_lost_after_s when that is shorter (a node is never fresh after it is lost)."""
+    return min(node_lost_after_s, MISSED_HEARTBEATS * heartbeat_interval_s)
+
+
+#: The bound with the default settings (2 s heartbeats, lost after 15 s): 6 s.
+DEFAULT_FRESH_S: Final = freshness_bound()
 
 
 def free_capacity(node: NodeRecord) -> tuple[float, float, float]:
@@ -71,16 +96,28 @@ def placed_disk_mb(store: Store, node_id: str, *, besides: str | None = None) ->
     )
 
 
-def choose_node(store: Store, sandbox: SandboxRecord) -> str:
+def schedulable_nodes(store: Store, fresh_within_s: float | None) -> list[NodeRecord]:
+    """Ready nodes whose last heartbeat is younger than `fresh_within_s` (None: every ready node)."""
+    nodes = store.list_nodes("ready")
+    if fresh_within_s is None:
+        return nodes
+    cutoff = store.now() - timedelta(seconds=fresh_within_s)
+    return [node for node in nodes if node.last_heartbeat_at >= cutoff]
+
+
+def choose_node(store: Store, sandbox: SandboxRecord, *, fresh_within_s: float | None = None) -> str:
     candidates = []
+    ready = schedulable_nodes(store, fresh_within_s)
     # A restore or recovery goes only to nodes whose runtime can restore its checkpoint (ADR 0035).
-    for node in restore_targets.able_nodes(store, sandbox, store.list_nodes("ready")):
+    for node in restore_targets.able_nodes(store, sandbox, ready):
         placed = placed_disk_mb(store, node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
         value = score(node, sandbox, placed)
         if value is not None:
             candidates.append((value, node.id))
     if not candidates:
-        raise errors.ResourceExhausted(f"no ready node has room for sandbox {sandbox.id}")
+        raise errors.ResourceExhausted(
+            f"no ready node with a fresh heartbeat has room for sandbox {sandbox.id}"
+        )
     candidates.sort(reverse=True)
     return candidates[0][1]
 
