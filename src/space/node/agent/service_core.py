@@ -11,6 +11,8 @@ Invariants:
 - Observing never fails because a part is unavailable: a driver or daemon that does not answer leaves its
   fields empty (logged), the rest is reported.
 - Store URLs leave the node only without credentials (`public_url`).
+- Node info, the registration and every heartbeat carry the node's runtime descriptor (ADR 0035; None while
+  unknown), which the scheduler matches against checkpoints before it sends a restore here.
 """
 
 from __future__ import annotations
@@ -192,6 +194,7 @@ class ServiceCore:
             templates=list(self.templates),
             time=time.time(),
             store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
+            runtime=self.agent.node_runtime(),
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
@@ -219,6 +222,7 @@ class ServiceCore:
             templates=info.templates,
             driver=info.driver,
             isolating=info.isolating,
+            runtime=info.runtime,
         )
 
 

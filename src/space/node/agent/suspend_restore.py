@@ -9,6 +9,9 @@ Invariants:
 - Suspend is exempt from the disk bounds (it is how a node gets its disk back); an import is refused below
   the node's reserve before anything is written.
 - One restore (download + import) per sandbox id at a time, before its handle exists.
+- Every uploaded checkpoint's manifest names the runtime it needs (`metadata.runtime`, the descriptor runsc
+  wrote into the image, ADR 0035); a restore whose manifest names a runtime this node does not have is
+  refused (RuntimeIncompatible, with the reason) before anything is downloaded.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import json
 import time
 from typing import Any
 
-from space.core import errors
+from space.core import errors, runtimes
 from space.core.ids import parse_sandbox_id, parse_snapshot_id
 from space.core.lifecycle import Event, State, transition
 from space.crypto.envelope import DataKey
-from space.node.agent import transfer
+from space.node.agent import runtime_info, transfer
 from space.node.agent.sandbox_handle import SandboxHandle, SnapshotRecord
 from space.node.agent.template_prep import TemplatePreparation
 from space.node.drivers.base import SandboxSpec
@@ -143,6 +146,11 @@ class SuspendRestore(TemplatePreparation):
         spec = handle.spec
         metadata = {
             **staged.metadata,
+            # The image's own descriptor (written by the runsc that made it), else this node's.
+            "runtime": runtime_info.read_descriptor(
+                staged.directory / "image" / runtime_info.RUNTIME_DESCRIPTOR
+            )
+            or self.node_runtime(),
             "template": spec.template,
             "limits": spec.limits.model_dump(),
             "source_created_at": handle.created_at,
@@ -207,6 +215,9 @@ class SuspendRestore(TemplatePreparation):
                 return existing
             manifest = await asyncio.to_thread(read_manifest, store, prefix)
             snapshot_id = _checkpoint_of(manifest, spec)
+            runtimes.check_restore(
+                self.node_runtime(), manifest.metadata.get("runtime"), what=f"checkpoint {snapshot_id}"
+            )
             if existing is not None:
                 if await self._holds_paused_source(existing, snapshot_id):
                     return await self._resume_source(existing)

@@ -7,6 +7,8 @@ Invariants:
   apply on any node. Publishing is best effort: a node works whether or not it published.
 - A warm start is a full checkpoint of a freshly booted sandbox whose daemon finished initialising; the
   sandbox used to make it is destroyed afterwards, whatever happened.
+- The node's runtime descriptor (`node_runtime`, ADR 0035) is read once the driver has prepared the node
+  and kept; until it can be read it is None (unknown), and asked again next time.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import contextlib
 import logging
 from typing import Any
 
-from space.core import errors
-from space.node.agent import transfer
+from space.core import errors, runtimes
+from space.node.agent import runtime_info, transfer
 from space.node.agent.sandbox_snapshots import SandboxSnapshots
 from space.node.drivers.base import Progress
 from space.objectstore.artifacts import Manifest
@@ -32,11 +34,20 @@ TEMPLATE_FETCH_RETRY_S = 2.0
 class TemplatePreparation(SandboxSnapshots):
     """Node and template preparation over the snapshot verbs (a warm start is a checkpoint)."""
 
+    _runtime: runtimes.Descriptor | None = None
+
+    def node_runtime(self) -> runtimes.Descriptor | None:
+        """What this node's runtime can restore (space.core.runtimes); None while unknown."""
+        if self._runtime is None:
+            self._runtime = runtime_info.node_runtime(self.driver)
+        return self._runtime
+
     # -- set-up ------------------------------------------------------------------------------------------
     async def prepare(
         self, templates: tuple[str, ...] = ("python",), progress: Progress | None = None
     ) -> None:
         await self.driver.prepare(progress)
+        self._runtime = runtime_info.node_runtime(self.driver)  # published by the prepare just done
         for name in templates:
             await self.ensure_template(name, progress)
             await self.ensure_warm(name, progress)

@@ -6,19 +6,42 @@ Invariants:
   network can still be checkpointed.
 - Control commands never hang the helper: each has a timeout and a failure becomes RuntimeFailure
   carrying runsc's own message.
+- Every checkpoint image holds `runtime.json` (IMAGE_DESCRIPTOR), the runtime descriptor of the runsc
+  that wrote it (space.core.runtimes), written after runsc finished; it travels with the image (export,
+  import, warm starts), and a restore is refused (RuntimeIncompatible) when it does not fit this runsc.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from space.core import errors
+from space.core import errors, runtimes
+from space.node.volumes import template_base
 
 CONTROL_TIMEOUT_S = 60.0
+VERSION_TIMEOUT_S = 10.0
+#: The runtime descriptor beside the files runsc writes into a checkpoint image directory.
+IMAGE_DESCRIPTOR = "runtime.json"
+
+
+@functools.cache
+def runsc_version(binary: str) -> str | None:
+    """`runsc --version`'s version ("runsc version 0.0~20240729.0" -> "0.0~20240729.0"); None if it cannot
+    tell (asked once per binary: a helper never swaps its runsc while it runs)."""
+    try:
+        proc = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = (proc.stdout.strip().splitlines() or [""])[0]
+    words = first.split()
+    return words[2] if proc.returncode == 0 and words[:2] == ["runsc", "version"] and len(words) > 2 else None
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,31 @@ class Runsc:
             "--overlay2=none",
             "--net-disconnect-ok",
         ]
+
+    def descriptor(self) -> runtimes.Descriptor:
+        """What this runsc's checkpoints need to be restored (space.core.runtimes)."""
+        return runtimes.describe(
+            "runsc",
+            platform=self.platform,
+            network=self.network,
+            runtime_version=runsc_version(self.binary),
+            template_base=f"{template_base.BASE_NAME.lstrip('.')}@{template_base.BASE_VERSION}",
+        )
+
+    def check_image(self, image: pathlib.Path) -> None:
+        """RuntimeIncompatible unless this runsc can restore `image` (an image without a descriptor was
+        written before descriptors existed: runsc itself is then the judge)."""
+        try:
+            raw = (image / IMAGE_DESCRIPTOR).read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise errors.RuntimeFailure(f"cannot read the checkpoint's runtime descriptor: {exc}") from exc
+        try:
+            recorded: object = json.loads(raw[: 64 * 1024])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            recorded = "unreadable"  # refused below as malformed, with the reason
+        runtimes.check_restore(self.descriptor(), recorded, what=f"checkpoint {image.name}")
 
     def run_argv(self, bundle: pathlib.Path, sandbox_id: str) -> list[str]:
         return [*self.global_flags(), "run", f"--bundle={bundle}", sandbox_id]
@@ -81,6 +129,7 @@ class Runsc:
         if leave_running:
             flags.append("--leave-running")
         self.control("checkpoint", *flags, sandbox_id, timeout=300.0)
+        (image / IMAGE_DESCRIPTOR).write_text(json.dumps(self.descriptor(), sort_keys=True))
 
     def kill(self, sandbox_id: str) -> None:
         self.control("kill", "--all", sandbox_id, "KILL", timeout=10.0)

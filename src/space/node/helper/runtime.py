@@ -15,6 +15,9 @@ Invariants:
   liveness; `runsc state` (a ~30 ms process) is only the fallback for an unreadable file.
 - Every retired container is deleted by `runsc delete --force` in a tracked background thread; `settle()`
   waits for them, and `sweep()` deletes leftovers of a previous helper (e.g. killed mid-way).
+- `run/runtime.json` (world-readable) is the runtime descriptor of this helper's runsc (space.core.runtimes),
+  published when the helper gets ready to launch (`prime`, at node.prepare) for the agent to report; a
+  restore is refused (RuntimeIncompatible) before anything starts when its image needs another runtime.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ SOCKET_WAIT_S = 10.0
 HOLDER_EXIT_WAIT_S = 30.0
 KILL_GRACE_S = 10.0
 LIVE_STATUSES = frozenset({"running", "paused", "created"})
+#: The node's runtime descriptor under the run directory (read by the agent: space.node.agent.runtime_info).
+RUNTIME_DESCRIPTOR = "runtime.json"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -139,6 +144,8 @@ class Runtimes:
     # -- launching -------------------------------------------------------------------------------------------
     def launch(self, sandbox_id: str, image: pathlib.Path | None = None) -> str:
         """Start a new incarnation (boot, or restore from `image`); returns the channel socket path."""
+        if image is not None:
+            self.runsc.check_image(image)
         bundle = self.layout.bundle(sandbox_id)
         config_path = bundle / "config.json"
         container = self._next_container(sandbox_id)
@@ -187,11 +194,22 @@ class Runtimes:
         return spare
 
     def prime(self) -> None:
-        """Have a spare holder waiting before the first sandbox is created."""
+        """Have a spare holder waiting before the first sandbox is created, and the runtime described."""
+        self.publish_descriptor()
         with self._spare_lock:
             if self._spare is not None and self._spare.poll() is None:
                 return
         self._refill_spare()
+
+    def publish_descriptor(self) -> pathlib.Path:
+        """Write `run/runtime.json` (atomically, world-readable: it holds no secret) for the agent."""
+        path = self.layout.run / RUNTIME_DESCRIPTOR
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.runsc.descriptor(), sort_keys=True))
+        tmp.chmod(0o644)
+        tmp.replace(path)
+        return path
 
     def _refill_spare(self) -> None:
         fresh = self._start_spare()
