@@ -182,10 +182,12 @@ class SandboxSnapshots(SandboxLifecycle):
         driver = self.driver
 
         async def effect() -> None:
-            child.channel = await driver.restore(
+            channel = await driver.restore(
                 child_id, snapshot_id, source_sandbox_id=parent.sandbox_id, limits=spec.limits
             )
-            await GuestSession(child.channel).reseed()
+            # attach, not a bare assignment: a child whose runtime dies later must be seen to crash.
+            child.attach(channel)
+            await GuestSession(channel).reseed()
 
         async with child.lock:
             try:
