@@ -130,6 +130,25 @@ def get(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
         fields(sb.data)
 
 
+@sandbox_app.command("events")
+@handles_errors
+def events(
+    sandbox_id: SandboxId,
+    after: Annotated[int, typer.Option("--after", min=0, help="Only events with a larger id.")] = 0,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=500, help="At most this many.")] = 100,
+    kind: Annotated[
+        str | None, typer.Option("--kind", help="Only events of this kind (e.g. sandbox.recovered).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """What happened to a sandbox beyond its state (crashes and their reasons, recoveries), oldest first."""
+    found = client().sandboxes.ref(sandbox_id).events(after=after, limit=limit, kind=kind)
+    if as_json:
+        print_json([e.data for e in found])
+        return
+    table([[e.id, e.data.get("at"), e.kind, e.message] for e in found], ["ID", "AT", "KIND", "MESSAGE"])
+
+
 def _lifecycle(action: str, doc: str, message: str | None = None) -> None:
     @handles_errors
     def command(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:

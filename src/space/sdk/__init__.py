@@ -39,7 +39,16 @@ from space.sdk._async import (
 from space.sdk._sync import Files, Process, Processes, Sandbox, Sandboxes, Snapshots, Space
 from space.sdk.config import ClientConfig, config_path, resolve_config, write_config_file
 from space.sdk.errors import ConfigurationError, RateLimited, TransportError
-from space.sdk.models import ApiKey, Credential, ExecResult, ProcessEvent, Project, Record, Snapshot
+from space.sdk.models import (
+    ApiKey,
+    Credential,
+    ExecResult,
+    ProcessEvent,
+    Project,
+    Record,
+    SandboxEvent,
+    Snapshot,
+)
 
 __all__ = [
     "AlreadyExists",
@@ -68,6 +77,7 @@ __all__ = [
     "RateLimited",
     "Record",
     "Sandbox",
+    "SandboxEvent",
     "Sandboxes",
     "Snapshot",
     "Snapshots",

@@ -102,6 +102,29 @@ class Snapshot(Record):
         return str(self.data.get("sandbox_id", ""))
 
 
+class SandboxEvent(Record):
+    """Something that happened to a sandbox beyond its state (a crash and its reason, a recovery, a lost
+    node): `id` (int, increasing; pass the last one as `after` to read on), `at`, `kind`, `message`,
+    `detail`."""
+
+    @property
+    def number(self) -> int:
+        """The event's id as a number (the cursor for `events(after=...)`)."""
+        return int(self.data.get("id", 0))
+
+    @property
+    def kind(self) -> str:
+        return str(self.data.get("kind", ""))
+
+    @property
+    def message(self) -> str:
+        return str(self.data.get("message", ""))
+
+    @property
+    def detail(self) -> dict[str, Any]:
+        return dict(self.data.get("detail") or {})
+
+
 def _b64(value: Any) -> bytes:
     if not value:
         return b""

@@ -28,6 +28,7 @@ from space.controlplane.api import (
     credentials,
     data_plane,
     egress,
+    events,
     jobs,
     limits,
     node_routes,
@@ -83,7 +84,7 @@ def create_app(
     app.middleware("http")(_metrics(services))
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", _metrics_route, methods=["GET"], include_in_schema=False)
-    for public in (sandboxes.router, snapshots.router, projects.router, data_plane.router):
+    for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
         app.include_router(public, prefix="/v1")
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):

@@ -26,6 +26,7 @@ from space.sdk.models import (
     ExecResult,
     OutputCollector,
     ProcessEvent,
+    SandboxEvent,
     Snapshot,
     create_body,
     egress_body,
@@ -178,6 +179,17 @@ class Sandbox:
             "POST", f"{self.path}/rollback", json_body=body, idempotency_key=idempotency_key
         )
         return self._update(answer)
+
+    # events ------------------------------------------------------------------------------------------
+
+    def events(
+        self, *, after: int = 0, limit: int = 100, kind: str | None = None
+    ) -> builtins.list[SandboxEvent]:
+        """What happened to the sandbox beyond its state (`sandbox.crashed`, `sandbox.recovered`, ...),
+        oldest first: at most `limit` (1 to 500) with an id above `after`, of one `kind` if given."""
+        params: dict[str, str | int | None] = {"after": after, "limit": limit, "kind": kind}
+        answer = self._http.json("GET", f"{self.path}/events", params=params)
+        return [SandboxEvent(item) for item in answer.get("events", [])]
 
     # egress ------------------------------------------------------------------------------------------
 
