@@ -3,7 +3,9 @@ delete.
 
 Invariants:
 - The node is the source of truth for what runs on it: `recover()` rebuilds the registry from the driver
-  (runtime state + channel) after an agent restart, reconnecting to running sandboxes without touching them.
+  (runtime state + channel) after an agent restart, reconnecting to running sandboxes without touching them;
+  the incarnations persisted by the previous agent are kept for the copies adopted, dropped for the rest.
+- A deleted copy's incarnation is forgotten with it.
 - A create that fails leaves nothing behind: the driver's leftovers are destroyed and the id unregistered.
 - A sandbox created from its template's warm checkpoint is reseeded (and given its environment) before it
   is handed out, so copies of one checkpoint never share random state.
@@ -47,6 +49,7 @@ class SandboxLifecycle(SandboxRegistry):
                 )
             self.sandboxes[observed.sandbox_id] = handle
             adopted.append(observed.sandbox_id)
+        self.incarnations.keep_only(self.sandboxes)
         return adopted
 
     # -- create ----------------------------------------------------------------------------------------------
@@ -140,6 +143,7 @@ class SandboxLifecycle(SandboxRegistry):
 
             await self._step(handle, Event.DELETE, Event.DELETED, effect)
             self.sandboxes.pop(sandbox_id, None)
+            self.incarnations.forget(sandbox_id)
 
     async def delete_all(self) -> None:
         for sandbox_id in list(self.sandboxes):

@@ -11,6 +11,8 @@ Invariants:
   and one that turns out to exceed either is deleted again before the error is raised (`_settle_growth`):
   nothing half-made stays. Creates, forks and imports are refused below the reserve (`check_reserve`)
   before anything is written.
+- `incarnations` says which copy of each sandbox this node holds (space.node.agent.incarnations): requests
+  naming another incarnation are refused, so a stale delete never removes a newer copy.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from space.core import disk, errors
 from space.core.ids import parse_sandbox_id
 from space.core.lifecycle import Event, transition
 from space.core.settings import DiskReserve
+from space.node.agent.incarnations import Incarnations
 from space.node.agent.sandbox_handle import SandboxHandle
 from space.node.drivers.base import Driver
 from space.objectstore.base import ObjectStore
@@ -44,6 +47,8 @@ class SandboxRegistry:
         self.disk_reserve = disk_reserve or DiskReserve()
         self.disk: dict[str, int] | None = None
         self.sandboxes: dict[str, SandboxHandle] = {}
+        #: The incarnation of each copy here, persisted where the driver keeps the agent's state.
+        self.incarnations = Incarnations(driver.state_file("incarnations.json"))
         #: The object store this node was configured with: templates come from and go to it, and it is the
         #: only store suspend/restore requests may name (space.node.agent.service checks the URL).
         self.store = store

@@ -160,6 +160,11 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     async def usage(self, sandbox_id: str) -> dict[str, Any]: ...
 
+    def state_file(self, name: str) -> pathlib.Path | None:
+        """A file of the agent's own state (e.g. its sandboxes' incarnations), in a directory only the agent
+        writes and that survives agent restarts; None: this driver keeps no agent state on disk."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - optional hook, most drivers hold nothing to release
         """Release client-side resources; sandboxes keep running."""
 

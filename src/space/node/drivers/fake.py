@@ -49,6 +49,9 @@ class FakeDriver(Driver):
         #: (total, free) bytes to report instead of the host filesystem's (tests of the disk reserve).
         self.disk_override: tuple[int, int] | None = None
 
+    def state_file(self, name: str) -> pathlib.Path | None:
+        return self.base_dir / "agent" / name
+
     def _dir(self, sandbox_id: str) -> pathlib.Path:
         return self.base_dir / "sandboxes" / sandbox_id
 

@@ -13,6 +13,7 @@ from typing import Any
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
+from space.node.agent.identity import identity_dir
 from space.node.drivers.base import (
     CheckpointInfo,
     Driver,
@@ -34,6 +35,11 @@ class RunscDriver(Driver):
     def __init__(self, layout: NodeLayout, helper: HelperClient) -> None:
         self.layout = layout
         self.helper = helper
+
+    def state_file(self, name: str) -> pathlib.Path | None:
+        # The agent's private 0700 directory (the helper's node.prepare makes it for the agent's user; the
+        # data directory itself is root's): the node's identity and the agent's own small state.
+        return identity_dir(self.layout.data_dir) / name
 
     async def prepare(self, progress: Progress | None = None) -> None:
         await self.helper.call("node.prepare", progress=progress, timeout=300.0)

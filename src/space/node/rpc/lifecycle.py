@@ -5,6 +5,9 @@ Invariants:
   after a timeout or a crash is always safe; `fork` and `create_snapshot` take an idempotency key (or, for
   fork, the children's ids) to make their retries safe too.
 - Every answer is validated into its space.node.agent.rpc_models model before it is returned.
+- Placing calls name the incarnation they place and deletes the one they mean (docs/adr/0032-lost-nodes-
+  and-incarnations.md); the node answers a stale one with Conflict (details: reason `stale_incarnation`,
+  the incarnation it holds).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class LifecycleCalls(NodeTransport):
         env: Mapping[str, str] | None = None,
         limits: SandboxLimits | Mapping[str, Any] | None = None,
         egress: Mapping[str, Any] | None = None,
+        incarnation: int | None = None,
     ) -> tuple[rm.SandboxObserved, bool]:
         """Create the sandbox with this id, or get it as it is if it exists; (observed, created). `egress`
         ({"allow", "deny", "credentials", "version"}): its policy; without it a node with a control plane
@@ -55,6 +59,8 @@ class LifecycleCalls(NodeTransport):
             body["limits"] = limits.model_dump() if isinstance(limits, SandboxLimits) else dict(limits)
         if egress is not None:
             body["egress"] = dict(egress)
+        if incarnation is not None:
+            body["incarnation"] = incarnation
         path = sandbox_path(sandbox_id)
         with translated(f"PUT {path}"):
             response = await self._http.put(path, json=body, headers=self._headers(None, sandbox_id))
@@ -77,10 +83,22 @@ class LifecycleCalls(NodeTransport):
     async def start(self, sandbox_id: str) -> rm.SandboxObserved:
         return await self.action(sandbox_id, "start")
 
-    async def delete_sandbox(self, sandbox_id: str) -> rm.DeleteResult:
-        return rm.DeleteResult.model_validate(
-            await self._request("DELETE", sandbox_path(sandbox_id), sandbox_id=sandbox_id)
-        )
+    async def delete_sandbox(self, sandbox_id: str, *, incarnation: int | None = None) -> rm.DeleteResult:
+        """Delete the node's copy; with `incarnation`, only that copy (Conflict if the node holds another)."""
+        params = {"incarnation": incarnation} if incarnation is not None else None
+        answer = await self._request("DELETE", sandbox_path(sandbox_id), params=params, sandbox_id=sandbox_id)
+        return rm.DeleteResult.model_validate(answer)
+
+    async def get_incarnation(self, sandbox_id: str) -> int | None:
+        """The incarnation of the node's copy (None: a copy from before incarnations); NotFound: no copy."""
+        answer = await self._request("GET", sandbox_path(sandbox_id, "incarnation"), sandbox_id=sandbox_id)
+        return rm.IncarnationHeld.model_validate(answer).incarnation
+
+    async def place_incarnation(self, sandbox_id: str, incarnation: int) -> None:
+        """Announce the incarnation of the copy about to be placed on the node (before a restore or a fork
+        child): Conflict if the node holds a copy of another incarnation (delete that one first)."""
+        path = sandbox_path(sandbox_id, "incarnation")
+        await self._request("PUT", path, json_body={"incarnation": incarnation}, sandbox_id=sandbox_id)
 
     async def create_snapshot(
         self, sandbox_id: str, *, full: bool = False, idempotency_key: str | None = None
