@@ -40,6 +40,9 @@ class FakeNodeApi:
         self.objects = objects
         self.store_url = store_url
         self.sandboxes: dict[str, dict[str, Any]] = {}
+        # sandbox id -> incarnation of the copy here (or announced for the copy being placed), as the node
+        # agent keeps it (space.node.agent.incarnations): requests naming another one are refused.
+        self.incarnations: dict[str, int] = {}
         self.kill_after: set[str] = set()  # method names: raise Killed after the side effect
         self.fail: dict[str, errors.SpaceError] = {}  # method name -> raised before any side effect
         self.calls: list[str] = []
@@ -65,8 +68,35 @@ class FakeNodeApi:
             id=sandbox_id, state=sb["state"], template="python", limits=sb["limits"], created_at=sb["at"]
         )
 
-    async def create_sandbox(self, sandbox_id: str, *, template: str, env: Any, limits: Any) -> Any:
+    def _stale(self, sandbox_id: str, named: int | None, *, placing: bool) -> None:
+        held = self.incarnations.get(sandbox_id)
+        if named is None or held is None or held == named:
+            return
+        if placing and sandbox_id not in self.sandboxes:
+            return
+        raise errors.Conflict(
+            f"holds incarnation {held}, not {named}",
+            reason="stale_incarnation",
+            incarnation=held,
+            named=named,
+        )
+
+    async def place_incarnation(self, sandbox_id: str, incarnation: int) -> None:
+        self._enter("place_incarnation")
+        self._stale(sandbox_id, incarnation, placing=True)
+        self.incarnations[sandbox_id] = incarnation
+
+    async def get_incarnation(self, sandbox_id: str) -> int | None:
+        self._get(sandbox_id)
+        return self.incarnations.get(sandbox_id)
+
+    async def create_sandbox(
+        self, sandbox_id: str, *, template: str, env: Any, limits: Any, incarnation: int | None = None
+    ) -> Any:
         self._enter("create_sandbox")
+        self._stale(sandbox_id, incarnation, placing=True)
+        if incarnation is not None:
+            self.incarnations[sandbox_id] = incarnation
         self.sandboxes.setdefault(
             sandbox_id,
             {"state": "running", "files": {}, "snapshots": {}, "limits": limits, "at": time.time()},
@@ -96,9 +126,11 @@ class FakeNodeApi:
         self._get(sandbox_id)["state"] = "running"
         return self._observed(sandbox_id)
 
-    async def delete_sandbox(self, sandbox_id: str) -> rm.DeleteResult:
+    async def delete_sandbox(self, sandbox_id: str, *, incarnation: int | None = None) -> rm.DeleteResult:
         self._enter("delete_sandbox")
+        self._stale(sandbox_id, incarnation, placing=False)
         existed = self.sandboxes.pop(sandbox_id, None) is not None
+        self.incarnations.pop(sandbox_id, None)
         self._leave("delete_sandbox")
         return rm.DeleteResult(id=sandbox_id, existed=existed)
 
@@ -216,6 +248,7 @@ class World:
             objects=self.objects,
             store_url=self.store_url,
             data_keys=self.keys,
+            node_fresh_s=None,  # the in-memory nodes never heartbeat: ready is enough here
         )
         self.keeper = SnapshotKeeper(self.reconciler)
         # Background tasks a step started (freeing a suspended sandbox's node copy) that already ended and
@@ -282,6 +315,7 @@ class World:
                 record = self.store.load_sandbox(sandbox_id)
                 if record is None or is_orphan_copy(record, node_id, suspended_grace_s=0):
                     del api.sandboxes[sandbox_id]
+                    api.incarnations.pop(sandbox_id, None)
 
     def close(self) -> None:
         self.store.close()

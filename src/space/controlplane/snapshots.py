@@ -31,9 +31,10 @@ import time
 
 from space.controlplane.reconciler.context import StepContext, snapshot_prefix
 from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.reconciler.replan import replan_gone_nodes
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors, retention
-from space.core.lifecycle import LIVE_STATES, State
+from space.core.lifecycle import State
 from space.objectstore.artifacts import delete_artifact
 
 log = logging.getLogger(__name__)
@@ -297,27 +298,12 @@ _FULL_NOTICE = "scheduled snapshots paused"
 
 
 async def report_lost_node_crashes(reconciler: Reconciler) -> list[str]:
-    """Sandboxes live on a lost node that have a verified uploaded full checkpoint are marked crashed, so
-    the reconciler recovers them on another node. Level-triggered: every lost node is looked at each round
-    (a control plane that died right after marking a node lost does not strand its sandboxes)."""
-    store = reconciler.store
-    crashed = []
-    for node in await asyncio.to_thread(store.list_nodes, "lost"):
-        for sb in await asyncio.to_thread(store.list_sandboxes_on_node, node.id):
-            if sb.state not in LIVE_STATES:
-                continue
-            snaps = await asyncio.to_thread(store.list_snapshots, sb.id)
-            if not any(s.kind == "full" and s.restorable and s.state == "ready" for s in snaps):
-                continue  # nothing to recover from elsewhere: it waits for its node to come back
-            if sb.state == State.SUSPENDING and any(
-                s.id == sb.suspended_snapshot_id and s.restorable for s in snaps
-            ):
-                continue  # its suspend is verified: the reconciler finishes it without that node
-            changed = await asyncio.to_thread(
-                store.report_crash, sb.id, node.id, notice=f"node {node.id} was lost"
-            )
-            if changed is not None:
-                crashed.append(sb.id)
-    if crashed:
+    """No sandbox waits on a node that is gone (space.controlplane.reconciler.replan): every in-progress
+    step on a lost or offline node is re-planned, and a sandbox live on a lost node that has a verified
+    uploaded full checkpoint is marked crashed, so the reconciler recovers it on another node.
+    Level-triggered: every gone node is looked at each round (a control plane that died right after marking
+    a node lost does not strand its sandboxes)."""
+    moved = await replan_gone_nodes(reconciler)
+    if moved:
         reconciler.poke()
-    return crashed
+    return moved

@@ -12,19 +12,27 @@ Invariants:
 - An uploaded snapshot becomes `restorable` only after its manifest was read back from the object store
   (`verify_uploaded`). A re-run of an upload uses the data key already recorded on the snapshot (`data_key`).
 - A sandbox's artifacts live under `sandbox_prefix`; one snapshot's under `snapshot_prefix`.
+- Placing (docs/adr/0032-lost-nodes-and-incarnations.md): a node is chosen only among ready nodes with a
+  fresh heartbeat (`node_fresh_s`); the chosen node AND the incarnation (the record's generation in the
+  placing step) are written to the record before the node is asked, and the incarnation is announced to
+  the node (`_announce`) before a restore or fork makes the copy, after a stale copy of another
+  incarnation there was deleted by name. So a stale delete or orphan sweep never removes the new copy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING
 
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.plan import NODE_CALLS, completion
-from space.controlplane.scheduler import choose_node
+from space.controlplane.scheduler import DEFAULT_FRESH_S, choose_node
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.controlplane.store.sandbox_state import Note
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.lifecycle import Event
@@ -49,6 +57,18 @@ def sandbox_prefix(sb: SandboxRecord) -> str:
     return f"sandboxes/{sb.project_id}/{sb.id}/"
 
 
+def stale_incarnation(exc: errors.SpaceError) -> int | None:
+    """The incarnation a node holds, when it refused a request for naming another one; else None."""
+    held = exc.details.get("incarnation")
+    if (
+        exc.details.get("reason") == "stale_incarnation"
+        and isinstance(held, int)
+        and not isinstance(held, bool)
+    ):
+        return held
+    return None
+
+
 class StepContext:
     def __init__(
         self,
@@ -58,8 +78,11 @@ class StepContext:
         objects: ObjectStore | None = None,
         store_url: str | None = None,
         data_keys: DataKeys | None = None,
+        node_fresh_s: float | None = DEFAULT_FRESH_S,
     ) -> None:
         self.store = store
+        #: A node is chosen only if its last heartbeat is younger than this (None: any ready node).
+        self.node_fresh_s = node_fresh_s
         self.nodes = nodes
         self.objects = objects
         self.store_url = store_url
@@ -71,9 +94,17 @@ class StepContext:
         self.changed = asyncio.Event()
 
     # -- the record ------------------------------------------------------------------------------------------
-    async def _transition(self, sb: SandboxRecord, event: Event, **fields: object) -> SandboxRecord:
+    async def _transition(
+        self, sb: SandboxRecord, event: Event, *, note: Note | None = None, **fields: object
+    ) -> SandboxRecord:
+        """The compare-and-swap `event` on sb as read; `note`: the sandbox event written with it."""
         record = await asyncio.to_thread(
-            self.store.transition, sb.id, sb.state, sb.generation, event, **fields
+            functools.partial(self.store.transition, note=note),
+            sb.id,
+            sb.state,
+            sb.generation,
+            event,
+            **fields,
         )
         self._notify()
         return record
@@ -93,14 +124,47 @@ class StepContext:
         node = await asyncio.to_thread(self.store.get_node, node_id)
         return node is not None and node.status == "ready"
 
+    async def _choose(self, sb: SandboxRecord) -> str:
+        return await asyncio.to_thread(choose_node, self.store, sb, fresh_within_s=self.node_fresh_s)
+
     async def _place(self, sb: SandboxRecord) -> SandboxRecord:
-        """Make sure sb has a ready target node recorded (before any node call)."""
+        """Make sure sb has a ready target node and its incarnation recorded (before any node call)."""
         if sb.node_id is not None and await self.node_ready(sb.node_id):
-            return sb
-        node_id = await asyncio.to_thread(choose_node, self.store, sb)
+            return await self._record_incarnation(sb)
+        node_id = await self._choose(sb)
         return await asyncio.to_thread(
-            self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=node_id
+            self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=node_id,
+            incarnation=sb.generation,
+        )  # fmt: skip
+
+    async def _record_incarnation(self, sb: SandboxRecord) -> SandboxRecord:
+        """A placing step on a recorded node without an incarnation (a row from before incarnations, or a
+        step re-run by an older process) records this step's generation as it, before the node call."""
+        if sb.incarnation is not None:
+            return sb
+        return await asyncio.to_thread(
+            self.store.update_observed, sb.id, expected_generation=sb.generation, incarnation=sb.generation
         )
+
+    async def _announce(self, sb: SandboxRecord) -> None:
+        """Tell sb's node which incarnation the copy it is about to make is. A stale copy of another
+        incarnation there is deleted first, naming its own incarnation (never the new one)."""
+        if sb.incarnation is None:
+            return
+        node = self._node_of(sb)
+        try:
+            await node.place_incarnation(sb.id, sb.incarnation)
+        except errors.Conflict as exc:
+            held = stale_incarnation(exc)
+            if held is None:
+                raise errors.Unavailable(f"sandbox {sb.id}: {exc.message}") from exc
+            log.info("sandbox %s: deleting the stale copy (incarnation %s) on %s", sb.id, held, sb.node_id)
+            with contextlib.suppress(errors.NotFound):
+                await node.delete_sandbox(sb.id, incarnation=held)
+            try:
+                await node.place_incarnation(sb.id, sb.incarnation)
+            except errors.Conflict as again:  # a step a retry takes again (not a lost compare-and-swap)
+                raise errors.Unavailable(f"sandbox {sb.id}: {again.message}") from again
 
     async def _run_node_step(self, sb: SandboxRecord) -> SandboxRecord:
         """The in-progress state's node call (plan.NODE_CALLS), then its completion event."""

@@ -1,19 +1,24 @@
 """The `creating` step: a new sandbox on the node the scheduler chose, or a fork child on its parent's node.
 
 Invariants:
-- The target node is recorded on the sandbox BEFORE the node is asked, so a re-run after a crash asks the
-  same node again, and the node call is idempotent by sandbox id (create returns an existing sandbox as
-  it is; fork is given the child's id).
+- The target node and the incarnation (this step's generation, docs/adr/0032-lost-nodes-and-incarnations.md)
+  are recorded on the sandbox BEFORE the node is asked, so a re-run after a crash asks the same node again
+  for the same incarnation, and the node call is idempotent by sandbox id (create returns an existing
+  sandbox as it is; fork is given the child's id). A copy of an older incarnation on that node (it was
+  placed there before, then re-planned) is deleted by its own incarnation first, never reused.
+- Only a ready node with a fresh heartbeat is chosen; a creating sandbox whose node is gone is re-planned
+  (back to pending, on no node) by the lost-node round (replan.py), never left waiting.
 - A fork child starts on its parent's node from the parent's checkpoint (`fork_snapshot_id`); a parent
-  that is on no node is a permanent failure (InvalidState).
+  that is on no node is a permanent failure (InvalidState); one whose node is not ready is retried (the
+  checkpoint lives only there) without recording that node on the child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from space.controlplane.reconciler.context import StepContext
-from space.controlplane.scheduler import choose_node
+from space.controlplane.reconciler.context import StepContext, stale_incarnation
 from space.controlplane.store.records import SandboxRecord
 from space.core import errors
 from space.core.lifecycle import Event
@@ -24,12 +29,27 @@ class CreationSteps(StepContext):
         if sb.forked_from is not None:
             return await self._fork_child(sb)
         if sb.node_id is None:
-            node_id = await asyncio.to_thread(choose_node, self.store, sb)
+            node_id = await self._choose(sb)
             sb = await asyncio.to_thread(
-                self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=node_id
-            )
+                self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=node_id,
+                incarnation=sb.generation,
+            )  # fmt: skip
+        sb = await self._record_incarnation(sb)
         node = self._node_of(sb)
-        await node.create_sandbox(sb.id, template=sb.template, env=sb.env, limits=sb.limits)
+        try:
+            await node.create_sandbox(
+                sb.id, template=sb.template, env=sb.env, limits=sb.limits, incarnation=sb.incarnation
+            )
+        except errors.Conflict as exc:
+            held = stale_incarnation(exc)
+            if held is None:
+                raise errors.Unavailable(f"sandbox {sb.id}: {exc.message}") from exc
+            # An older copy of this sandbox is on that node (placed there before, then re-planned).
+            with contextlib.suppress(errors.NotFound):
+                await node.delete_sandbox(sb.id, incarnation=held)
+            raise errors.Unavailable(
+                f"sandbox {sb.id}: removed a stale copy on {sb.node_id}; retrying"
+            ) from exc
         return await self._transition(sb, Event.CREATED)
 
     async def _fork_child(self, sb: SandboxRecord) -> SandboxRecord:
@@ -40,8 +60,15 @@ class CreationSteps(StepContext):
         if parent is None or parent.node_id is None:
             raise errors.InvalidState(f"fork source {sb.forked_from} is not on a node", state="unknown")
         if sb.node_id != parent.node_id:
+            if not await self.node_ready(parent.node_id):
+                raise errors.Unavailable(
+                    f"fork source {parent.id} is on node {parent.node_id}, which is not ready"
+                )
             sb = await asyncio.to_thread(
-                self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=parent.node_id
-            )
+                self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=parent.node_id,
+                incarnation=sb.generation,
+            )  # fmt: skip
+        sb = await self._record_incarnation(sb)
+        await self._announce(sb)
         await self._node_of(sb).fork(parent.id, count=1, snapshot_id=sb.fork_snapshot_id, child_ids=[sb.id])
         return await self._transition(sb, Event.CREATED)

@@ -11,19 +11,24 @@ Invariants:
   (is_orphan_copy): never one sandbox running on two nodes.
 - A node that does not list its sandboxes within NODE_CALL_TIMEOUT_S is skipped (the lost-node detector
   judges it), so one hung node never stalls the collection.
+- Conditional by incarnation (docs/adr/0032-lost-nodes-and-incarnations.md): deleting names the record's
+  incarnation; the collector asks the node which incarnation a candidate copy is, then reads the record
+  AGAIN and destroys the copy only if (id, that incarnation) is not the current placement, naming it. A
+  placement records its incarnation before announcing it to the node, so a sweep that raced a restore
+  either sees the new placement (and keeps the copy) or names the old incarnation (and the node refuses).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from datetime import UTC, datetime
 
-from space.controlplane.reconciler.context import StepContext, sandbox_prefix
+from space.controlplane.reconciler.context import StepContext, sandbox_prefix, stale_incarnation
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.core import errors
 from space.core.lifecycle import Event, State
+from space.node.rpc_client import NodeClient
 
 ORPHAN_GRACE_S = 60.0
 SUSPENDED_GRACE_S = 10.0  # see is_orphan_copy
@@ -50,13 +55,27 @@ def is_orphan_copy(
     return record.node_id is not None and record.node_id != node_id
 
 
+def is_current_copy(record: SandboxRecord, node_id: str, incarnation: int | None) -> bool:
+    """Whether the copy (record.id, incarnation) on `node_id` is the record's current placement. A side
+    without a recorded incarnation (from before incarnations) matches any."""
+    if record.state in (State.DELETED, State.SUSPENDED) or record.node_id != node_id:
+        return False
+    return record.incarnation is None or incarnation is None or record.incarnation == incarnation
+
+
 class DeletionSteps(StepContext):
     _orphans: asyncio.Task[list[str]] | None = None
 
     async def _delete(self, sb: SandboxRecord) -> SandboxRecord:
         if sb.node_id is not None and await self.node_ready(sb.node_id):
-            with contextlib.suppress(errors.NotFound):  # the node no longer knows it: already gone
-                await self._node_of(sb).delete_sandbox(sb.id)
+            try:
+                await self._node_of(sb).delete_sandbox(sb.id, incarnation=sb.incarnation)
+            except errors.NotFound:
+                pass  # the node no longer knows it: already gone
+            except errors.Conflict as exc:
+                if stale_incarnation(exc) is None:
+                    raise
+                # The node holds another (older) copy, not the one placed: an orphan once this is deleted.
         await asyncio.to_thread(self.store.delete_snapshots_of, sb.id)
         if self.objects is not None:
             await asyncio.to_thread(self.objects.delete_prefix, sandbox_prefix(sb))
@@ -90,8 +109,22 @@ class DeletionSteps(StepContext):
             unowned = time.time() - item.created_at >= ORPHAN_GRACE_S and (
                 record is None or record.state == State.DELETED or record.node_id not in (None, node.id)
             )
-            if stale or unowned:
-                with contextlib.suppress(errors.SpaceError):
-                    await client.delete_sandbox(item.id)
-                    removed.append(item.id)
+            if (stale or unowned) and await self._destroy_orphan(client, node.id, item.id):
+                removed.append(item.id)
         return removed
+
+    async def _destroy_orphan(self, client: NodeClient, node_id: str, sandbox_id: str) -> bool:
+        """Destroy the copy of `sandbox_id` on `node_id` unless it turns out to be the current placement: the
+        node says which incarnation it holds, the record is read again, the delete names that incarnation."""
+        try:
+            held = await asyncio.wait_for(client.get_incarnation(sandbox_id), NODE_CALL_TIMEOUT_S)
+        except (errors.SpaceError, TimeoutError):
+            return False  # gone already, or the node is slow: the next round looks again
+        record = await asyncio.to_thread(self.store.load_sandbox, sandbox_id)
+        if record is not None and is_current_copy(record, node_id, held):
+            return False
+        try:
+            await client.delete_sandbox(sandbox_id, incarnation=held)
+        except errors.SpaceError:
+            return False  # refused (a newer copy was placed meanwhile) or failed: the next round decides
+        return True

@@ -45,6 +45,7 @@ from space.controlplane.reconciler.plan import (
     permanent_failures,
 )
 from space.controlplane.reconciler.recovery import RecoverySteps
+from space.controlplane.scheduler import DEFAULT_FRESH_S
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors
@@ -72,8 +73,11 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         objects: ObjectStore | None = None,
         store_url: str | None = None,
         data_keys: DataKeys | None = None,
+        node_fresh_s: float | None = DEFAULT_FRESH_S,
     ) -> None:
-        super().__init__(store, nodes, objects=objects, store_url=store_url, data_keys=data_keys)
+        super().__init__(
+            store, nodes, objects=objects, store_url=store_url, data_keys=data_keys, node_fresh_s=node_fresh_s
+        )
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{process_start_time(os.getpid())}"
         self.interval = interval
         self._wake = asyncio.Event()
@@ -227,7 +231,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             if can(current.state, Event.FAIL):
                 extra: dict[str, Any] = {}
                 if current.state == State.RESTORING:
-                    extra["node_id"] = None  # nothing booted on the target; suspended = on no node
+                    # Nothing booted on the target; suspended = on no node (and no copy's incarnation).
+                    extra.update(node_id=None, incarnation=None)
                 return await self._transition(
                     current, Event.FAIL, error=error, error_code=exc.code, error_permanent=True, **extra
                 )

@@ -7,7 +7,11 @@ Invariants:
   disk; one on a lost node waits (Unavailable, retried) for its node or a checkpoint.
 - The checkpoint used and the target node are recorded with the `recover` transition, so a re-run
   repeats the same recovery; a recovery moved to another node forgets the old node's snapshots.
-- A recovered sandbox carries a notice naming how, from which checkpoint, taken when.
+- A recovered sandbox carries a notice naming how, from which checkpoint, taken when, and a
+  `sandbox.recovered` event (same transaction) with the checkpoint and the reason it crashed; a sandbox
+  restarted on its kept disk (no checkpoint) gets the same event without a checkpoint.
+- A recovery on another node is a new copy: its incarnation is recorded with the target node (context.py),
+  a local one keeps the copy and its incarnation (docs/adr/0032-lost-nodes-and-incarnations.md).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from space.controlplane import failpoints
 from space.controlplane.reconciler.context import log
 from space.controlplane.reconciler.suspension import SuspensionSteps
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.controlplane.store.sandbox_state import Note
 from space.core import errors
 from space.core.lifecycle import Event
 
@@ -48,14 +53,18 @@ class RecoverySteps(SuspensionSteps):
         if source is None:
             if sb.node_id is not None and await self.node_ready(sb.node_id):
                 # Nothing to recover from: processes start again on the kept disk (stop, then start).
-                sb = await self._transition(
-                    sb, Event.STOP, notice="crashed with no usable checkpoint: restarted on the kept disk"
-                )
+                notice = "crashed with no usable checkpoint: restarted on the kept disk"
+                note = Note(
+                    "sandbox.recovered", notice,
+                    {"checkpoint": None, "how": "restarted on the kept disk", "node_id": sb.node_id,
+                     "reason": sb.notice},
+                )  # fmt: skip
+                sb = await self._transition(sb, Event.STOP, notice=notice, note=note)
                 return await self._run_node_step(sb)
             raise errors.Unavailable(f"sandbox {sb.id} crashed on a lost node and has no uploaded checkpoint")
         snap, local = source
-        target = sb.node_id if local else None
-        sb = await self._transition(sb, Event.RECOVER, recovered_from=snap.id, node_id=target)
+        placed = {} if local else {"node_id": None, "incarnation": None}  # placed anew by _recover
+        sb = await self._transition(sb, Event.RECOVER, recovered_from=snap.id, **placed)
         failpoints.hit("recover.begun")
         return await self._recover(sb)
 
@@ -81,4 +90,11 @@ class RecoverySteps(SuspensionSteps):
         notice = (
             f"recovered {how} from {snap.kind} checkpoint {snap.id} taken at {snap.created_at.isoformat()}"
         )
-        return await self._transition(sb, Event.RECOVERED, recovered_at=self.store.now(), notice=notice)
+        note = Note(
+            "sandbox.recovered", notice,
+            {"checkpoint": snap.id, "taken_at": snap.created_at.isoformat(), "how": how,
+             "node_id": sb.node_id, "reason": sb.notice},
+        )  # fmt: skip
+        return await self._transition(
+            sb, Event.RECOVERED, recovered_at=self.store.now(), notice=notice, note=note
+        )

@@ -12,6 +12,9 @@ Invariants (docs/adr/0013-suspend-restore-and-recovery-in-the-control-plane.md):
   permanent failure: back to `suspended`, the error on the record, nothing booted. A restore onto the
   node whose suspended copy this process is still deleting waits for that delete; a stale copy of the
   sandbox on the target that is not running is deleted first, so it is never taken for the restored one.
+- Incarnations (docs/adr/0032-lost-nodes-and-incarnations.md): the suspended copy is freed by naming its
+  incarnation, and a restore records its own (the restoring generation) with the target node and announces
+  it to the node before the copy is made, so the old copy's delete, however late, never removes the new one.
 - Without a snapshot policy, a finished suspend supersedes the sandbox's earlier suspend artifacts (the
   snapshot collector removes them); with one, its retention decides.
 """
@@ -89,15 +92,17 @@ class SuspensionSteps(StepContext):
         """Verified: now (and only now) the sandbox is suspended (on no node), then its node copy is freed.
         If that delete fails or this process dies first, orphan collection removes the copy: a copy of a
         suspended sandbox is an orphan by definition (deletion.is_orphan_copy)."""
-        old_node = sb.node_id
+        old_node, old_incarnation = sb.node_id, sb.incarnation
         if old_node is not None:
             await asyncio.to_thread(self.store.forget_node_snapshots, sb.id, old_node)
-        done = await self._transition(sb, Event.SUSPENDED, node_id=None)
+        done = await self._transition(sb, Event.SUSPENDED, node_id=None, incarnation=None)
         failpoints.hit("suspend.marked")
         if old_node is not None:
             # In the background: the node's delete of a paused runtime and its subvolumes takes a while, and
             # a restore to another node need not wait for it (nor for this step's lease).
-            task = asyncio.create_task(self._free_copy(old_node, sb.id), name=f"free-{sb.id}")
+            task = asyncio.create_task(
+                self._free_copy(old_node, sb.id, old_incarnation), name=f"free-{sb.id}"
+            )
             self._freeing[sb.id] = (old_node, task)
             task.add_done_callback(functools.partial(self._freed, sb.id))
         if sb.snapshot_policy is None:
@@ -112,12 +117,13 @@ class SuspensionSteps(StepContext):
         if self._freeing.get(sandbox_id, (None, None))[1] is task:
             del self._freeing[sandbox_id]
 
-    async def _free_copy(self, node_id: str, sandbox_id: str) -> None:
-        """Best effort: delete a sandbox's copy on a node it no longer lives on."""
+    async def _free_copy(self, node_id: str, sandbox_id: str, incarnation: int | None = None) -> None:
+        """Best effort: delete a sandbox's copy (of `incarnation`) on a node it no longer lives on."""
         if not await self.node_ready(node_id):
             return  # collected as an orphan when the node is back
+        node = self.nodes.client(node_id)
         try:
-            await asyncio.wait_for(self.nodes.client(node_id).delete_sandbox(sandbox_id), 60.0)
+            await asyncio.wait_for(node.delete_sandbox(sandbox_id, incarnation=incarnation), 60.0)
         except errors.NotFound:
             pass
         except (errors.SpaceError, TimeoutError) as exc:
@@ -136,11 +142,15 @@ class SuspensionSteps(StepContext):
         if freeing is not None and freeing[0] == sb.node_id:
             await asyncio.shield(freeing[1])  # the suspended copy's delete goes first on that node
         # A stale copy of this sandbox on the target (a lost node that came back before orphan collection)
-        # must not be mistaken for the restored one.
+        # must not be mistaken for the restored one: one that is not running, or of another incarnation, is
+        # deleted by its own incarnation; then this restore's incarnation is announced before the copy.
         with contextlib.suppress(errors.NotFound):
             observed = await node.get_sandbox(sb.id)
-            if observed.exists and observed.state != State.RUNNING.value:
-                await node.delete_sandbox(sb.id)
+            held = await node.get_incarnation(sb.id)
+            foreign = held is not None and held != sb.incarnation
+            if observed.exists and (observed.state != State.RUNNING.value or foreign):
+                await node.delete_sandbox(sb.id, incarnation=held)
+        await self._announce(sb)
         plaintext = await self._plaintext_key(sb, snap)
         await node.restore(
             sb.id, store_url=store_url, prefix=snap.prefix, data_key=plaintext, template=sb.template,
