@@ -56,7 +56,7 @@ class CreateSandboxRequest(BaseModel):
     #: None: the node asks the control plane (if any) when the sandbox comes up; no policy = no egress.
     egress: EgressBody | None = None
     #: The control plane's generation at which this copy is placed (ADR 0032); None: not recorded.
-    incarnation: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    incarnation: int | None = Field(default=None, ge=0, le=2**63 - 1, strict=True)
 
 
 class IncarnationBody(BaseModel):
@@ -64,7 +64,7 @@ class IncarnationBody(BaseModel):
 
     model_config = _REQUEST
 
-    incarnation: int = Field(ge=0, le=2**63 - 1)
+    incarnation: int = Field(ge=0, le=2**63 - 1, strict=True)
 
 
 class IncarnationHeld(BaseModel):
