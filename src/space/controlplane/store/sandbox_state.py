@@ -206,7 +206,7 @@ class SandboxStateRepository(Repository):
         conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
         step = lifecycle.parse_event(event)
         failpoints.hit(failpoints.transition_point(current.value, step.value, "before"))
-        record = self._update_sandbox(sandbox_id, conditions, values, f"{step} on sandbox {sandbox_id}")
+        record = self._update_sandbox(sandbox_id, conditions, values, f"{step} on sandbox {sandbox_id}", note)
         failpoints.hit(failpoints.transition_point(current.value, step.value, "after"))
         return record
 
