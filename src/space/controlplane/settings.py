@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUseDefault
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
@@ -133,6 +133,29 @@ class ControlPlaneSettings(BaseSettings):
     node_lost_after_s: float = _positive(
         15.0, "SPACE_NODE_LOST_AFTER_S", "A node without a heartbeat for this long is marked lost."
     )
+    fence_grace_s: float = _positive(
+        5.0, "SPACE_FENCE_GRACE_S",
+        "A node fences itself this long before it could be marked lost: the heartbeat answer grants a "
+        "lease of node_lost_after_s minus this (ADR 0033). Covers the node's teardown, clock-rate drift "
+        "and the replicas' clock offset; must stay below node_lost_after_s.",
+    )  # fmt: skip
+    leader_lease_s: float = _positive(
+        10.0, "SPACE_LEADER_LEASE_S",
+        "How long a replica's leadership of the once-per-cluster jobs lasts unless renewed (renewed every "
+        "third of it); a dead leader's jobs move to another replica within this (ADR 0034).",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _fence_before_lost(self) -> ControlPlaneSettings:
+        if self.fence_grace_s >= self.node_lost_after_s:
+            raise ValueError("SPACE_FENCE_GRACE_S must be less than SPACE_NODE_LOST_AFTER_S")
+        return self
+
+    @property
+    def fence_after_s(self) -> float:
+        """The lease a heartbeat answer grants: the node stops its sandboxes this long after it SENT the
+        heartbeat, `fence_grace_s` before any replica may mark it lost (ADR 0033)."""
+        return self.node_lost_after_s - self.fence_grace_s
 
     # -- connection pools to the nodes (node_pools.py, ADR 0025) ---------------------------------------------
     pool_control_connections: int = _positive(

@@ -12,6 +12,7 @@ ONE `Database` (database.py: one engine, one session factory, one transaction he
     snapshots.py         SnapshotRepository                    snapshot records
     idempotency.py       IdempotencyRepository                 Idempotency-Key records
     events.py            SandboxEventRepository                what happened to a sandbox (issue 11)
+    leader.py            LeaderLeaseRepository                 once-per-cluster jobs' leader (ADR 0034)
     credentials/         CredentialStore                       credentials, audit, egress, BYOK keys
 
 Invariants:
@@ -35,6 +36,7 @@ from space.controlplane.store.engine import make_engine
 from space.controlplane.store.enrolment_tokens import EnrolmentTokenRepository
 from space.controlplane.store.events import SandboxEventRepository
 from space.controlplane.store.idempotency import IdempotencyRepository
+from space.controlplane.store.leader import LeaderLeaseRepository
 from space.controlplane.store.leases import WorkLeaseRepository
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.nodes import NodeRepository
@@ -66,6 +68,7 @@ class Store(
     SnapshotRepository,
     IdempotencyRepository,
     SandboxEventRepository,
+    LeaderLeaseRepository,
     Repository,
 ):
     """Typed operations on the control plane database: every repository over one Database."""
