@@ -1,5 +1,6 @@
-"""Node-facing routes of the control plane: enrolment, re-registration, heartbeats (ADR 0019, 0021), and a
-node's credential hand-outs and gateway audit reports (issue 5). None of them is in the OpenAPI document.
+"""Node-facing routes of the control plane: enrolment, re-registration, heartbeats (ADR 0019, 0021), clean
+deregistration and the fencing lease (ADR 0033), and a node's credential hand-outs and gateway audit reports
+(issue 5). None of them is in the OpenAPI document.
 
 Invariants:
 - Enrolment (`POST /v1/nodes/register`) takes the cluster's bootstrap token or an enrolment token (one use
@@ -13,6 +14,10 @@ Invariants:
   batch is parsed first, bounded by the limits middleware, then its node is authenticated).
 - Crash reports, activity and stale copies reported by a node only ever touch sandboxes recorded on that
   node.
+- Every heartbeat answer grants the node a lease, `fence_after_s` (node_lost_after_s - fence_grace_s): the
+  node stops its own sandboxes that long after it sent the heartbeat, before any replica may mark it lost.
+- Deregistration needs the node's own identity and the `beat` of its LATEST heartbeat (a 409 otherwise), so
+  a replayed or delayed deregistration never takes a node that has reported since offline.
 - A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
   for unknown sandboxes, so a node learns nothing about sandboxes elsewhere); every hand-out is audited, and
   a node's audit events are kept only for its own sandboxes.
@@ -214,14 +219,47 @@ async def heartbeat(
     used = dict(beat.get("used") or {})
     used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
     activity, crashed = _reported_sandboxes(beat)
-    await asyncio.to_thread(
+    node = await asyncio.to_thread(
         services.store.heartbeat, node_id, used=used, templates=templates, activity=activity,
         capacity=_capacity(beat.get("capacity") or {}),
     )  # fmt: skip
     await _crash_reports(services, node_id, crashed, beat.get("time"))
     reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
     await _stale_copies(services, node_id, reported)
-    return {"ok": True}
+    # The node's lease (ADR 0033): it stops its sandboxes `fence_after_s` after it SENT this heartbeat,
+    # strictly before any replica may mark it lost. `beat` names this heartbeat for a later deregistration.
+    return {
+        "ok": True,
+        "fence_after_s": services.settings.fence_after_s,
+        "beat": node.last_heartbeat_at.isoformat(),
+    }
+
+
+@router.post("/{node_id}/deregister")
+async def deregister(
+    node_id: str, request: Request, services: Svc, authorization: Annotated[str | None, Header()] = None
+) -> dict[str, Any]:
+    """A node leaving cleanly (`space down`): it becomes `offline`, which the scheduler never picks and which
+    is never marked lost (so its sandboxes are not recovered elsewhere: they wait on its disk for its
+    return), until it registers again. The body names the node's latest heartbeat (`beat`, as that
+    heartbeat's answer gave it): a replayed deregistration of an earlier session is a 409."""
+    parse_node_id(node_id, field="node_id")
+    await authenticate_node(services.store, node_id, authorization)
+    body = await _json_object(request)
+    beat = body.get("beat")
+    if not isinstance(beat, str) or not 0 < len(beat) <= 64:
+        raise errors.InvalidArgument("beat: the `beat` of the node's latest heartbeat answer", field="beat")
+    node = await asyncio.to_thread(services.store.get_node, node_id)
+    if node is None:
+        raise errors.Unauthenticated(f"bad identity for node {node_id}")
+    if node.status == "offline":
+        return {"node_id": node_id, "status": "offline"}
+    if not hmac.compare_digest(beat.encode(), node.last_heartbeat_at.isoformat().encode()):
+        raise errors.Conflict(
+            f"node {node_id} has reported since that heartbeat (state {node.status}): a stale deregistration"
+        )
+    await asyncio.to_thread(services.store.set_node_status, node_id, "offline")
+    return {"node_id": node_id, "status": "offline"}
 
 
 # -- credentials for the node's sandboxes (issue 5) ----------------------------------------------------------

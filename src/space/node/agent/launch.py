@@ -9,7 +9,10 @@ Invariants:
 - The RPC accepts only this node's own token, never the bootstrap token: a node given the same secret for
   both refuses to start (ADR 0021).
 - The process's files are its own (umask 077, ADR 0022); SIGPIPE does not kill it when a client vanishes.
-- SIGINT/SIGTERM stop the RPC, then the heartbeat, then close the agent; sandboxes keep running (runsc).
+- SIGINT/SIGTERM stop the RPC (requests in flight finish; heartbeats go on meanwhile), then the heartbeat,
+  then deregister the node (`offline`) and only if that was accepted release its lease (ADR 0033), then
+  close the agent; sandboxes keep running (runsc) for the next start to adopt. A node that could not
+  deregister keeps its lease armed in the helper, which fences its sandboxes when it ends.
 - Environment variables are read once, here, through NodeAgentSettings; the flags win over them.
 """
 
@@ -35,6 +38,8 @@ from space.node.agent.app import create_app
 from space.node.agent.egress_settings import EgressSettings
 from space.node.agent.egress_settings import load_settings as load_egress_settings
 from space.node.agent.egress_wiring import install as egress_install
+from space.node.agent.fencing import Fence
+from space.node.agent.helper_client import HelperClient
 from space.node.agent.identity import (
     NodeIdentity,
     default_identity_file,
@@ -42,7 +47,7 @@ from space.node.agent.identity import (
     load_or_create_rpc_token,
     read_private,
 )
-from space.node.agent.registration import report_to_control_plane
+from space.node.agent.registration import Reporter
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
 from space.node.rlimits import raise_fd_limit
@@ -183,20 +188,41 @@ async def serve(
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
     )
-    reporter: asyncio.Task[None] | None = None
+    reporter: Reporter | None = None
+    reporting: asyncio.Task[None] | None = None
+    fence = node_fence(agent)
     if control_plane:
         url = advertise_url or f"http://{host}:{port}"
-        reporter = asyncio.create_task(
-            report_to_control_plane(service, control_plane, bootstrap_token, url, rpc_token)
-        )
+        reporter = Reporter(service, control_plane, bootstrap_token, url, rpc_token, fence=fence)
+        reporting = asyncio.create_task(reporter.run())
     try:
-        await server.serve()
+        await server.serve()  # on SIGTERM: stops accepting, lets requests in flight finish, returns
     finally:
-        if reporter is not None:
-            reporter.cancel()
+        if reporting is not None:
+            reporting.cancel()  # heartbeats ran (and renewed the lease) while requests drained
             with contextlib.suppress(asyncio.CancelledError):
-                await reporter
+                await reporting
+        if reporter is not None:
+            await reporter.deregister()  # offline, then the lease released: the next start adopts
+        await fence.close()
         await agent.close()
+
+
+def node_fence(agent: NodeAgent) -> Fence:
+    """The node's fence (ADR 0033): held by the root helper when the driver has one; else (the fake
+    driver) watched on this loop, stopping every runtime when the lease ends."""
+    helper = getattr(agent.driver, "helper", None)
+    if isinstance(helper, HelperClient):
+        return Fence(helper)
+
+    async def stop_all() -> None:
+        sandbox_ids = list(agent.sandboxes)
+        for step in (agent.driver.pause, agent.driver.stop):
+            for sandbox_id in sandbox_ids:
+                with contextlib.suppress(errors.SpaceError):
+                    await step(sandbox_id)
+
+    return Fence(None, stop_all)
 
 
 def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:

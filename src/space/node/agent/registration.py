@@ -9,15 +9,19 @@ Invariants:
 - Every registration carries this node's own RPC token: the secret the control plane presents on this
   node's RPC. The bootstrap token is never sent anywhere but the enrolment route.
 - Failures are logged (rate-limited) and retried, never fatal: the node serves its RPC either way.
+- Each acknowledged heartbeat renews the node's lease (space.node.agent.fencing, ADR 0033) from the time it
+  was SENT; a clean stop deregisters (the node becomes `offline`) and only then releases the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
+from space.node.agent.fencing import Fence
 from space.node.agent.identity import IdentityAuth
 from space.node.agent.service_core import ServiceCore
 
@@ -70,6 +74,115 @@ async def register(
     return node_id
 
 
+class Reporter:
+    """Registration, heartbeats and the lease they renew (ADR 0033), and the clean goodbye.
+
+    `run()` registers, then heartbeats every `interval` s until cancelled; each acknowledged heartbeat
+    renews `fence` (if given) from the monotonic time the heartbeat was SENT. `deregister()` (after `run`
+    was cancelled: `space down`) tells the control plane this node is leaving, naming its latest
+    heartbeat, and only if that is accepted releases the fence, so the sandboxes stay for the next start."""
+
+    def __init__(
+        self,
+        svc: ServiceCore,
+        control_plane: str,
+        bootstrap_token: str | None,
+        advertise_url: str,
+        rpc_token: str,
+        *,
+        fence: Fence | None = None,
+        interval: float | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.svc = svc
+        self.control_plane = control_plane
+        self.bootstrap_token = bootstrap_token
+        self.advertise_url = advertise_url
+        self.rpc_token = rpc_token
+        self.fence = fence
+        self.interval = svc.settings.heartbeat_interval_s if interval is None else interval
+        self.transport = transport
+        self.node_id: str | None = None
+        self.beat: str | None = None  # the `beat` of the latest acknowledged heartbeat
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.control_plane.rstrip("/"), timeout=self.svc.settings.control_plane_timeout_s,
+            transport=self.transport,
+        )  # fmt: skip
+
+    async def _beat(self, http: httpx.AsyncClient, node_id: str) -> bool:
+        """One heartbeat; False if the control plane no longer knows this node (register again)."""
+        beat = await self.svc.heartbeat(node_id, self.advertise_url)
+        sent_at = time.monotonic()
+        answer = await http.post(
+            f"/v1/nodes/{node_id}/heartbeat", json=beat.model_dump(mode="json"),
+            auth=IdentityAuth(self.svc.identity),
+        )  # fmt: skip
+        if answer.status_code in {401, 404}:
+            log.warning("control plane does not know node %s (%s): registering again", node_id,
+                        answer.status_code)  # fmt: skip
+            return False
+        answer.raise_for_status()
+        answered = answer.json() if answer.content else {}
+        self.beat = answered.get("beat") if isinstance(answered.get("beat"), str) else None
+        lease = answered.get("fence_after_s")
+        if self.fence is not None and isinstance(lease, int | float) and lease > 0:
+            await self.fence.renew(sent_at, float(lease))
+        return True
+
+    async def run(self) -> None:
+        failures = 0
+        async with self._client() as http:
+            while True:
+                try:
+                    if self.node_id is None:
+                        self.node_id = await register(
+                            http, self.svc, self.bootstrap_token, self.advertise_url, self.rpc_token
+                        )
+                        log.info("registered with %s as %s", self.control_plane, self.node_id)
+                    if not await self._beat(http, self.node_id):
+                        self.node_id = None
+                        continue
+                    if failures:
+                        log.info("control plane reachable again after %d failed attempts", failures)
+                    failures = 0
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failures += 1
+                    # Log the first failure and then every 30th, so an absent control plane does not flood
+                    # logs.
+                    if failures == 1 or failures % 30 == 0:
+                        log.warning("control plane %s: %s (attempt %d; retrying)", self.control_plane, exc,
+                                    failures)  # fmt: skip
+                await asyncio.sleep(self.interval)
+
+    async def deregister(self) -> bool:
+        """Leave cleanly: the control plane marks this node `offline` (True), then the fence is released.
+        False (and the fence stays armed) if the control plane did not accept it: it will mark this node
+        lost and may restore its sandboxes elsewhere, so they must still be fenced."""
+        if self.node_id is None or self.beat is None:
+            log.warning("leaving without deregistering: no acknowledged heartbeat to name")
+            return False
+        try:
+            async with self._client() as http:
+                answer = await http.post(
+                    f"/v1/nodes/{self.node_id}/deregister", json={"beat": self.beat},
+                    auth=IdentityAuth(self.svc.identity),
+                )  # fmt: skip
+        except httpx.HTTPError as exc:
+            log.warning("could not deregister from %s: %s (the fence stays armed)", self.control_plane, exc)
+            return False
+        if answer.status_code >= 300:
+            log.warning("deregistration refused: %s (the fence stays armed)", _refusal(answer))
+            return False
+        log.info("deregistered from %s: node %s is offline", self.control_plane, self.node_id)
+        if self.fence is not None:
+            await self.fence.release()
+        return True
+
+
 async def report_to_control_plane(
     svc: ServiceCore,
     control_plane: str,
@@ -81,40 +194,10 @@ async def report_to_control_plane(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> None:
     """Register, then heartbeat every `interval` s (default: the service's heartbeat_interval_s) until
-    cancelled. Failures are logged and retried, never
-    fatal: the node serves the RPC whether or not the control plane is up. A 404/401 on a heartbeat means
-    the control plane no longer knows this node (or this identity): register again."""
-    if interval is None:
-        interval = svc.settings.heartbeat_interval_s
-    identity_auth = IdentityAuth(svc.identity)
-    async with httpx.AsyncClient(
-        base_url=control_plane.rstrip("/"), timeout=svc.settings.control_plane_timeout_s, transport=transport
-    ) as http:
-        node_id: str | None = None
-        failures = 0
-        while True:
-            try:
-                if node_id is None:
-                    node_id = await register(http, svc, bootstrap_token, advertise_url, rpc_token)
-                    log.info("registered with %s as %s", control_plane, node_id)
-                beat = await svc.heartbeat(node_id, advertise_url)
-                answer = await http.post(
-                    f"/v1/nodes/{node_id}/heartbeat", json=beat.model_dump(mode="json"), auth=identity_auth
-                )
-                if answer.status_code in {401, 404}:
-                    log.warning("control plane does not know node %s (%s): registering again", node_id,
-                                answer.status_code)  # fmt: skip
-                    node_id = None
-                    continue
-                answer.raise_for_status()
-                if failures:
-                    log.info("control plane reachable again after %d failed attempts", failures)
-                failures = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failures += 1
-                # Log the first failure and then every 30th, so an absent control plane does not flood logs.
-                if failures == 1 or failures % 30 == 0:
-                    log.warning("control plane %s: %s (attempt %d; retrying)", control_plane, exc, failures)
-            await asyncio.sleep(interval)
+    cancelled, without a fence (Reporter does both). Failures are logged and retried, never fatal: the
+    node serves the RPC whether or not the control plane is up. A 404/401 on a heartbeat means the control
+    plane no longer knows this node (or this identity): register again."""
+    reporter = Reporter(
+        svc, control_plane, bootstrap_token, advertise_url, rpc_token, interval=interval, transport=transport
+    )
+    await reporter.run()
