@@ -44,7 +44,7 @@ from space.controlplane.store.credentials import AuditEntry, CredentialRecord
 from space.controlplane.store.digests import new_node_identity
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
-from space.core import errors, ids
+from space.core import errors, ids, runtimes
 from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State
 
@@ -222,6 +222,8 @@ async def heartbeat(
     node = await asyncio.to_thread(
         services.store.heartbeat, node_id, used=used, templates=templates, activity=activity,
         capacity=_capacity(beat.get("capacity") or {}),
+        # What the node's runtime restores (ADR 0035): untrusted, so parsed; an unreadable one is no report.
+        runtime=runtimes.parse_or_none(beat.get("runtime")),
     )  # fmt: skip
     await _crash_reports(services, node_id, crashed, beat.get("time"))
     reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
