@@ -15,6 +15,8 @@ from space.controlplane.store.records import SandboxRecord
 from space.core import errors, runtimes
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
+from tests.support import cluster as c
+from tests.support import node_identity as ni
 
 PTRACE = runtimes.describe("runsc", platform="ptrace", network="sandbox", runtime_version="0.0~20240729.0")
 SYSTRAP = runtimes.describe("runsc", platform="systrap", network="sandbox", runtime_version="0.0~20240729.0")
@@ -84,3 +86,31 @@ def test_placements_that_restore_nothing_are_not_filtered(store: Store) -> None:
     project = store.create_project(org.id, "p")
     fresh = store.create_sandbox(project.id, "python", {}, SandboxLimits())
     assert choose_node(store, fresh)
+
+
+fake_cluster = c.fake_cluster
+
+
+def test_a_real_node_reports_its_runtime_and_its_checkpoints_carry_it(fake_cluster: c.Cluster) -> None:
+    """Through the real heartbeat route: the fake node reports the fake driver's descriptor, a full
+    checkpoint's row records it, and a heartbeat with an unreadable runtime is no report (kept as it was)."""
+    fake = runtimes.describe("fake")
+    c.wait_for(lambda: (fake_cluster.node_record() or None) and fake_cluster.node_record().runtime == fake,  # type: ignore[union-attr]
+               timeout=15, what="the node's runtime recorded")  # fmt: skip
+    project = c.new_project(fake_cluster)
+    try:
+        with project.sdk() as sp:
+            sb = sp.sandboxes.create(limits=c.SMALL)
+            snap = sb.snapshots.create(full=True)
+        row = fake_cluster.store.get_snapshot(snap.id)
+        assert row is not None and row.runtime == fake
+        with ni.as_node(fake_cluster) as (node_id, identity):
+            for hostile in ({"driver": "x" * 10_000}, "runsc", [1, 2], {"driver": "runsc", "platform": 7}):
+                answer = ni.client(fake_cluster, identity).post(
+                    f"/v1/nodes/{node_id}/heartbeat",
+                    json={"sandboxes": [], "templates": ["python"], "runtime": hostile},
+                )
+                assert answer.status_code == 200, answer.text
+                assert fake_cluster.node_record().runtime == fake  # type: ignore[union-attr]
+    finally:
+        c.delete_all(fake_cluster, project)
