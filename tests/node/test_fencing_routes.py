@@ -61,7 +61,8 @@ def beat(client: TestClient, node_id: str, identity: str) -> dict[str, Any]:
 
 
 def deregister(client: TestClient, node_id: str, secret: str | None, body: Any) -> httpx.Response:
-    return client.post(f"/v1/nodes/{node_id}/deregister", json=body, headers=auth(secret))
+    answer: httpx.Response = client.post(f"/v1/nodes/{node_id}/deregister", json=body, headers=auth(secret))
+    return answer
 
 
 def code(answer: httpx.Response, status: int, error_code: str) -> None:
