@@ -26,7 +26,7 @@ import base64
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.plan import NODE_CALLS, completion
@@ -43,6 +43,9 @@ from space.objectstore.artifacts import read_manifest
 if TYPE_CHECKING:
     from space.controlplane.keys import DataKeys
     from space.objectstore.base import ObjectStore
+
+#: Node statuses of nodes that are gone: no step waits on them (docs/adr/0032-lost-nodes-and-incarnations.md).
+GONE_STATUSES: Final = ("lost", "offline")
 
 # One log for the whole reconciler, under the name it had before its steps moved into their own modules.
 log = logging.getLogger("space.controlplane.reconciler.loop")
@@ -123,6 +126,11 @@ class StepContext:
     async def node_ready(self, node_id: str) -> bool:
         node = await asyncio.to_thread(self.store.get_node, node_id)
         return node is not None and node.status == "ready"
+
+    async def node_gone(self, node_id: str) -> bool:
+        """Lost, offline (deregistered) or unknown: no step may wait on it (a draining node is not gone)."""
+        node = await asyncio.to_thread(self.store.get_node, node_id)
+        return node is None or node.status in GONE_STATUSES
 
     async def _choose(self, sb: SandboxRecord) -> str:
         return await asyncio.to_thread(choose_node, self.store, sb, fresh_within_s=self.node_fresh_s)

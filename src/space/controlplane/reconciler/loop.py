@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 LEASE_S = 8.0
 BATCH = 16
+# Steps begun from a stable state that act on the sandbox's own node (not begun while it is gone).
+NODE_BOUND = frozenset({Event.PAUSE, Event.RESUME, Event.STOP, Event.START, Event.SUSPEND})
 
 
 Effect = Callable[[SandboxRecord], Awaitable[SandboxRecord | None]]
@@ -201,6 +203,11 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         start = NEXT_STEP.get((sb.state, sb.desired_state))
         if start is None:
             return None  # not reachable from here (e.g. failed): the API refuses such requests
+        if start in NODE_BOUND and sb.node_id is not None and await self.node_gone(sb.node_id):
+            # Never begin a step on a node that is gone: the sandbox stays in its stable state, the reason
+            # on the record, until the node returns (or a recovery moves it).
+            gone = errors.Unavailable(f"node {sb.node_id} of sandbox {sb.id} is gone (lost or offline)")
+            return await self._failed(sb, gone, permanent=False)
         sb = await self._transition(sb, start)
         return await self._guarded(sb, self._in_flight[sb.state])
 

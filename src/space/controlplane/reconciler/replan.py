@@ -28,15 +28,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Final
+from typing import Any
 
-from space.controlplane.reconciler.context import StepContext, log
+from space.controlplane.reconciler.context import GONE_STATUSES, StepContext, log
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.sandbox_state import Note
 from space.core import errors
 from space.core.lifecycle import LIVE_STATES, REPLANNED_STATES, TRANSITIONS, Event, State
-
-GONE_STATUSES: Final = ("lost", "offline")
 
 
 async def replan_gone_nodes(ctx: StepContext) -> list[str]:
@@ -59,12 +57,12 @@ async def _replan(ctx: StepContext, sb: SandboxRecord, node: NodeRecord) -> bool
     if sb.state in REPLANNED_STATES:
         if sb.state == State.SUSPENDING and await _suspend_verified(ctx, sb):
             return False  # the reconciler finishes it without the node
-        if not await _still_gone(ctx, node.id):
+        if not await ctx.node_gone(node.id):
             return False
         await _move(ctx, sb, node)
         return True
     if sb.state in LIVE_STATES and node.status == "lost":
-        if not await _has_uploaded_checkpoint(ctx, sb) or not await _still_gone(ctx, node.id):
+        if not await _has_uploaded_checkpoint(ctx, sb) or not await ctx.node_gone(node.id):
             return False  # nothing to recover from elsewhere: it waits for its node to come back
         changed = await asyncio.to_thread(
             ctx.store.report_crash, sb.id, node.id, notice=f"node {node.id} was lost"
@@ -92,11 +90,6 @@ async def _move(ctx: StepContext, sb: SandboxRecord, node: NodeRecord) -> Sandbo
     return await ctx._transition(
         sb, Event.NODE_LOST, notice=notice, note=Note(kind, notice, detail), **fields
     )
-
-
-async def _still_gone(ctx: StepContext, node_id: str) -> bool:
-    node = await asyncio.to_thread(ctx.store.get_node, node_id)
-    return node is None or node.status in GONE_STATUSES
 
 
 async def _suspend_verified(ctx: StepContext, sb: SandboxRecord) -> bool:
