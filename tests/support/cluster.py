@@ -421,13 +421,15 @@ def start_fake_cluster(
     nodes: int = 1,
     object_store: bool = False,
     control_plane_args: tuple[str, ...] = (),
+    control_plane_env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """Control plane(s) over `database_url` (default: SQLite in `root`) + fake node(s) that register with
     and heartbeat to control plane number `node_reports_to`; everything is killed at the end and nothing
     may be left running in `root`. With `object_store`, the control plane(s) and every node share a local
     directory store (`cluster.store_url`, under `root/objects`): suspend, restore, uploads.
     `control_plane_args`: extra arguments of the control planes (e.g. --snapshot-min-intervals 1,1); they
-    survive restarts, unlike `extra_env`."""
+    survive restarts, unlike `extra_env`. `control_plane_env`: environment of the control planes' first
+    start (e.g. SPACE_NODE_LOST_AFTER_S)."""
     root.mkdir(parents=True, exist_ok=True)
     url = database_url or sqlite_url(root / "cp")
     token_file = root / "node.token"
@@ -458,6 +460,7 @@ def start_fake_cluster(
         )
     for cp in cps:
         cp.argv += list(control_plane_args)
+        cp.extra_env.update(control_plane_env or {})
     fake_nodes = []
     for i in range(nodes):
         node_dir = root / ("node" if i == 0 else f"node{i}")
