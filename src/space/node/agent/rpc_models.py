@@ -157,6 +157,8 @@ class SandboxObserved(BaseModel):
     last_activity_at: float | None = None
     guest: dict[str, Any] | None = None
     snapshots: list[SnapshotInfo] = Field(default_factory=list)
+    #: Why a `crashed` sandbox's runtime ended, for people (e.g. its memory limit; ADR 0036); else None.
+    crash_reason: str | None = None
 
 
 class SandboxList(BaseModel):
