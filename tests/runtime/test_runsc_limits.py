@@ -20,6 +20,7 @@ from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
 from space.node.agent.agent import NodeAgent, SandboxHandle
 from space.node.agent.guest import chunked
+from space.node.helper import oci
 from tests.support.neighbours import NeighbourProbe, node_healthy
 from tests.support.sandboxes import new_sandbox
 
@@ -96,7 +97,7 @@ def test_fork_bomb_hits_the_pids_limit(node) -> None:
         async with new_sandbox(agent, limits=limits) as limited, new_sandbox(agent) as neighbour:
             sid = limited.sandbox_id
             # The host limit carries headroom for the application kernel's own tasks (see oci.resources).
-            assert read_cgroup("pids", sid, "pids.max") == f"{96 * 3 + 64}\n"
+            assert read_cgroup("pids", sid, "pids.max") == f"{oci.host_pids(limits)}\n"
             probe = NeighbourProbe(neighbour.session)
             probe.start()
             peak_events = 0

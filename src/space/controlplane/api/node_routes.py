@@ -59,17 +59,20 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-async def _crash_reports(services: Services, node_id: str, crashed: list[str], beat_time: Any) -> None:
-    """Runtimes the node saw die become `crashed` (the reconciler then recovers them). Only a report made
-    after the record's last change counts: a heartbeat assembled before a recovery finished must not
-    undo it."""
+CRASH_REASON_LENGTH = 300  # what a node may say of a crash (the event's message is bounded again)
+
+
+async def _crash_reports(services: Services, node_id: str, crashed: dict[str, str], beat_time: Any) -> None:
+    """Runtimes the node saw die become `crashed` (the reconciler then recovers them), with the reason the
+    node gives (its `crash_reason`, bounded: e.g. the memory limit). Only a report made after the record's
+    last change counts: a heartbeat assembled before a recovery finished must not undo it."""
     if not crashed:
         return
     observed_at = datetime.fromtimestamp(float(beat_time), UTC) if beat_time else None
-    for sandbox_id in crashed:
+    for sandbox_id, reason in crashed.items():
+        notice = f"the sandbox's runtime died on node {node_id}" + (f": {reason}" if reason else "")
         changed = await asyncio.to_thread(
-            services.store.report_crash, sandbox_id, node_id,
-            notice=f"the sandbox's runtime died on node {node_id}", observed_at=observed_at,
+            services.store.report_crash, sandbox_id, node_id, notice=notice, observed_at=observed_at,
         )  # fmt: skip
         if changed is not None:
             services.forget(sandbox_id)
@@ -196,16 +199,16 @@ async def reregister(
     return {"node_id": node.id}
 
 
-def _reported_sandboxes(beat: dict[str, Any]) -> tuple[dict[str, datetime], list[str]]:
+def _reported_sandboxes(beat: dict[str, Any]) -> tuple[dict[str, datetime], dict[str, str]]:
     """(last activity per sandbox, sandboxes whose runtime the node saw die) of a heartbeat."""
     activity: dict[str, datetime] = {}
-    crashed: list[str] = []
+    crashed: dict[str, str] = {}
     for item in beat.get("sandboxes") or []:
         at = item.get("last_activity_at")
         if at:
             activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
         if item.get("state") == State.CRASHED.value:
-            crashed.append(str(item["id"]))
+            crashed[str(item["id"])] = str(item.get("crash_reason") or "")[:CRASH_REASON_LENGTH]
     return activity, crashed
 
 

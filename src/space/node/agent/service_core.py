@@ -9,7 +9,8 @@ Invariants:
 - Every data-plane request (and every item it streams) records the sandbox's activity time (`touch`),
   reported as `last_activity_at`.
 - Observing never fails because a part is unavailable: a driver or daemon that does not answer leaves its
-  fields empty (logged), the rest is reported.
+  fields empty (logged), the rest is reported. A crashed sandbox is reported with the reason its runtime
+  ended (`crash_reason`: its memory or task limit enforced by the host, a kill, an exit code).
 - Store URLs leave the node only without credentials (`public_url`).
 - Node info, the registration and every heartbeat carry the node's runtime descriptor (ADR 0035; None while
   unknown), which the scheduler matches against checkpoints before it sends a restore here.
@@ -28,6 +29,7 @@ from typing import Any
 
 from space.core import errors
 from space.core.lifecycle import IN_PROGRESS_STATES, State
+from space.core.settings import SandboxLimits
 from space.node.agent import rpc_models as rm
 from space.node.agent.agent import NodeAgent, SandboxHandle, SnapshotRecord
 from space.node.agent.egress_wiring import EgressWiring
@@ -142,6 +144,9 @@ class ServiceCore:
             last_activity_at=self.activity.get(handle.sandbox_id),
             guest=info,
             snapshots=[snapshot_info(handle.sandbox_id, r) for r in handle.snapshots.values()],
+            crash_reason=crash_reason(runtime.exit if runtime is not None else None, handle.spec.limits)
+            if handle.state == State.CRASHED
+            else None,
         )
 
     async def _runtime(self, sandbox_id: str) -> RuntimeState | None:
@@ -224,6 +229,21 @@ class ServiceCore:
             isolating=info.isolating,
             runtime=info.runtime,
         )
+
+
+def crash_reason(ended: Any, limits: SandboxLimits) -> str | None:
+    """Why a sandbox's runtime ended, from the holder's exit record (space.node.helper.holder): the host
+    enforcing its memory or task limit, a kill, or an exit code (None: nothing known); ADR 0036."""
+    record = ended if isinstance(ended, dict) else {}
+    counts = {k: v for k, v in record.items() if isinstance(v, int) and not isinstance(v, bool)}
+    if counts.get("oom_kills", 0) > 0:
+        return f"killed by the host for exceeding the sandbox's memory limit ({limits.memory_mb} MB)"
+    if counts.get("task_limit_hits", 0) > 0:
+        return "the host's task limit of the sandbox was reached"
+    code = counts.get("exit_code")
+    if code in {137, -9}:
+        return "killed (SIGKILL)"
+    return f"exited with code {code}" if code is not None else None
 
 
 def public_url(url: str) -> str:

@@ -9,7 +9,10 @@ Invariants:
 - Bytes from the sandbox are never dropped while no agent is connected: they are buffered up to
   MAX_BUFFERED, then the holder stops reading (the sandbox blocks on its pipe) until an agent comes back.
 - When runsc exits, the holder records its exit status in `exit.json` next to the socket, removes the
-  socket and exits; so a vanished socket plus `exit.json` always means "this runtime is gone".
+  socket and exits; so a vanished socket plus `exit.json` always means "this runtime is gone". The record
+  also says how often the sandbox's host cgroup enforced its limits by then (`oom_kills`: processes the
+  host's OOM killer killed; `task_limit_hits`: forks the host refused), read before anything removes the
+  cgroup, so a crash can name its reason (ADR 0036).
 - Standard library only and started with `python3 -S`, ahead of need as a spare (`--spare`), so its
   start-up time is not part of sandbox creation.
 """
@@ -38,6 +41,52 @@ def _write_json(path: str, value: dict[str, object]) -> None:
     with open(tmp, "w") as handle:
         json.dump(value, handle)
     os.replace(tmp, path)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _counter(path: str, key: str) -> int | None:
+    """The value of `key` in a cgroup file of `key value` lines (None if unreadable)."""
+    try:
+        with open(path) as handle:
+            for line in handle:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        return None
+    return None
+
+
+def limit_events(argv: list[str]) -> dict[str, int]:
+    """How often the host enforced the sandbox's limits while the runtime of `argv` ran (cgroup v1 or v2;
+    empty when its cgroup cannot be found)."""
+    bundle = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--bundle=")), None)
+    if bundle is None:
+        return {}
+    try:
+        with open(os.path.join(bundle, "config.json")) as handle:
+            cgroup = json.load(handle)["linux"]["cgroupsPath"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(cgroup, str) or not cgroup.startswith("/") or ".." in cgroup.split("/"):
+        return {}
+    sources = {
+        "oom_kills": [
+            (f"memory{cgroup}/memory.oom_control", "oom_kill"),
+            (f"{cgroup[1:]}/memory.events", "oom_kill"),
+        ],
+        "task_limit_hits": [(f"pids{cgroup}/pids.events", "max"), (f"{cgroup[1:]}/pids.events", "max")],
+    }
+    found: dict[str, int] = {}
+    for name, places in sources.items():
+        for relative, key in places:
+            value = _counter(os.path.join(CGROUP_ROOT, relative), key)
+            if value is not None:
+                found[name] = value
+                break
+    return found
 
 
 class Holder:
@@ -117,7 +166,8 @@ class Holder:
         code = child.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        _write_json(os.path.join(self.run_dir, "exit.json"), {"exit_code": code, "ended_at": time.time()})
+        ended: dict[str, object] = {"exit_code": code, "ended_at": time.time(), **limit_events(self.argv)}
+        _write_json(os.path.join(self.run_dir, "exit.json"), ended)
         if self.client is not None:
             self.client.close()
         listener.close()

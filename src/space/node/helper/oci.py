@@ -5,6 +5,10 @@ Invariants:
   mounts or capabilities.
 - Limits apply to the whole sandbox (application kernel included) through its cgroup, so a fork bomb or a
   memory hog is contained by the host kernel even if it overwhelms the guest.
+- The process budget is enforced INSIDE the sandbox first (ADR 0036): every guest process inherits
+  RLIMIT_NPROC = `pids` from the init, which gVisor's kernel enforces (fork and clone fail with EAGAIN in the
+  guest, the sandbox lives on); the host cgroup's `pids.max` is set above what any guest budget a sandbox
+  can carry costs on the host (`host_pids`), so it is only the node's last line.
 """
 
 from __future__ import annotations
@@ -31,14 +35,38 @@ BASE_ENV = {
 }
 
 
+# Host tasks one guest task may cost (measured under the ptrace platform: a fork bomb held at 40 guest
+# tasks by RLIMIT_NPROC had 297 host tasks in the sandbox's cgroup, ~7 each) and the application kernel's
+# own (Sentry, gofer: ~20 idle, more under load). ADR 0036.
+HOST_TASKS_PER_GUEST_TASK = 8
+SANDBOX_BASE_TASKS = 256
+DEFAULT_PIDS = SandboxLimits().pids  # what a template's warm checkpoint was made with
+
+
+def host_pids(limits: SandboxLimits) -> int:
+    """The host cgroup's task limit: above anything the guest's own limit (RLIMIT_NPROC, enforced by the
+    application kernel) lets its tasks cost, so that limit is always reached first. A sandbox restored from
+    its template's warm checkpoint carries the warm sandbox's budget (the default `pids`) in its image,
+    hence the larger of the two."""
+    guest_tasks = max(limits.pids, DEFAULT_PIDS)
+    return guest_tasks * HOST_TASKS_PER_GUEST_TASK + SANDBOX_BASE_TASKS
+
+
 def resources(limits: SandboxLimits) -> dict[str, Any]:
     return {
         "memory": {"limit": limits.memory_mb << 20},
         "cpu": {"quota": int(limits.cpus * CPU_PERIOD_US), "period": CPU_PERIOD_US},
-        # The host counts the application kernel's own threads (~20 idle) and several host tasks per guest
-        # process; the guest's process budget gets that headroom so `pids` means guest processes.
-        "pids": {"limit": limits.pids * 3 + 64},
+        "pids": {"limit": host_pids(limits)},
     }
+
+
+def rlimits(limits: SandboxLimits) -> list[dict[str, Any]]:
+    """The init's resource limits, inherited by every guest process. RLIMIT_NPROC (tasks per user, threads
+    included) is gVisor's in-sandbox process limit: a fork bomb fails inside with EAGAIN."""
+    return [
+        {"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536},
+        {"type": "RLIMIT_NPROC", "hard": limits.pids, "soft": limits.pids},
+    ]
 
 
 def bundle_config(
@@ -59,7 +87,7 @@ def bundle_config(
             "capabilities": {
                 kind: DEFAULT_CAPABILITIES for kind in ("bounding", "effective", "inheritable", "permitted")
             },
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "rlimits": rlimits(limits),
         },
         "root": {"path": str(rootfs), "readonly": False},
         "hostname": "sandbox",
