@@ -1,7 +1,8 @@
 """`space`: the command line of SPACE, thin over the SDK (entry point `space.cli.main:app`).
 
-Commands: sandbox, snapshot, exec, files, project, key, credential, bench; `up`/`down` come from
-space.cli.up when that module exists. Exit codes are documented in space.cli._common.
+Commands: sandbox, snapshot, exec, files, project, key, credential, bench, status (the local
+installation); `up`/`down` come from space.cli.up when that module exists. Exit codes are documented
+in space.cli._common.
 """
 
 import importlib
@@ -13,6 +14,7 @@ from space.cli._common import EXIT_USAGE, state
 from space.cli.admin import bench, credential_app, key_app, project_app
 from space.cli.data import exec_command, files_app
 from space.cli.sandbox import sandbox_app, snapshot_app
+from space.cli.status import status
 
 app = typer.Typer(
     name="space",
@@ -49,6 +51,7 @@ app.command(
     context_settings={"allow_interspersed_args": False},
 )(exec_command)
 app.command("bench")(bench)
+app.command("status")(status)
 
 
 def _register_up(target: typer.Typer) -> None:

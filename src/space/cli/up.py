@@ -4,11 +4,19 @@
 command works right after it with nothing exported. The key goes to the terminal of whoever ran `space up`
 only: the detached supervisor, whose output is `space.log`, never prints it (ADR 0022), and every file
 `space up` creates is owner-only (umask 077). `space down` stops what `space up` started (sandboxes
-stay on disk and are adopted by the next `space up`); `space down --purge` removes everything.
+stay on disk and are adopted by the next `space up`); `space down --purge` removes everything, also when
+SPACE is not running (a helper is started just for that).
+
+The process that runs `space up` (in the foreground, or the detached `--supervisor`) supervises what it
+started (ADR 0037, space.controlplane.supervisor): a component that dies is started again with back-off,
+each death and restart is a JSON line in DATA_DIR/space.log, and DATA_DIR/status.json (for `space status`)
+follows every change. SIGTERM (`space down`) ends supervision before anything is stopped, so no restart
+fights the shutdown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -17,22 +25,22 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Annotated
+from datetime import UTC, datetime
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from space.cli.installation import DEFAULT_DATA_DIR, alive, state_file, stop_leftovers, supervisor_pid
 from space.controlplane.local import LocalCluster
+from space.controlplane.supervisor import Emit
 from space.core import errors
 from space.node import filemodes
 from space.sdk.config import write_config_file
 
-DEFAULT_DATA_DIR = pathlib.Path("/var/lib/space")
+#: How often the supervisor looks at its components (a death is noticed within this).
+TICK_S = 0.5
 stderr = Console(stderr=True)
-
-
-def _state_file(data_dir: pathlib.Path) -> pathlib.Path:
-    return data_dir / "up.json"
 
 
 def _announce(cluster: LocalCluster) -> None:
@@ -42,9 +50,30 @@ def _announce(cluster: LocalCluster) -> None:
     stderr.print(f"[dim]config written to {config}; `space down` stops SPACE[/dim]")
 
 
+def _event_log(data_dir: pathlib.Path, *, echo: bool) -> Emit:
+    """Supervision events as JSON lines appended to DATA_DIR/space.log (the detached supervisor's own
+    output goes there too); `echo`: also a short line on the terminal of a foreground `space up`."""
+    path = data_dir / "space.log"
+
+    def emit(event: dict[str, Any]) -> None:
+        stamp = datetime.now(UTC).isoformat(timespec="milliseconds")
+        line = json.dumps({"ts": stamp, "source": "supervisor", **event}) + "\n"
+        with contextlib.suppress(OSError):  # purged: the directory is gone, and so is the log
+            fd = filemodes.open_private_log(path)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        if echo:
+            details = " ".join(f"{k}={v}" for k, v in event.items() if k != "event")
+            stderr.print(f"[dim]{event['event']} {details}[/dim]")
+
+    return emit
+
+
 def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> int:
-    """Run SPACE in this process until SIGTERM/SIGINT. `announce=False` (the detached supervisor, whose
-    output is a log file): say where SPACE listens, never the key."""
+    """Run SPACE in this process until SIGTERM/SIGINT, restarting what dies. `announce=False` (the
+    detached supervisor, whose output is a log file): say where SPACE listens, never the key."""
     cluster = LocalCluster(data_dir, port=port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -56,25 +85,26 @@ def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> i
         stderr.print(f"error: {exc.code}: {exc.message}")
         cluster.stop(purge=False)
         return 1
-    _state_file(data_dir).write_text(json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port}))
+    emit = _event_log(data_dir, echo=announce)
+    supervisor = cluster.supervisor(emit)
+    emit({"event": "space.up", "pid": os.getpid(), "url": cluster.url})
+    state_file(data_dir).write_text(json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port}))
     if announce:
         _announce(cluster)
     else:
         typer.echo(f"SPACE ready at {cluster.url} (the admin key is in {data_dir / 'admin.key'})")
     sys.stdout.flush()
     try:
-        while not stop.wait(1.0):
-            for name, proc in list(cluster.processes.items()):
-                if name != "helper" and proc.poll() is not None:
-                    stderr.print(
-                        f"warning: {name} exited ({proc.returncode}); see {data_dir / (name + '.log')}"
-                    )
-                    cluster.processes.pop(name)
+        while not stop.wait(TICK_S):
+            supervisor.tick()
     finally:
+        supervisor.stop()  # first: nothing is restarted while (or after) it is stopped
         purge = (data_dir / "purge-request").exists()
         cluster.stop(purge=purge)
+        supervisor.stopped()  # a purged directory is gone: nothing is written then
         if not purge:
-            _state_file(data_dir).unlink(missing_ok=True)
+            state_file(data_dir).unlink(missing_ok=True)
+        emit({"event": "space.down", "pid": os.getpid(), "purged": purge})
     return 0
 
 
@@ -91,15 +121,16 @@ def up(
     """Start the control plane, the node agent and the root helper on this machine."""
     filemodes.set_owner_only_umask()
     data_dir = data_dir.resolve()
-    state = _state_file(data_dir)
+    state = state_file(data_dir)
     if state.exists():
         info = json.loads(state.read_text())
-        if _alive(int(info.get("pid", 0))):
+        if alive(int(info.get("pid", 0))):
             stderr.print(f"SPACE is already running from {data_dir} (pid {info['pid']})")
             cluster = LocalCluster(data_dir, port=int(info["port"]))
             cluster.api_key = (data_dir / "admin.key").read_text().strip()
             _announce(cluster)
             return
+        stop_leftovers(data_dir)  # its supervisor died: what it supervised would hold ports and sockets
         state.unlink()
     (data_dir / "purge-request").unlink(missing_ok=True)
     if not detach:
@@ -132,37 +163,37 @@ def down(
     """Stop what `space up` started."""
     filemodes.set_owner_only_umask()
     data_dir = data_dir.resolve()
-    state = _state_file(data_dir)
-    if not state.exists():
-        stderr.print(f"SPACE is not running from {data_dir}")
-        raise typer.Exit(0)
-    pid = int(json.loads(state.read_text())["pid"])
+    pid = supervisor_pid(data_dir)
+    if pid is None:
+        _down_without_supervisor(data_dir, purge=purge)
+        return
     if purge:
         (data_dir / "purge-request").write_text("1")
-    if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 300
-        with stderr.status("stopping SPACE"):
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-    state.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 300
+    with stderr.status("stopping SPACE"):
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    state_file(data_dir).unlink(missing_ok=True)
     stderr.print("SPACE stopped" + (" and purged" if purge else ""))
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+def _down_without_supervisor(data_dir: pathlib.Path, *, purge: bool) -> None:
+    """No live supervisor: stop what a dead one left running; `--purge` still destroys everything."""
+    left = stop_leftovers(data_dir) if data_dir.is_dir() else []
+    state_file(data_dir).unlink(missing_ok=True)
+    if left:
+        stderr.print(f"stopped {len(left)} process(es) a dead supervisor left running: {left}")
+    if not purge or not data_dir.is_dir():
+        stderr.print(f"SPACE is not running from {data_dir}")
+        return
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        status = pathlib.Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "State:\tZ" not in status
+        with stderr.status("purging SPACE (not running)"):
+            LocalCluster(data_dir).purge_offline()
+    except errors.SpaceError as exc:
+        stderr.print(f"error: {exc.code}: {exc.message}")
+        raise typer.Exit(1) from exc
+    stderr.print(f"SPACE was not running; {data_dir} purged")
 
 
 def register(app: typer.Typer) -> None:

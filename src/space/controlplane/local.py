@@ -12,6 +12,11 @@ Invariants:
   what an older run left with wider modes is tightened at start. No secret is ever written to a log.
 - `stop(purge=True)` leaves nothing: every sandbox destroyed, the btrfs image unmounted, every process gone.
 - Start-up is idempotent: a data directory from an earlier run (sandboxes included) is adopted.
+- Once started, each component can be started again on its own (`supervisor()`, ADR 0037): the control
+  plane and the agent with the same arguments (the agent keeps its port and re-registers with its
+  persisted identity), the helper on the same socket followed by `node.prepare` (which converges: it
+  keeps every running sandbox and the node's network). The agent is not restarted with the helper: it
+  opens a helper connection per request, so it reaches the new helper by itself.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import httpx
 from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
+from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, Emit, Supervisor
 from space.core import errors
 from space.core.settings import NodeSettings
 from space.node import filemodes
@@ -44,7 +50,7 @@ READY_TIMEOUT_S = 600.0
 #: Files of the data directory itself (besides logs) that must be owner-only; an older run may have
 #: created them with the default umask.
 PRIVATE_FILES = (
-    "admin.key", "node.token", "up.json", "purge-request", "btrfs.img",
+    "admin.key", "node.token", "up.json", "purge-request", "btrfs.img", STATUS_FILENAME,
     *(SQLITE_FILENAME + suffix for suffix in ("", "-wal", "-shm", "-journal")),
 )  # fmt: skip
 #: Directories of the data directory whose whole content is private to its owner (root or the agent).
@@ -53,9 +59,21 @@ Progress = Callable[[str], None]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free loopback port below the kernel's ephemeral range: a restarted agent rebinds its port, and a
+    port from that range may meanwhile have become the source port of an outgoing connection."""
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _attempt in range(200):
+        port = secrets.choice(range(10000, max(low, 10001)))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise errors.ResourceExhausted("no free loopback port below the ephemeral range")
 
 
 def _secret_file(path: pathlib.Path, make: Callable[[], str], owner_uid: int = 0) -> str:
@@ -95,7 +113,9 @@ class LocalCluster:
             return 0, 0  # no such user: the agent runs as root (development machines without `make setup`)
         return entry.pw_uid, entry.pw_gid
 
-    def _spawn(self, name: str, argv: list[str], *, user: tuple[int, int] | None = None) -> None:
+    def _spawn(
+        self, name: str, argv: list[str], *, user: tuple[int, int] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = filemodes.open_private_log(self.data_dir / f"{name}.log")
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
         src = pathlib.Path(__file__).resolve().parents[2]
@@ -110,6 +130,7 @@ class LocalCluster:
             )  # fmt: skip
         finally:
             os.close(log)
+        return self.processes[name]
 
     def bootstrap_admin_key(self) -> str:
         """The org admin key of this installation: created with the org and its default project once."""
@@ -132,16 +153,11 @@ class LocalCluster:
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         uid, gid = self._agent_uid()
         secure_data_dir(self.data_dir, gid)
-        node_token = _secret_file(
-            self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid
-        )
+        _secret_file(self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid)
         progress("starting the node helper (root) and preparing storage and the python template")
         self.node = LocalNode(
             self.data_dir, agent_user=uid, network=self.network, cgroup_parent=self.cgroup_parent
         )
-        egress_args: list[str] = []
-        if self.network == "sandbox" and self.egress_config is not None:
-            egress_args = ["--egress-config", str(self.egress_config)]
         self.node.start_helper()
         assert self.node.helper_process is not None
         self.processes["helper"] = self.node.helper_process
@@ -152,28 +168,68 @@ class LocalCluster:
         self.api_key = self.bootstrap_admin_key()
         # One object store for the control plane and the node (suspend/restore, uploads, templates): a
         # directory the unprivileged agent owns.
-        store_url = (self.data_dir / "objects").as_uri()
-        ensure_local_store(store_url, uid)
+        ensure_local_store(self.store_url, uid)
         progress(f"starting the control plane on {self.url}")
-        self._spawn(
+        self.spawn_controlplane()
+        self.node_port = self.node_port or free_port()
+        progress(f"starting the node agent as user '{self.agent_user}' on 127.0.0.1:{self.node_port}")
+        self.spawn_agent()
+        self.wait_ready(progress)
+
+    @property
+    def store_url(self) -> str:
+        return (self.data_dir / "objects").as_uri()
+
+    def spawn_controlplane(self) -> subprocess.Popen[bytes]:
+        return self._spawn(
             "controlplane",
             [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(self.data_dir),
              "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token"),
-             "--store-url", store_url],
+             "--store-url", self.store_url],
         )  # fmt: skip
-        self.node_port = self.node_port or free_port()
-        progress(f"starting the node agent as user '{self.agent_user}' on 127.0.0.1:{self.node_port}")
-        self._spawn(
+
+    def spawn_agent(self) -> subprocess.Popen[bytes]:
+        egress_args: list[str] = []
+        if self.network == "sandbox" and self.egress_config is not None:
+            egress_args = ["--egress-config", str(self.egress_config)]
+        return self._spawn(
             "agent",
             [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
              "--listen", f"127.0.0.1:{self.node_port}",
              # Enrols the node once; its own RPC token and identity are kept in DATA_DIR/identity (ADR 0021).
              "--bootstrap-token-file", str(self.data_dir / "node.token"),
-             "--control-plane", self.url, "--store-url", store_url, *egress_args],  # prepares (warm starts)
-            user=(uid, gid),
+             # --store-url: templates from the store (warm starts).
+             "--control-plane", self.url, "--store-url", self.store_url, *egress_args],
+            user=self._agent_uid(),
         )  # fmt: skip
-        del node_token
-        self.wait_ready(progress)
+
+    def restart_helper(self) -> subprocess.Popen[bytes]:
+        """Start the helper again on the same socket and let `node.prepare` converge (it adopts every
+        running sandbox: holders live in their own sessions and the runtimes' state is on disk)."""
+        assert self.node is not None, "the helper is restarted only after start()"
+        self.node.stop_helper()  # reaps the dead one (or stops a live one)
+        self.node.start_helper()
+        assert self.node.helper_process is not None
+        self.processes["helper"] = self.node.helper_process
+        try:
+            _prepare_node(self.node, lambda _line: None, templates=())
+        except errors.SpaceError:
+            self.node.stop_helper()  # a helper that cannot prepare the node is no helper: try again later
+            raise
+        return self.node.helper_process
+
+    def supervisor(self, emit: Emit, backoff: Backoff | None = None) -> Supervisor:
+        """A supervisor of the processes `start()` started (ADR 0037), writing DATA_DIR/status.json."""
+        made = Supervisor(
+            [Component("helper", self.restart_helper),
+             Component("controlplane", self.spawn_controlplane),
+             Component("agent", self.spawn_agent)],
+            emit=emit, status_file=self.data_dir / STATUS_FILENAME, backoff=backoff,
+            extra={"supervisor_pid": os.getpid(), "url": self.url, "data_dir": str(self.data_dir)},
+        )  # fmt: skip
+        for name, process in self.processes.items():
+            made.adopt(name, process)
+        return made
 
     def wait_ready(self, progress: Progress) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -209,13 +265,30 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        self.processes.pop("helper", None)
+        helper = self.processes.pop("helper", None)
         if self.node is not None:
             import asyncio
 
+            if purge and (helper is None or helper.poll() is not None):
+                # Purging needs a helper (the supervisor may have been waiting to restart it, or nothing
+                # runs). node.teardown needs no node.prepare, and without it no network pool is being
+                # filled while the node is torn down.
+                self.node.stop_helper()
+                self.node.start_helper()
             asyncio.run(self.node.stop(purge=purge))
         elif purge:
             raise errors.InvalidArgument("nothing to purge: this cluster was not started here")
+
+    def purge_offline(self) -> None:
+        """`space down --purge` with nothing running: a helper started just for this destroys every
+        sandbox, the node's network and the btrfs image, then the data directory goes."""
+        if os.geteuid() != 0:
+            raise errors.PermissionDenied("purging a node needs its root helper: run it as root")
+        uid, _gid = self._agent_uid()
+        self.node = LocalNode(
+            self.data_dir, agent_user=uid, network=self.network, cgroup_parent=self.cgroup_parent
+        )
+        self.stop(purge=True)  # with no helper running, stop() starts one first
 
 
 def secure_data_dir(data_dir: pathlib.Path, agent_gid: int) -> None:
@@ -236,7 +309,7 @@ def secure_data_dir(data_dir: pathlib.Path, agent_gid: int) -> None:
         filemodes.restrict_tree(data_dir / name)
 
 
-def _prepare_node(node: LocalNode, progress: Progress) -> None:
+def _prepare_node(node: LocalNode, progress: Progress, templates: tuple[str, ...] = ("python",)) -> None:
     import asyncio
 
     from space.node.agent.helper_client import HelperClient
@@ -245,7 +318,8 @@ def _prepare_node(node: LocalNode, progress: Progress) -> None:
         helper = HelperClient(str(node.layout.helper_socket))
         try:
             await helper.call("node.prepare", progress=progress, timeout=600.0)
-            await helper.call("template.ensure", {"name": "python"}, progress=progress, timeout=1800.0)
+            for name in templates:
+                await helper.call("template.ensure", {"name": name}, progress=progress, timeout=1800.0)
         finally:
             await helper.close()
 

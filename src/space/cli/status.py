@@ -1,0 +1,136 @@
+"""`space status`: the installation `space up` runs from a data directory, as its supervisor and its
+control plane see it.
+
+Where each part comes from (the report says so in `sources`):
+- components (pid, state, uptime, restarts, last exit): DATA_DIR/status.json, which the supervisor
+  rewrites on every change (ADR 0037); uptime is computed now from the recorded start time, and only
+  while the supervisor is alive (a dead supervisor's file is shown as it was left, `running: false`);
+- the control plane's health: GET /healthz at the url the supervisor recorded (no key needed);
+- the nodes (status, capacity, use, last heartbeat): the control plane's own database in DATA_DIR, read
+  directly, so they are shown even when the API is down (the API has no route that lists nodes).
+
+Exit code 0 when the supervisor runs, 6 (unavailable) when it does not; `--json` prints JSON only.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from space.cli._common import EXIT_OK, EXIT_UNAVAILABLE
+from space.cli.installation import DEFAULT_DATA_DIR, read_state, rows_of, supervisor_pid
+from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
+from space.controlplane.store.store import Store
+from space.controlplane.supervisor import read_status
+from space.core import errors
+
+HEALTH_TIMEOUT_S = 2.0
+
+
+def collect(data_dir: pathlib.Path, *, now: float | None = None) -> dict[str, Any]:
+    """The whole report (what `--json` prints)."""
+    now = time.time() if now is None else now
+    pid = supervisor_pid(data_dir)
+    recorded = read_status(data_dir) or {}
+    url = recorded.get("url") or (read_state(data_dir) or {}).get("url")
+    components = []
+    for row in rows_of(recorded):
+        started = row.get("started_at")
+        uptime = None
+        if pid is not None and row.get("state") == "running" and isinstance(started, (int, float)):
+            uptime = round(now - started, 1)
+        components.append({**row, "uptime_s": uptime})
+    return {
+        "data_dir": str(data_dir),
+        "running": pid is not None,
+        "supervisor_pid": pid,
+        "url": url,
+        "components": components,
+        "controlplane": _health(str(url)) if url and pid is not None else {"health": "not running"},
+        "nodes": _nodes(data_dir),
+        "sources": {"components": "status file", "controlplane": "api /healthz", "nodes": "database"},
+    }
+
+
+def _health(url: str) -> dict[str, Any]:
+    try:
+        answer = httpx.get(f"{url}/healthz", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return {"health": "unreachable", "error": f"{type(exc).__name__}: {exc}"[:200]}
+    if answer.status_code == 200:
+        return {"health": "ok"}
+    return {"health": "unhealthy", "status_code": answer.status_code}
+
+
+def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
+    """Every node the control plane knows (None: no database here, or it cannot be read)."""
+    if not (data_dir / SQLITE_FILENAME).is_file():
+        return None
+    try:
+        store = Store(sqlite_url(data_dir))
+    except errors.SpaceError:
+        return None
+    try:
+        nodes = store.list_nodes(None)
+    except errors.SpaceError:
+        return None
+    finally:
+        store.close()
+    return [
+        {"id": node.id, "url": node.url, "status": node.status, "capacity": node.capacity, "used": node.used,
+         "last_heartbeat_at": node.last_heartbeat_at.isoformat()}
+        for node in nodes
+    ]  # fmt: skip
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    hours, rest = divmod(whole, 3600)
+    return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def render(report: dict[str, Any]) -> str:
+    head = "running" if report["running"] else "NOT running"
+    lines = [
+        f"SPACE {head} from {report['data_dir']}"
+        + (f" (supervisor pid {report['supervisor_pid']}, {report['url']})" if report["running"] else ""),
+        f"control plane: {report['controlplane'].get('health')}",
+        "",
+        f"{'COMPONENT':<13}{'PID':>8}  {'STATE':<9}{'UPTIME':>10}{'RESTARTS':>10}  LAST EXIT",
+    ]
+    for row in report["components"]:
+        lines.append(
+            f"{row['name']:<13}{row.get('pid') or '-':>8}  {row['state']:<9}{_duration(row['uptime_s']):>10}"
+            f"{row['restarts']:>10}  {row.get('last_exit') or '-'}"
+        )
+    lines.append("")
+    nodes = report["nodes"]
+    if nodes is None:
+        lines.append("nodes: (no database in the data directory)")
+    for node in nodes or []:
+        cap, used = node["capacity"], node["used"]
+        lines.append(
+            f"node {node['id']} {node['status']} at {node['url']}: sandboxes {used.get('sandboxes', 0)}/"
+            f"{cap.get('sandboxes', '?')}, cpus {cap.get('cpus', '?')}, mem {cap.get('memory_mb', '?')} MiB"
+        )
+    return "\n".join(lines)
+
+
+def status(
+    data_dir: Annotated[
+        pathlib.Path, typer.Option("--data-dir", help="where SPACE keeps its state")
+    ] = DEFAULT_DATA_DIR,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON only")] = False,
+) -> None:
+    """Each component `space up` supervises (pid, state, uptime, restarts, last exit), the control
+    plane's health and the nodes it knows."""
+    report = collect(data_dir.resolve())
+    typer.echo(json.dumps(report, indent=2) if as_json else render(report))
+    raise typer.Exit(EXIT_OK if report["running"] else EXIT_UNAVAILABLE)
