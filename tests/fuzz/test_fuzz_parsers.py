@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,10 +25,19 @@ from space.controlplane.api import bodies
 from space.controlplane.credentials import spec
 from space.core import errors, ids
 from space.core.retention import SnapshotPolicy
+from space.crypto.envelope import mac
 from space.node.egress.policy import EgressPolicy, normalize_host, split_authority
 from space.node.volumes import sendstream as ss
 from space.node.volumes import sendstream_check as ssc
-from space.objectstore.manifest import Entry, Manifest, PartRef, parse_manifest
+from space.objectstore.manifest import (
+    MAC_PURPOSE,
+    Encryption,
+    Entry,
+    Manifest,
+    PartRef,
+    authenticate,
+    parse_manifest,
+)
 from tests.support import sendstreams as sb
 from tests.support.fuzzing import JSON, executed, fuzz_settings
 
@@ -176,3 +186,30 @@ def test_send_streams_check_or_refuse_typed(garbles: list[tuple[int, int]], cut:
         data[pos] = value
     with contextlib.suppress(errors.ArtifactCorrupt, errors.NotFound):
         ssc.check_stream(io.BytesIO(bytes(data[:cut] if cut else data)), ss.Expected.full("sv"))
+
+
+def _every_bit_flipped(data: bytes) -> Iterator[bytes]:
+    for bit in range(len(data) * 8):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        yield bytes(flipped)
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_every_single_flipped_bit_of_a_stored_manifest_is_refused(encrypted: bool) -> None:
+    data_key = bytes(range(32))
+    manifest = Manifest(PREFIX, MANIFEST.created_at, {"k": 1}, "zstd", None, MANIFEST.entries, 10)
+    if encrypted:
+        manifest.encryption = Encryption("key-1", b"wrapped")
+        manifest.mac = mac(data_key, MAC_PURPOSE, manifest.canonical_body())
+    stored = manifest.to_bytes()
+    authenticate(parse_manifest(PREFIX, "k", stored), data_key if encrypted else None)  # the original is fine
+    accepted = 0
+    for flipped in _every_bit_flipped(stored):
+        executed("objectstore.manifest_bitflips")
+        try:
+            authenticate(parse_manifest(PREFIX, "k", flipped), data_key if encrypted else None)
+        except errors.ArtifactCorrupt:
+            continue
+        accepted += 1
+    assert accepted == 0, f"{accepted} of {len(stored) * 8} single-bit flips were accepted"

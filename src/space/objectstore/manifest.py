@@ -5,9 +5,11 @@ Layout under a prefix P (see docs/adr/0010-object-storage-artifacts.md):
     P/manifest.json            written LAST; lists every entry and part with sha256 and sizes
 
 Invariants:
-- The manifest document is {"manifest": body, "sha256": sha256 of the canonical body, "mac": ...}; the
-  canonical body is sorted-key, compact, ASCII JSON, and a manifest that does not round-trip to the same
-  canonical body is refused, so what was checked is exactly what is used.
+- The manifest document is {"manifest": body, "sha256": sha256 of the canonical body, "mac": ...}, with
+  exactly these keys; the canonical body is sorted-key, compact, ASCII JSON, and a manifest that does not
+  round-trip to the same canonical body is refused, so what was checked is exactly what is used (every
+  single flipped bit of a stored manifest is refused here or, in an encrypted artifact's mac, by
+  `authenticate`: tests/fuzz/test_fuzz_parsers.py).
 - Parsing never trusts the document: a checksum mismatch, an unknown format, compression or encryption,
   a manifest of another prefix, a part outside `P/parts/`, impossible sizes, or any malformed field is
   errors.ArtifactCorrupt (with a `reason`); a missing manifest is errors.NotFound ("not restorable").
@@ -38,6 +40,7 @@ COMPRESSIONS = ("zstd", "none")
 MIN_PART_SIZE = 1
 MAX_PART_SIZE = 256 << 20
 MAC_PURPOSE = "space-artifact-manifest-v1"
+DOCUMENT_KEYS = frozenset({"manifest", "sha256", "mac"})
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,10 @@ def parse_manifest(prefix: str, key: str, raw: bytes) -> Manifest:
             mac=document.get("mac"),
         )
         _check_algorithms(prefix, key, manifest)
+        # Nothing outside the checked body may vary either: a flipped bit in a key of the document itself
+        # ("mac" -> "mbc") would otherwise pass unnoticed.
+        if set(document) != DOCUMENT_KEYS:
+            raise corrupt(prefix, key, "malformed", "manifest document has unexpected fields")
         if manifest.canonical_body() != canonical(body):
             raise corrupt(prefix, key, "malformed", "manifest does not round-trip")
         return manifest
