@@ -147,9 +147,16 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         return len(claimed)
 
     async def _work(self, record: SandboxRecord) -> None:
-        renewer = asyncio.create_task(self._renew(record.id))
+        step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}")
+        renewer = asyncio.create_task(self._renew(record.id, step))
         try:
-            await self.reconcile(record)
+            await step
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                step.cancel()  # this reconciler is stopping
+                raise
+            log.info("sandbox %s: its lease was taken (its step re-planned): step abandoned", record.id)
         except errors.Conflict:
             log.debug("sandbox %s moved under us; it will be looked at again", record.id)
         except Exception:
@@ -159,13 +166,19 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             with contextlib.suppress(errors.SpaceError):
                 await asyncio.to_thread(self.store.release, record.id, self.owner)
 
-    async def _renew(self, sandbox_id: str) -> None:
+    async def _renew(self, sandbox_id: str, step: asyncio.Task[None]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
-        work is taken over within LEASE_S."""
+        work is taken over within LEASE_S. A lease that was taken away (its step re-planned because the
+        node is gone) ends the step: nothing waits on a node that is gone."""
         while True:
             await asyncio.sleep(LEASE_S / 3)
-            with contextlib.suppress(errors.SpaceError):
-                await asyncio.to_thread(self.store.renew, sandbox_id, self.owner, LEASE_S)
+            try:
+                renewed = await asyncio.to_thread(self.store.renew, sandbox_id, self.owner, LEASE_S)
+            except errors.SpaceError:
+                continue
+            if not renewed:
+                step.cancel()
+                return
 
     # -- one sandbox -----------------------------------------------------------------------------------------
     async def reconcile(self, sb: SandboxRecord) -> None:

@@ -15,6 +15,7 @@ Invariants:
 - `last_activity_at` never moves backwards, so late reports are harmless.
 - A transition given a `note` writes that sandbox event in the SAME transaction as the state change, so a
   move and the event that explains it (node lost, step re-planned, crashed, recovered) are never apart.
+- `node_lost` (a step re-planned because its node is gone) also frees the sandbox's lease.
 - `incarnation` (docs/adr/0032-lost-nodes-and-incarnations.md) is the generation at which the copy on
   `node_id` was made; callers set it together with the node the copy is placed on, before the node call.
 """
@@ -203,6 +204,10 @@ class SandboxStateRepository(Repository):
         values.update(state=target.value, generation=Sandbox.generation + 1, updated_at=now)
         if target is State.DELETED:
             values["deleted_at"] = now
+        if lifecycle.parse_event(event) is Event.NODE_LOST:
+            # The step's worker may hang on the gone node for long: the re-planned sandbox is claimable at
+            # once, and that worker, failing to renew a lease it no longer holds, abandons the step.
+            values.update(lease_owner=None, lease_until=None)
         conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
         step = lifecycle.parse_event(event)
         failpoints.hit(failpoints.transition_point(current.value, step.value, "before"))
