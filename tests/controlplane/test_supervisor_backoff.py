@@ -131,12 +131,27 @@ def test_a_failed_start_counts_as_a_death_and_is_retried_later(tmp_path: pathlib
     run_for(sup, clock, 3.5)
     assert [round(t - 1000.0, 1) for t in starter.times] == [1.0, 3.0]
     assert sup.status["agent"].last_exit is not None
-    assert sup.status["agent"].last_exit.startswith("start failed: node helper exited at start")
+    assert sup.status["agent"].last_exit.startswith(
+        "start failed: RuntimeFailure: node helper exited at start"
+    )
     assert sup.status["agent"].restarts == 0 and sup.status["agent"].state == "waiting"
     starter.fail_with = None
     run_for(sup, clock, 4.0)
     assert sup.status["agent"].state == "running" and sup.status["agent"].restarts == 1
     assert events[-1] == {"event": "component.restarted", "component": "agent", "pid": 101, "restarts": 1}
+
+
+def test_any_exception_from_a_start_is_a_failed_start_not_the_supervisors_end(tmp_path: pathlib.Path) -> None:
+    clock = FakeClock()
+    starter = Starter(clock)
+    starter.fail_with = RuntimeError("a bug in a start function")
+    sup, _events = make(tmp_path, starter, clock, Backoff(initial_s=1, factor=2, cap_s=60, stable_s=30))
+    first = FakeProcess(1)
+    sup.adopt("agent", first)
+    first.returncode = 1
+    run_for(sup, clock, 4.0)  # no exception escapes tick()
+    assert len(starter.times) == 2
+    assert sup.status["agent"].last_exit == "start failed: RuntimeError: a bug in a start function"
 
 
 def test_nothing_restarts_after_stop(tmp_path: pathlib.Path) -> None:

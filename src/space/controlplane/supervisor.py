@@ -29,8 +29,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
-from space.core import errors
-
 STATUS_FILENAME = "status.json"
 ComponentState = Literal["running", "waiting", "stopping", "stopped"]
 Emit = Callable[[dict[str, Any]], None]
@@ -61,7 +59,7 @@ class Backoff:
 @dataclass(frozen=True)
 class Component:
     name: str
-    #: Starts the component and returns its process; raises (a SpaceError or OSError) when it cannot.
+    #: Starts the component and returns its process; raises when it cannot (any exception: a failed start).
     start: Callable[[], Process]
 
 
@@ -181,8 +179,9 @@ class Supervisor:
         self._started_mono[name] = self.clock()
         try:
             process = self.components[name].start()
-        except (errors.SpaceError, OSError) as exc:
-            self._died(name, None, f"start failed: {exc}"[:300])
+        except Exception as exc:
+            # The supervisor must outlive any failure of what it starts (it is what keeps the rest up).
+            self._died(name, None, f"start failed: {type(exc).__name__}: {exc}"[:300])
             return
         self.status[name].restarts += 1
         self._running(name, process)
