@@ -56,6 +56,6 @@ def create_app(
 
     rest_errors.install(app, surface="node agent")
     if failpoints.armed():  # tests only; added first, so it runs inside BearerAuth
-        app.add_middleware(KillPointMiddleware, routes=app.routes)
+        app.add_middleware(KillPointMiddleware, routes=[r for router in ROUTERS for r in router.routes])
     app.add_middleware(BearerAuth, token=token)
     return app
