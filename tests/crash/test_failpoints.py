@@ -94,3 +94,31 @@ def test_an_armed_process_dies_once_at_each_point(tmp_path: pathlib.Path) -> Non
     every = tmp_path / "every"
     assert [_run_until("*", every).returncode for _ in range(4)] == [-signal.SIGKILL] * 3 + [0]
     assert every.read_text().split() == ["one", "two", "three"]
+
+
+def test_the_node_app_dies_at_a_route_point_inside_bearer_auth(tmp_path: pathlib.Path) -> None:
+    """An armed node app dies before the handler of the route a request matches, and only once the request
+    passed BearerAuth (an unauthenticated one is answered 401)."""
+    journal = tmp_path / "fired"
+    code = "\n".join(
+        [
+            "from starlette.testclient import TestClient",
+            "from space.node.agent.app import create_app",
+            "client = TestClient(create_app(object(), 'tok'), raise_server_exceptions=False)",
+            "path = '/node/v1/sandboxes/sb-aaaaaaaaaaaaaaaaaaaaaaaaaa/pause'",
+            "print(client.post(path).status_code, flush=True)",
+            "client.post(path, headers={'Authorization': 'Bearer tok'})",
+            "print('past')",
+        ]
+    )
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(REPO / "src"),
+        failpoints.ARM_VARIABLE: "agent.pause_sandbox.before",
+        failpoints.JOURNAL_VARIABLE: str(journal),
+    }
+    died = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    assert died.stdout.split() == ["401"] and journal.read_text().split() == ["agent.pause_sandbox.before"]
