@@ -53,7 +53,6 @@ def test_registration_reports_capacity_and_templates(cluster: c.Cluster) -> None
 def test_a_hung_node_is_marked_lost_and_comes_back(cluster: c.Cluster) -> None:
     with cluster.sdk() as sp:
         before = sp.sandboxes.create(limits=c.SMALL)
-        generation = cluster.store.load_sandbox(before.id).generation  # type: ignore[union-attr]
         cluster.node.signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -88,15 +87,5 @@ def test_a_hung_node_is_marked_lost_and_comes_back(cluster: c.Cluster) -> None:
             lambda: waiting.refresh().state == "running", timeout=30, what="the waiting sandbox placed"
         )
         assert waiting.exec("echo placed").stdout == "placed\n"
-        # Its lease ran out while it was stopped, so the node fenced its sandbox as it woke (ADR 0033; the
-        # fake driver enforces the lease on the agent's loop): the control plane learns of the crash and
-        # starts it again on its kept disk.
-        assert "FENCED" in cluster.node.log_tail(50_000)
-
-        def restarted() -> bool:
-            record = cluster.store.load_sandbox(before.id)
-            return record is not None and record.state == "running" and record.generation > generation
-
-        c.wait_for(restarted, timeout=30, what="the fenced sandbox running again")
         assert before.exec("echo survived").stdout == "survived\n"
     cluster.wait_converged(10)

@@ -172,20 +172,22 @@ def test_without_a_helper_the_watchdog_fences_and_release_disarms() -> None:
     asyncio.run(scenario())
 
 
-def test_the_fake_nodes_fence_stops_its_sandboxes(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("enforce", [True, False])
+def test_a_fake_node_fences_its_sandboxes_only_when_told_to(tmp_path: pathlib.Path, enforce: bool) -> None:
     async def scenario() -> None:
         agent = NodeAgent(FakeDriver(tmp_path))
         await agent.prepare()
         handle = await agent.create()
-        fence = node_fence(agent)
+        fence = node_fence(agent, enforce_in_agent=enforce)
         try:
             assert (await agent.driver.state(handle.sandbox_id)).runtime == "running"
             await fence.renew(time.monotonic(), 0.1)
-            for _ in range(200):
+            for _ in range(50):
                 if (await agent.driver.state(handle.sandbox_id)).runtime != "running":
                     break
                 await asyncio.sleep(0.02)
-            assert (await agent.driver.state(handle.sandbox_id)).runtime != "running"
+            stopped = (await agent.driver.state(handle.sandbox_id)).runtime != "running"
+            assert stopped is enforce and fence.fenced is enforce
         finally:
             await fence.close()
             await agent.delete_all()

@@ -12,7 +12,8 @@ Invariants:
   whose own timer pauses and tears down every runtime when it passes: a frozen agent (SIGSTOP, a hung
   event loop) is fenced all the same. The agent only renews it.
 - Without a helper (the fake driver, development only) the agent enforces the deadline on its own event
-  loop: that covers a partition, not a frozen agent.
+  loop if NodeAgentSettings.fence_without_helper is set (that covers a partition, not a frozen agent);
+  by default it does not (`Fence(None)` without `on_expiry` only tracks the lease).
 - An answer that arrives after its own deadline renews nothing (the lease it granted is already over).
 - `release` disarms the fence: only after the control plane accepted a clean deregistration (the node is
   `offline`, never marked lost, so its sandboxes are never restored elsewhere and must stay for the next
@@ -64,7 +65,7 @@ class Fence:
         elif self.fenced:
             log.warning("the control plane is reachable again after this node fenced its sandboxes")
         self.deadline, self.fenced = deadline, False
-        if self.helper is None:
+        if self.helper is None and self.on_expiry is not None:
             self._ensure_watchdog()
         return True
 

@@ -190,7 +190,7 @@ async def serve(
     )
     reporter: Reporter | None = None
     reporting: asyncio.Task[None] | None = None
-    fence = node_fence(agent)
+    fence = node_fence(agent, enforce_in_agent=settings.fence_without_helper)
     if control_plane:
         url = advertise_url or f"http://{host}:{port}"
         reporter = Reporter(service, control_plane, bootstrap_token, url, rpc_token, fence=fence)
@@ -208,12 +208,15 @@ async def serve(
         await agent.close()
 
 
-def node_fence(agent: NodeAgent) -> Fence:
+def node_fence(agent: NodeAgent, *, enforce_in_agent: bool = False) -> Fence:
     """The node's fence (ADR 0033): held by the root helper when the driver has one; else (the fake
-    driver) watched on this loop, stopping every runtime when the lease ends."""
+    driver) watched on this loop if `enforce_in_agent` (NodeAgentSettings.fence_without_helper), stopping
+    every runtime when the lease ends, or not enforced at all."""
     helper = getattr(agent.driver, "helper", None)
     if isinstance(helper, HelperClient):
         return Fence(helper)
+    if not enforce_in_agent:
+        return Fence(None)
 
     async def stop_all() -> None:
         sandbox_ids = list(agent.sandboxes)

@@ -110,6 +110,12 @@ class NodeAgentSettings(BaseSettings):
         gt=0,
         description="Seconds between heartbeats (and between registration attempts).",
     )
+    fence_without_helper: bool = Field(
+        validation_alias=_node("fence_without_helper"), default=False,
+        description="A node without a root helper (the fake driver, development only) enforces its lease "
+        "(ADR 0033) on the agent's own loop, stopping its sandboxes when it ends. Off by default: fake "
+        "sandboxes have no isolation to protect, and development clusters restart their control planes.",
+    )  # fmt: skip
     control_plane_timeout_s: float = Field(
         validation_alias=_node("control_plane_timeout_s"),
         default=10.0,
