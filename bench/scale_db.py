@@ -13,6 +13,8 @@ median reported:
   sandboxes_on_node   one node's sandboxes (heartbeat stale-copy check, lost nodes, disk admission)
   heartbeat           one node's heartbeat write
   load_sandbox        one record by id (orphan collection does one per sandbox a node lists)
+  list_idle_sandboxes the idle-pause job (every second per replica): running sandboxes with a timeout
+  list_sandboxes_with_policy  the snapshot scheduler's listing (every second, leader only)
 
 and the size of the tables and their indexes. Writes bench/results/scale-db-<time>.json.
 """
@@ -29,8 +31,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from tests.support.cluster import bootstrap
-from tests.support.postgres import fresh_database, start_server, stop_server
 
+from bench.scale_sim import fresh_with_statements, postgres_with_statements
 from bench.stats import write_json
 from space.controlplane.scheduler import choose_node
 from space.controlplane.store.store import Store
@@ -77,7 +79,8 @@ def populate(store: Store, engine: sa.Engine, project_id: str, nodes: int, sandb
     node = store.enrol_node("node-" + "a" * 25 + "a", "http://node.test/0", identity="x" * 32,
                             seal_rpc_token=lambda _id: b"sealed", capacity=CAPACITY,
                             templates=["python"])  # fmt: skip
-    sb = store.create_sandbox(project_id, "python")
+    # An idle timeout, as agents' sandboxes usually have: the idle-pause job scans those.
+    sb = store.create_sandbox(project_id, "python", idle_timeout_s=3600)
     sb = store.update_observed(sb.id, expected_generation=sb.generation, node_id=node.id)
     sb = store.transition(sb.id, sb.state, sb.generation, Event.CREATE)
     sb = store.transition(sb.id, sb.state, sb.generation, Event.CREATED)
@@ -97,13 +100,31 @@ def populate(store: Store, engine: sa.Engine, project_id: str, nodes: int, sandb
             "insert_sandboxes_s": round(sandboxes_s, 1)}  # fmt: skip
 
 
-def timed(call: Callable[[], Any], repeat: int) -> dict[str, float]:
+STATEMENT_TOTALS = sa.text(
+    "SELECT coalesce(sum(calls), 0), coalesce(sum(rows), 0), "
+    "coalesce(sum(shared_blks_hit + shared_blks_read), 0), coalesce(sum(total_exec_time), 0) "
+    "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND query NOT LIKE '%pg_stat_statements%'"
+)
+
+
+def timed(engine: sa.Engine, call: Callable[[], Any], repeat: int) -> dict[str, float]:
+    """Median and max wall time of `call`, and per call what PostgreSQL did for it (pg_stat_statements:
+    statements, rows, buffer pages touched, execution time): the pages are what does not depend on how
+    busy the machine is."""
+    with engine.connect() as conn:
+        conn.execute(sa.text("SELECT pg_stat_statements_reset()"))
+        conn.commit()
     samples = []
     for _ in range(repeat):
         started = time.perf_counter()
         call()
         samples.append((time.perf_counter() - started) * 1000)
-    return {"median_ms": round(statistics.median(samples), 2), "max_ms": round(max(samples), 2), "n": repeat}
+    with engine.connect() as conn:
+        calls, rows, pages, pg_ms = conn.execute(STATEMENT_TOTALS).one()
+    return {"median_ms": round(statistics.median(samples), 2), "max_ms": round(max(samples), 2), "n": repeat,
+            "statements": round(float(calls) / repeat, 1), "rows": round(float(rows) / repeat),
+            "pages": round(float(pages) / repeat), "pg_ms": round(float(pg_ms) / repeat, 2)}  # fmt: skip
 
 
 def sizes(engine: sa.Engine) -> dict[str, Any]:
@@ -133,9 +154,11 @@ def measure(url: str, nodes: int, sandboxes: int, repeat: int) -> dict[str, Any]
             "sandboxes_on_node": lambda: store.list_sandboxes_on_node(made["node_id"]),
             "heartbeat": lambda: store.heartbeat(made["node_id"], used={"cpus": 1.0, "memory_mb": 512}),
             "load_sandbox": lambda: store.load_sandbox(record.id),
+            "list_idle_sandboxes": store.list_idle_sandboxes,
+            "list_sandboxes_with_policy": store.list_sandboxes_with_policy,
         }
-        results: dict[str, Any] = {name: timed(call, repeat) for name, call in calls.items()}
-        results["choose_node"] = timed(lambda: choose_node(store, fresh), 1)
+        results: dict[str, Any] = {name: timed(engine, call, repeat) for name, call in calls.items()}
+        results["choose_node"] = timed(engine, lambda: choose_node(store, fresh), 1)
         return {"nodes": nodes, "sandboxes": sandboxes, "populate": made, "calls": results,
                 "sizes": sizes(engine)}  # fmt: skip
     finally:
@@ -151,12 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sandboxes", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
-    server = start_server()
-    try:
-        url = fresh_database(server.url(), "scale_db")
+    with postgres_with_statements() as server:
+        url = fresh_with_statements(server, "scale_db")
         report = measure(url, args.nodes, args.sandboxes, args.repeat)
-    finally:
-        stop_server(server)
     report["machine"] = {"cpus": os.cpu_count(), "loadavg": os.getloadavg()}
     path = write_json(report, "scale-db")
     print(json.dumps(report, indent=2))

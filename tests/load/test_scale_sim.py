@@ -18,7 +18,7 @@ SANDBOXES = 8
 
 def test_simulated_fleet_against_two_replicas_on_postgres(postgres_url: str) -> None:
     result = scale_sim.run_fleet(
-        new_database(postgres_url), NODES, SANDBOXES, concurrency=6, idle_s=1.0, timeout=60, singles=2
+        new_database(postgres_url), NODES, SANDBOXES, concurrency=6, idle_s=1.0, timeout=120, singles=2
     )
     print(f"scale simulation: {scale_sim.summary_rows([result])}")  # the numbers, with `pytest -s`
     assert result["node_statuses"] == {"ready": NODES}, result
