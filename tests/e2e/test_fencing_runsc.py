@@ -154,8 +154,12 @@ def world() -> Iterator[Partitioned]:
         with contextlib.suppress(subprocess.CalledProcessError):
             _ip("link", "set", veth, "up")  # a failed test may have left it down: let the agent deregister
         problems = realcluster._teardown(None, root, cp, [node], db)
+        # Deleting our end deletes both now; the namespace's deletion would take them only in the kernel's
+        # asynchronous clean-up.
         with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("netns", "del", netns)  # the veth pair goes with it
+            _ip("link", "del", veth)
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _ip("netns", "del", netns)
         leftover = [p.name for p in pathlib.Path("/sys/class/net").iterdir() if p.name in (veth, peer)]
         assert problems == {} and leftover == [], (problems, leftover)
 

@@ -176,26 +176,28 @@ async def serve(
     bootstrap_token: str | None = None
     if control_plane:
         bootstrap_token = _enrolment(service, data_dir, rpc_token, identity_file, bootstrap_token_file)
-    # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
-    service.egress = await egress_install(
-        agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
-        identity=service.identity,
-    )  # fmt: skip
-    adopted = await agent.recover()
-    if adopted:
-        log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
     host, port = listen
-    server = _Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
-    )
     reporter: Reporter | None = None
     reporting: asyncio.Task[None] | None = None
     fence = node_fence(agent, enforce_in_agent=settings.fence_without_helper)
     if control_plane:
+        # Heartbeats start before the slower rest of the start-up (egress, adopting the sandboxes): a
+        # restarted agent must renew the lease its helper still holds before it ends (ADR 0033).
         url = advertise_url or f"http://{host}:{port}"
         reporter = Reporter(service, control_plane, bootstrap_token, url, rpc_token, fence=fence)
         reporting = asyncio.create_task(reporter.run())
     try:
+        # Before recover(): adopted sandboxes get their egress policies as they are reconnected.
+        service.egress = await egress_install(
+            agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
+            identity=service.identity,
+        )  # fmt: skip
+        adopted = await agent.recover()
+        if adopted:
+            log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
+        server = _Server(
+            uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
+        )
         await server.serve()  # on SIGTERM: stops accepting, lets requests in flight finish, returns
     finally:
         if reporting is not None:
