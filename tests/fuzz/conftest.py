@@ -16,13 +16,13 @@ from tests.support.fuzzing import EXECUTED, LONG
 
 settings.register_profile(
     "space-fuzz-short",
-    deadline=timedelta(seconds=5),
+    deadline=timedelta(seconds=20),
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
     "space-fuzz-long",
-    deadline=timedelta(seconds=5),
+    deadline=timedelta(seconds=20),
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
