@@ -27,8 +27,12 @@ from hypothesis.stateful import run_state_machine_as_test
 from tests.support import cluster as c
 from tests.support.lifecycle_model import LifecycleMachine, Tally, Target, soak
 
-SHORT = {"max_examples": 2, "stateful_step_count": 8}
-LONG = {"max_examples": 60, "stateful_step_count": 30}
+#: The long profile runs for most of an hour; the short one within pytest's default timeout.
+pytestmark = pytest.mark.timeout(3600 if soak() else 300)
+
+#: Hypothesis tries the simplest sequence first; the others are random.
+SHORT = {"max_examples": 3, "stateful_step_count": 6}
+LONG = {"max_examples": 30, "stateful_step_count": 25}
 
 
 def guest_pids(node: c.FakeNode, sandbox_id: str) -> list[int]:

@@ -233,6 +233,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     TALLY: Tally
     #: Rules a machine may leave out (the runsc machine: no crash injection).
     CRASHES = True
+    #: At most this many live sandboxes (creates and forks stop there; each costs most on runsc).
+    MAX_LIVE = 4
 
     def __init__(self) -> None:
         super().__init__()
@@ -335,7 +337,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             time.sleep(0.1)
 
     # -- rules: create and fork ----------------------------------------------------------------------------
-    @precondition(lambda self: len(self.live) < 4)
+    @precondition(lambda self: len(self.live) < self.MAX_LIVE)
     @rule(mode=st.sampled_from(MODES))
     def create(self, mode: str) -> None:
         body = {"template": "python", "limits": self.TARGET.limits, "wait": True}
@@ -348,7 +350,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self._adopt(answer.body["id"], answer.body, State.RUNNING)
         assert len(ids) == len(answers), f"two creates without a key made one sandbox: {answers}"
 
-    @precondition(lambda self: self.live and len(self.live) < 4)
+    @precondition(lambda self: self.live and len(self.live) < self.MAX_LIVE)
     @rule(index=st.integers(0, 7), mode=st.sampled_from(MODES))
     def fork(self, index: int, mode: str) -> None:
         parent = self._pick(index)
