@@ -134,7 +134,7 @@ class ControlPlaneSettings(BaseSettings):
         15.0, "SPACE_NODE_LOST_AFTER_S", "A node without a heartbeat for this long is marked lost."
     )
     fence_grace_s: float = _positive(
-        5.0, "SPACE_FENCE_GRACE_S",
+        3.0, "SPACE_FENCE_GRACE_S",
         "A node fences itself this long before it could be marked lost: the heartbeat answer grants a "
         "lease of node_lost_after_s minus this (ADR 0033). Covers the node's teardown, clock-rate drift "
         "and the replicas' clock offset; must stay below node_lost_after_s.",
