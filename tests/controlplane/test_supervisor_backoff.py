@@ -134,10 +134,12 @@ def test_a_failed_start_counts_as_a_death_and_is_retried_later(tmp_path: pathlib
     assert sup.status["agent"].last_exit.startswith(
         "start failed: RuntimeFailure: node helper exited at start"
     )
-    assert sup.status["agent"].restarts == 0 and sup.status["agent"].state == "waiting"
+    waiting = sup.status["agent"]
+    assert waiting.restarts == 0 and waiting.state == "waiting"
     starter.fail_with = None
     run_for(sup, clock, 4.0)
-    assert sup.status["agent"].state == "running" and sup.status["agent"].restarts == 1
+    running = sup.status["agent"]
+    assert running.state == "running" and running.restarts == 1
     assert events[-1] == {"event": "component.restarted", "component": "agent", "pid": 101, "restarts": 1}
 
 

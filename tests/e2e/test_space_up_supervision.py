@@ -6,11 +6,14 @@ afterwards (a restart converges like any other crash) and still pauses and resum
 restarted helper by itself). Then `space down` stops everything with no restart fighting it, and
 `space down --purge` with SPACE not running still destroys everything.
 
-The restarts are polled in-process (`space.cli.status.collect`, what the command prints) to keep the run
-short; the command itself runs at the start, the end and after `space down`."""
+To keep the run short, the restarts are polled in-process (`space.cli.status.collect`, what the command
+prints; the command itself runs at the start, the end and after `space down`), and the sandbox is driven
+with the SDK (the CLI's config file gives its url and key) instead of a CLI process per call."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
 
@@ -19,6 +22,8 @@ import pytest
 from space.cli.status import collect
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.store import Store
+from space.core.errors import SpaceError
+from space.sdk import Sandbox, Space
 from tests.support.cluster import free_port, host_leftovers, sandbox_ids_in, wait_for
 from tests.support.space_up import Cli, components, status_report, supervisor_events
 
@@ -35,15 +40,24 @@ def node_ids(cli: Cli) -> list[str]:
         store.close()
 
 
-def exec_answers(cli: Cli, sandbox_id: str, text: str) -> bool:
-    proc = cli.run("exec", sandbox_id, "--", "echo", text, check=False, timeout=60)
-    return proc.returncode == 0 and proc.stdout == f"{text}\n".encode()
+def sdk(cli: Cli) -> Space:
+    config = json.loads((cli.home / ".config" / "space" / "config.json").read_text())
+    return Space(url=config["url"], api_key=config["api_key"])
 
 
-def restarted(cli: Cli, name: str, old_pid: int) -> dict[str, object] | None:
+def exec_answers(sandbox: Sandbox, text: str) -> bool:
+    try:
+        result = sandbox.exec(["echo", text], timeout=60)
+    except SpaceError:
+        return False  # not converged yet (control plane, agent or sandbox coming back)
+    return result.exit_code == 0 and result.stdout == f"{text}\n"
+
+
+def restarted(cli: Cli, name: str, old_pid: int) -> dict[str, object]:
+    """The component's row once it runs again after the kill (an empty dict before)."""
     row = components(collect(cli.data_dir))[name]
     fresh = row["state"] == "running" and row["restarts"] == 1 and row["pid"] not in (None, old_pid)
-    return row if fresh else None
+    return row if fresh else {}
 
 
 def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) -> None:
@@ -62,13 +76,14 @@ def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) ->
     assert isinstance(nodes, list) and [n["id"] for n in nodes] == [node_id]
     assert nodes[0]["status"] == "ready" and nodes[0]["capacity"]["sandboxes"] > 0
 
-    sandbox_id = str(cli.json("sandbox", "create", "--json")["id"])
-    assert exec_answers(cli, sandbox_id, "before")
+    client = sdk(cli)
+    sandbox = client.sandboxes.create()
+    assert exec_answers(sandbox, "before")
 
     for name in KILL_ORDER:
         old_pid = int(str(components(collect(cli.data_dir))[name]["pid"]))
         os.kill(old_pid, signal.SIGKILL)
-        row = wait_for(lambda n=name, p=old_pid: restarted(cli, n, p), timeout=120, interval=0.2, what=name)
+        row = wait_for(functools.partial(restarted, cli, name, old_pid), timeout=120, interval=0.2, what=name)
         assert row["last_exit"] == "signal SIGKILL", row
         deaths = [e for e in supervisor_events(cli.data_dir) if e["event"] == "component.exited"]
         assert any(e["component"] == name and e["pid"] == old_pid for e in deaths), (name, deaths)
@@ -78,12 +93,13 @@ def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) ->
         ), name
 
     # Converges: the sandbox from before answers again, on the same node (no new node registered) ...
-    wait_for(lambda: exec_answers(cli, sandbox_id, "after"), timeout=120, interval=0.5, what="exec again")
+    wait_for(lambda: exec_answers(sandbox, "after"), timeout=120, interval=0.5, what="exec again")
     assert node_ids(cli) == [node_id], "a new node registered after the restarts"
     # ... and the agent reaches the restarted helper by itself (pause and resume are helper verbs).
-    assert cli.json("sandbox", "pause", sandbox_id, "--json")["state"] == "paused"
-    assert cli.json("sandbox", "resume", sandbox_id, "--json")["state"] == "running"
-    assert exec_answers(cli, sandbox_id, "resumed")
+    assert sandbox.pause().state == "paused"
+    assert sandbox.resume().state == "running"
+    assert exec_answers(sandbox, "resumed")
+    client.close()
     final = status_report(cli)
     assert {name: row["restarts"] for name, row in components(final).items()} == dict.fromkeys(KILL_ORDER, 1)
     assert final["controlplane"] == {"health": "ok"}

@@ -87,7 +87,7 @@ def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> i
         return 1
     emit = _event_log(data_dir, echo=announce)
     supervisor = cluster.supervisor(emit)
-    emit({"event": "space.up", "pid": os.getpid(), "url": cluster.url})
+    emit({"event": "supervisor.started", "pid": os.getpid(), "url": cluster.url})
     state_file(data_dir).write_text(json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port}))
     if announce:
         _announce(cluster)
@@ -104,7 +104,7 @@ def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> i
         supervisor.stopped()  # a purged directory is gone: nothing is written then
         if not purge:
             state_file(data_dir).unlink(missing_ok=True)
-        emit({"event": "space.down", "pid": os.getpid(), "purged": purge})
+        emit({"event": "supervisor.stopped", "pid": os.getpid(), "purged": purge})
     return 0
 
 

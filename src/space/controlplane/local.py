@@ -255,8 +255,11 @@ class LocalCluster:
             store.close()
 
     def stop(self, *, purge: bool = False) -> None:
-        """Stop the control plane and the agent (sandboxes keep running unless purge), then the helper."""
-        for name in ("controlplane", "agent"):
+        """Stop the agent, then the control plane (sandboxes keep running unless purge), then the helper.
+
+        The agent goes first so that it can deregister while the control plane still answers: the node is
+        then `offline`, never lost, and the agent releases its fencing lease (ADR 0033)."""
+        for name in ("agent", "controlplane"):
             proc = self.processes.pop(name, None)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
