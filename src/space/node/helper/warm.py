@@ -20,9 +20,11 @@ def template_stamp(ctx: HelperContext, template: str) -> str:
     """Changes whenever the template is rebuilt (its metadata file is rewritten last on every build)."""
     meta = ctx.layout.templates / f"{template}.json"
     try:
-        # A checkpoint made with networking restores only with networking (and the reverse).
+        # A checkpoint made with networking restores only with networking (and the reverse), and only on
+        # the runtime that made it: a runsc upgrade rebuilds the warm start instead of refusing it.
         mode = b"" if ctx.network is None else b"network=sandbox"
-        return hashlib.sha256(meta.read_bytes() + mode).hexdigest()
+        runtime = json.dumps(ctx.runsc.descriptor(), sort_keys=True).encode()
+        return hashlib.sha256(meta.read_bytes() + mode + runtime).hexdigest()
     except OSError:
         return ""
 
