@@ -21,17 +21,16 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from tests.support import cluster as c
-from tests.support.lifecycle_model import LifecycleMachine, Tally, Target, soak
+from tests.support.lifecycle_model import LifecycleMachine, Tally, Target, machine_settings, soak
 
 #: The long profile runs for most of an hour; the short one within pytest's default timeout.
 pytestmark = pytest.mark.timeout(3600 if soak() else 300)
 
 #: Hypothesis tries the simplest sequence first; the others are random.
-SHORT = {"max_examples": 3, "stateful_step_count": 6}
+SHORT = {"max_examples": 2, "stateful_step_count": 8}
 LONG = {"max_examples": 30, "stateful_step_count": 25}
 
 
@@ -70,9 +69,13 @@ class FakeTarget(Target):
             for node_id, node in self._nodes().items()
         }
 
-    @functools.cache  # noqa: B019 - one project per target, for the whole test
+    @functools.cached_property
+    def project(self) -> c.Project:
+        """The project the sequences run in (one for the whole test; each sequence deletes what it made)."""
+        return c.new_project(self.cluster)
+
     def project_key(self) -> str:
-        return c.new_project(self.cluster).key
+        return self.project.key
 
     def crash(self, sandbox_id: str, node_id: str) -> None:
         pids = guest_pids(self._nodes()[node_id], sandbox_id)
@@ -93,21 +96,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[c.Cluster]:
 def test_random_lifecycle_sequences_follow_the_table(cluster: c.Cluster) -> None:
     tally = Tally()
 
+    target = FakeTarget(cluster)
+
     class FakeLifecycle(LifecycleMachine):
-        TARGET = FakeTarget(cluster)
+        TARGET = target
         TALLY = tally
 
     profile = LONG if soak() else SHORT
     run_state_machine_as_test(
         FakeLifecycle,
-        settings=settings(
-            **profile,
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,
-        ),
+        settings=machine_settings(profile),
     )
     print(tally.line("lifecycle model, fake driver"), file=sys.stderr)
     assert tally.sequences >= 1 and tally.steps >= 1, tally.line("ran nothing")
-    assert cluster.wait_converged(60) >= 0
+    assert cluster.wait_converged(60, target.project.id) >= 0  # nothing left in flight or on a node

@@ -14,14 +14,13 @@ import sys
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.store import Store
 from space.node.agent.identity import default_rpc_token_file
 from tests.support import cluster as c
-from tests.support.lifecycle_model import LifecycleMachine, Tally, Target, soak
+from tests.support.lifecycle_model import LifecycleMachine, Tally, Target, machine_settings, soak
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(3600 if soak() else 300)]
 
@@ -84,13 +83,7 @@ def test_random_lifecycle_sequences_on_runsc(real_cluster: c.RealCluster) -> Non
     try:
         run_state_machine_as_test(
             RunscLifecycle,
-            settings=settings(
-                **(LONG if soak() else SHORT),
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-                print_blob=True,
-            ),
+            settings=machine_settings(LONG if soak() else SHORT),
         )
     finally:
         target.close()

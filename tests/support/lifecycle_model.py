@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -61,6 +62,21 @@ CRASH_EVERY = 4
 
 def soak() -> bool:
     return os.environ.get("SPACE_SOAK", "") not in ("", "0")
+
+
+def machine_settings(profile: dict[str, int]) -> settings:
+    """Hypothesis settings of a machine run: no deadline (steps wait for real processes), no example
+    database, and shrinking only in soak runs: replaying a real cluster's sequences again and again would
+    outlast the short run's timeout and hide the failure it found (the unshrunk sequence is printed)."""
+    phases = list(Phase) if soak() else [Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+    return settings(
+        **profile,  # type: ignore[arg-type]
+        deadline=None,
+        database=None,
+        phases=phases,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
 
 
 @dataclass(frozen=True)
