@@ -11,6 +11,8 @@ Invariants:
   last successful claim plus half the lease. The lease in the database runs a full lease from the claim
   (stamped after that start), so the holder stops before any other replica can take over, as long as the
   replicas' clocks agree to within half a lease and their rates to a few percent.
+- A replica marks nodes lost only once its housekeeping has run for node_lost_after_s (`warm_up_s`): after
+  an outage of every replica, nodes are not declared lost for a silence nobody could have heard.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from space.controlplane.api.deps import Services
 from space.controlplane.retention import RetentionSettings, purge_expired
+from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import report_lost_node_crashes
 from space.core import errors
 from space.core.lifecycle import State
@@ -40,6 +43,9 @@ class Job:
     work: Callable[[Services], Awaitable[object]]
     what: str  # for the log line of a failed run
     once_per_cluster: bool = False  # only the leader runs it
+    #: Not before this replica's housekeeping has run this long (from its settings): a replica that just
+    #: started has not yet had the chance to hear from the nodes.
+    warm_up_s: Callable[[ControlPlaneSettings], float] = lambda _settings: 0.0
 
 
 class Leadership:
@@ -122,7 +128,9 @@ async def _scheduled_snapshots(services: Services) -> None:
 
 JOBS: tuple[Job, ...] = (
     Job(1.0, pause_idle, "pausing idle sandboxes"),
-    Job(1.0, _mark_lost, "marking lost nodes"),
+    # A replica marks nodes lost only after one full loss timeout of its own: after an outage of every
+    # replica, the nodes (which fenced if it lasted longer than their lease) get to report first.
+    Job(1.0, _mark_lost, "marking lost nodes", warm_up_s=lambda settings: settings.node_lost_after_s),
     Job(5.0, lambda s: s.reconciler.collect_orphans(), "collecting orphans"),
     Job(1.0, _scheduled_snapshots, "taking scheduled snapshots", once_per_cluster=True),
     Job(2.0, lambda s: s.snapshots.collect(), "removing deleted snapshots"),
@@ -138,6 +146,7 @@ JOBS: tuple[Job, ...] = (
 
 
 async def _every(services: Services, job: Job, leadership: Leadership) -> None:
+    await asyncio.sleep(job.warm_up_s(services.settings))
     while True:
         await asyncio.sleep(job.period_s)
         if job.once_per_cluster and not leadership.held():
