@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -80,10 +81,13 @@ def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) ->
     sandbox = client.sandboxes.create()
     assert exec_answers(sandbox, "before")
 
+    took: dict[str, float] = {}
     for name in KILL_ORDER:
         old_pid = int(str(components(collect(cli.data_dir))[name]["pid"]))
+        killed = time.monotonic()
         os.kill(old_pid, signal.SIGKILL)
         row = wait_for(functools.partial(restarted, cli, name, old_pid), timeout=120, interval=0.2, what=name)
+        took[name] = time.monotonic() - killed
         assert row["last_exit"] == "signal SIGKILL", row
         deaths = [e for e in supervisor_events(cli.data_dir) if e["event"] == "component.exited"]
         assert any(e["component"] == name and e["pid"] == old_pid for e in deaths), (name, deaths)
@@ -93,7 +97,13 @@ def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) ->
         ), name
 
     # Converges: the sandbox from before answers again, on the same node (no new node registered) ...
+    converging = time.monotonic()
     wait_for(lambda: exec_answers(sandbox, "after"), timeout=120, interval=0.5, what="exec again")
+    took["exec after the helper's restart"] = time.monotonic() - converging
+    print(
+        "\nSIGKILL to restarted (status.json), then exec answering: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in took.items())
+    )
     assert node_ids(cli) == [node_id], "a new node registered after the restarts"
     # ... and the agent reaches the restarted helper by itself (pause and resume are helper verbs).
     assert sandbox.pause().state == "paused"
