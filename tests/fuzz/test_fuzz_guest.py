@@ -36,7 +36,7 @@ FILE_METHODS = [
     m.FILES_RENAME,
     m.FILES_CHMOD,
 ]
-FILE_KEYS = ["path", "source", "target", "mode", "offset", "length", "recursive", "parents", "append", "x"]
+FILE_KEYS = ["path", "src", "dst", "mode", "offset", "length", "recursive", "parents", "append", "x"]
 PROCESS_METHODS = [m.PROCESS_LIST, m.PROCESS_SIGNAL, m.PROCESS_RESIZE, m.PROCESS_ATTACH, m.PROCESS_INPUT]
 PROCESS_KEYS = ["process_id", "signal", "group", "rows", "cols", "offset", "x"]
 START_KEYS = ["env", "cwd", "user", "timeout", "background", "pty", "cmd", "x"]
@@ -68,7 +68,7 @@ def _assert_typed(guest: Guest, method: str, params: dict[str, Any], body: bytes
 @given(st.sampled_from(FILE_METHODS), st.dictionaries(st.sampled_from(FILE_KEYS), VALUE, max_size=4))
 def test_file_calls_answer_typed(guest: Guest, method: str, params: dict[str, Any]) -> None:
     executed(f"guest.{method}")
-    params = {k: _confined(v) if k in ("path", "source", "target") else v for k, v in params.items()}
+    params = {k: _confined(v) if k in ("path", "src", "dst") else v for k, v in params.items()}
     _assert_typed(guest, method, params, b"fuzz" if method in m.BODY_METHODS else None)
 
 
