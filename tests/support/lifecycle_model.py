@@ -231,15 +231,17 @@ def _path(sandbox_id: str, action: str) -> tuple[str, str]:
 
 
 def _action_rule(action: str) -> Any:
-    """The rule that sends lifecycle `action` to one of the live sandboxes, in a random mode."""
+    """The rule that sends lifecycle `action` to one of the live sandboxes, in a random mode (named before
+    it is decorated: hypothesis keys its per-rule switches and its reports by the function's name)."""
 
-    @precondition(lambda self: self.live)
-    @rule(index=st.integers(0, 7), mode=st.sampled_from(MODES), other=st.sampled_from(sorted(ACTIONS)))
     def send_action(self: LifecycleMachine, index: int, mode: str, other: str) -> None:
         self._act(index, action, mode, other)
 
     send_action.__name__ = send_action.__qualname__ = action
-    return send_action
+    decorate = rule(
+        index=st.integers(0, 7), mode=st.sampled_from(MODES), other=st.sampled_from(sorted(ACTIONS))
+    )
+    return precondition(lambda self: self.live)(decorate(send_action))
 
 
 class LifecycleMachine(RuleBasedStateMachine):
