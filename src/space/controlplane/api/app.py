@@ -42,6 +42,7 @@ from space.controlplane.keys import DataKeys, OrgDataKeys
 from space.controlplane.node_pools import PoolSettings
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.loop import Reconciler
+from space.controlplane.scheduler import freshness_bound
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import SnapshotKeeper
 from space.controlplane.store.store import Store
@@ -112,7 +113,10 @@ def _services(
         objects = open_store(store_url)
     if data_keys is None and data_dir is not None:
         data_keys = OrgDataKeys.local(store, data_dir / "keys")
-    reconciler = Reconciler(store, nodes, objects=objects, store_url=store_url, data_keys=data_keys)
+    reconciler = Reconciler(
+        store, nodes, objects=objects, store_url=store_url, data_keys=data_keys,
+        node_fresh_s=freshness_bound(settings.node_lost_after_s),
+    )  # fmt: skip
     registry = CollectorRegistry()
     services = Services(
         store=store, nodes=nodes, reconciler=reconciler, snapshots=SnapshotKeeper(reconciler),
