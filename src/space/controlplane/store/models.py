@@ -185,7 +185,8 @@ class Sandbox(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # Issue 4 (migration 0002). The policy the snapshot scheduler applies (None: no scheduled snapshots).
-    snapshot_policy: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # none_as_null: "no policy" is SQL NULL, so the scheduler's `IS NOT NULL` finds only real policies.
+    snapshot_policy: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     # Chosen and recorded BEFORE the node is asked to suspend, so a restarted control plane resumes the
     # same upload instead of starting a second one; kept while suspended (it is what restore reads).
     suspended_snapshot_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Final
 
-from sqlalchemy import func, select
+from sqlalchemy import Text, cast, func, select
 
 from space.controlplane.store.database import Repository
 from space.controlplane.store.mapping import sandbox_record
@@ -167,7 +167,12 @@ class SandboxRepository(Repository):
         """Running sandboxes that have a snapshot policy (for the snapshot scheduler)."""
         query = (
             select(Sandbox)
-            .where(Sandbox.state == State.RUNNING.value, Sandbox.snapshot_policy.is_not(None))
+            .where(
+                Sandbox.state == State.RUNNING.value,
+                Sandbox.snapshot_policy.is_not(None),
+                # Rows written before the column stored SQL NULL hold the JSON document `null`.
+                cast(Sandbox.snapshot_policy, Text) != "null",
+            )
             .order_by(Sandbox.id)
             .limit(limit)
         )

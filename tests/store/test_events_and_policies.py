@@ -1,4 +1,5 @@
-"""Sandbox events (store/events.py): append-only, ordered, bounded, kinds validated."""
+"""Sandbox events (store/events.py): append-only, ordered, bounded, kinds validated; and the snapshot
+scheduler's listing of sandboxes with a policy."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 
 from space.controlplane.store import Store, open_store, sqlite_url
 from space.controlplane.store.events import LIST_LIMIT, MESSAGE_LENGTH
 from space.core.errors import InvalidArgument
+from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
 
 
@@ -53,3 +56,18 @@ def test_messages_are_bounded_and_limits_checked(store: Store) -> None:
     for limit in (0, LIST_LIMIT + 1):
         with pytest.raises(InvalidArgument):
             store.list_events(sandbox_id, limit=limit)
+
+
+def test_only_sandboxes_with_a_policy_are_listed_for_the_snapshot_scheduler(store: Store) -> None:
+    org = store.create_org("policies")
+    project = store.create_project(org.id, "p")
+    with_policy = store.create_sandbox(project.id, "python", snapshot_policy={"every_s": 60, "keep": 2})
+    without = store.create_sandbox(project.id, "python")
+    for sandbox in (with_policy, without):
+        store.transition(sandbox.id, State.PENDING, 0, Event.CREATE)
+        store.transition(sandbox.id, State.CREATING, 1, Event.CREATED)
+    # A row written before "no policy" was SQL NULL holds the JSON document null: not a policy either.
+    with store.engine.begin() as connection:
+        connection.execute(sa.text("UPDATE sandboxes SET snapshot_policy = 'null' WHERE id = :id"),
+                           {"id": without.id})  # fmt: skip
+    assert [sb.id for sb in store.list_sandboxes_with_policy()] == [with_policy.id]
