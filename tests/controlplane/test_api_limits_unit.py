@@ -266,3 +266,14 @@ async def _data_calls_get_the_pool_wait_and_idle_read_timeouts() -> None:
         await client.get("/b", timeout=httpx.Timeout(10.0))
     assert seen[0]["read"] == 30.0 and seen[0]["pool"] == 5.0
     assert seen[1]["read"] == 10.0 and seen[1]["pool"] == 5.0
+
+
+def test_pooled_node_connections_expire_before_the_node_closes_them() -> None:
+    """The pool must drop an idle connection before the node agent's server does, or a request sent on a
+    connection the node is closing fails (found by the load benchmark)."""
+    import uvicorn
+
+    from space.controlplane.node_pools import KEEPALIVE_EXPIRY_S
+
+    server_keep_alive = uvicorn.Config(app=lambda: None).timeout_keep_alive  # what the agent runs with
+    assert 0 < KEEPALIVE_EXPIRY_S < server_keep_alive

@@ -68,6 +68,12 @@ class PoolSettings:
         )
 
 
+#: An idle pooled connection is dropped after this long: well under the node agent's keep-alive timeout
+#: (uvicorn's 5 s), so the pool never sends a request on a connection the node is closing at that moment
+#: (a POST lost that way fails with a ReadError and is not retried; found by the load benchmark).
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class BoundedTransport(httpx.AsyncBaseTransport):
     """A connection pool with the bounds of the module invariants (one per node and traffic class)."""
 
@@ -83,7 +89,11 @@ class BoundedTransport(httpx.AsyncBaseTransport):
         inner: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._inner = inner or httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=min(connections, 32))
+            limits=httpx.Limits(
+                max_connections=connections,
+                max_keepalive_connections=min(connections, 32),
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            )
         )
         self.per_owner = per_owner
         self.wait_s = wait_s
