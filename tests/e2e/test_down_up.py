@@ -1,8 +1,9 @@
 """`space down` then `space up` on the same data directory, then `space sandbox create` at once (issue 11,
 "found when tried as a user would": the create used to hang for 120 s on the previous node record).
 
-The node keeps its identity across the restart (one node record, ready again), a clean `space down` does
-not fence away the sandboxes it leaves running (ADR 0033: the lease is released or dies with the helper),
+The node keeps its identity across the restart (one node record: `offline` after `space down`, which
+deregistered it, and ready again after `space up`), a clean `space down` does not fence away the sandboxes
+it leaves running (ADR 0033: the agent stops first, deregisters, then releases its lease),
 so the next `space up` adopts the old sandbox, files and all, and a create right after `space up` is
 placed and running well within the old 120 s."""
 
@@ -43,6 +44,7 @@ def test_down_up_then_create_at_once_and_the_old_sandbox_is_still_there(cli: Cli
     stopping = time.monotonic()
     cli.run("down", "--data-dir", str(cli.data_dir), timeout=300)
     down_s = time.monotonic() - stopping
+    assert nodes(cli) == [(node_id, "offline")], cli.logs()  # deregistered: not lost, not scheduled
     cli.run(*up, timeout=900)
     up_s = time.monotonic() - stopping - down_s
     started = time.monotonic()
