@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -44,7 +46,7 @@ from space.controlplane.store.credentials import AuditEntry, CredentialRecord
 from space.controlplane.store.digests import new_node_identity
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
-from space.core import errors, ids, runtimes
+from space.core import errors, ids, lifecycle, runtimes
 from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State
 
@@ -60,19 +62,29 @@ async def _json_object(request: Request) -> dict[str, Any]:
 
 
 CRASH_REASON_LENGTH = 300  # what a node may say of a crash (the event's message is bounded again)
+_HALTED_FROM = frozenset({State.RUNNING, State.PAUSED})  # records a `stopped` report contradicts
 
 
-async def _crash_reports(services: Services, node_id: str, crashed: dict[str, str], beat_time: Any) -> None:
+async def _crash_reports(services: Services, node_id: str, reported: _Reported, beat_time: Any) -> None:
     """Runtimes the node saw die become `crashed` (the reconciler then recovers them), with the reason the
-    node gives (its `crash_reason`, bounded: e.g. the memory limit). Only a report made after the record's
-    last change counts: a heartbeat assembled before a recovery finished must not undo it."""
-    if not crashed:
-        return
+    node gives (its `crash_reason`, bounded: e.g. the memory limit); so do copies the node holds `stopped`
+    while their records say running or paused (their runtime ended while the agent was down). Only a report
+    made after the record's last change counts: a heartbeat assembled before a recovery finished must not
+    undo it."""
     observed_at = datetime.fromtimestamp(float(beat_time), UTC) if beat_time else None
-    for sandbox_id, reason in crashed.items():
-        notice = f"the sandbox's runtime died on node {node_id}" + (f": {reason}" if reason else "")
+    reports: list[tuple[str, str, frozenset[State]]] = [
+        (sandbox_id, f"the sandbox's runtime died on node {node_id}" + (f": {reason}" if reason else ""),
+         lifecycle.LIVE_STATES)
+        for sandbox_id, reason in reported.crashed.items()
+    ]  # fmt: skip
+    reports += [
+        (sandbox_id, f"the sandbox's runtime ended on node {node_id} while its agent was away", _HALTED_FROM)
+        for sandbox_id in reported.halted
+    ]
+    for sandbox_id, notice, only_in in reports:
         changed = await asyncio.to_thread(
             services.store.report_crash, sandbox_id, node_id, notice=notice, observed_at=observed_at,
+            only_in=only_in,
         )  # fmt: skip
         if changed is not None:
             services.forget(sandbox_id)
@@ -199,17 +211,28 @@ async def reregister(
     return {"node_id": node.id}
 
 
-def _reported_sandboxes(beat: dict[str, Any]) -> tuple[dict[str, datetime], dict[str, str]]:
-    """(last activity per sandbox, sandboxes whose runtime the node saw die) of a heartbeat."""
-    activity: dict[str, datetime] = {}
-    crashed: dict[str, str] = {}
+@dataclass
+class _Reported:
+    """What a heartbeat says about the node's sandboxes."""
+
+    activity: dict[str, datetime] = dataclasses.field(default_factory=dict)  # last activity per sandbox
+    crashed: dict[str, str] = dataclasses.field(default_factory=dict)  # runtime seen dying -> its reason
+    # Runtime gone without a crash being seen: a restarted agent adopts such copies as `stopped`. Only a
+    # record that says running or paused makes that a crash (a user's stop is `stopping`, then `stopped`).
+    halted: list[str] = dataclasses.field(default_factory=list)
+
+
+def _reported_sandboxes(beat: dict[str, Any]) -> _Reported:
+    reported = _Reported()
     for item in beat.get("sandboxes") or []:
         at = item.get("last_activity_at")
         if at:
-            activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
+            reported.activity[str(item["id"])] = datetime.fromtimestamp(float(at), UTC)
         if item.get("state") == State.CRASHED.value:
-            crashed[str(item["id"])] = str(item.get("crash_reason") or "")[:CRASH_REASON_LENGTH]
-    return activity, crashed
+            reported.crashed[str(item["id"])] = str(item.get("crash_reason") or "")[:CRASH_REASON_LENGTH]
+        elif item.get("state") == State.STOPPED.value:
+            reported.halted.append(str(item["id"]))
+    return reported
 
 
 @router.post("/{node_id}/heartbeat")
@@ -221,14 +244,15 @@ async def heartbeat(
     templates = list(beat.get("templates") or [])
     used = dict(beat.get("used") or {})
     used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
-    activity, crashed = _reported_sandboxes(beat)
+    reported_sandboxes = _reported_sandboxes(beat)
     node = await asyncio.to_thread(
-        services.store.heartbeat, node_id, used=used, templates=templates, activity=activity,
+        services.store.heartbeat, node_id, used=used, templates=templates,
+        activity=reported_sandboxes.activity,
         capacity=_capacity(beat.get("capacity") or {}),
         # What the node's runtime restores (ADR 0035): untrusted, so parsed; an unreadable one is no report.
         runtime=runtimes.parse_or_none(beat.get("runtime")),
     )  # fmt: skip
-    await _crash_reports(services, node_id, crashed, beat.get("time"))
+    await _crash_reports(services, node_id, reported_sandboxes, beat.get("time"))
     reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]
     await _stale_copies(services, node_id, reported)
     # The node's lease (ADR 0033): it stops its sandboxes `fence_after_s` after it SENT this heartbeat,

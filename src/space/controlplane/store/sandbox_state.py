@@ -22,7 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -303,14 +303,21 @@ class SandboxStateRepository(Repository):
             )
 
     def report_crash(
-        self, sandbox_id: str, node_id: str | None, *, notice: str, observed_at: datetime | None = None
+        self,
+        sandbox_id: str,
+        node_id: str | None,
+        *,
+        notice: str,
+        observed_at: datetime | None = None,
+        only_in: Collection[State] = lifecycle.LIVE_STATES,
     ) -> SandboxRecord | None:
         """A runtime died (or its node was lost): live -> crashed by compare-and-swap, crash_count + 1.
 
-        Applies only while the sandbox is in a live state on `node_id` (None: any node) and, with
-        `observed_at`, only if the record did not change after that observation (a late heartbeat must
-        not undo a recovery that finished after it was assembled). None when nothing changed."""
-        live = tuple(sorted(s.value for s in lifecycle.LIVE_STATES))
+        Applies only while the sandbox is in a live state (narrowed by `only_in`) on `node_id` (None: any
+        node) and, with `observed_at`, only if the record did not change after that observation (a late
+        heartbeat must not undo a recovery that finished after it was assembled). None when nothing
+        changed."""
+        live = tuple(sorted(s.value for s in lifecycle.LIVE_STATES if s in only_in))
         with self._tx(f"reporting a crash of sandbox {sandbox_id}") as session:
             row = session.get(Sandbox, sandbox_id)
             if row is None or row.state not in live or (node_id is not None and row.node_id != node_id):
