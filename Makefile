@@ -39,7 +39,7 @@ demo-node: setup
 
 # The long modes of the reliability harness (issue 11): the same tests as in `make test`, run longer.
 soak: setup
-	SPACE_SOAK=1 $(PY) -m pytest -q tests/crash tests/model tests/load
+	SPACE_SOAK=1 $(PY) -m pytest -q tests/crash tests/model tests/load tests/e2e/test_multinode_chaos.py
 
 fuzz: setup
 	SPACE_FUZZ=long $(PY) -m pytest -q tests/fuzz
