@@ -244,7 +244,8 @@ def start_crash_cluster(arm: str) -> Iterator[CrashCluster]:
                        timeout=300, interval=0.2, what="armed cluster up")  # fmt: skip
             yield made
     finally:
-        for log in [*root.glob("*.log"), *root.glob("*/*.log"), *root.glob("fired-*")]:
+        failing = sys.exc_info()[0] is not None  # logs are kept for a look only when the run fails
+        for log in [*root.glob("*.log"), *root.glob("*/*.log"), *root.glob("fired-*")] if failing else []:
             with contextlib.suppress(OSError):  # kept for a look after the run (the root is removed)
                 KEPT_LOGS.mkdir(exist_ok=True)
                 (KEPT_LOGS / log.name).write_bytes(log.read_bytes())
