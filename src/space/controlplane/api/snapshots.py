@@ -4,7 +4,8 @@ Invariants:
 - A user snapshot is taken on the sandbox's node first and recorded after; it is `ready` once recorded
   with its size (the node's answer).
 - A rollback moves through the lifecycle table (ROLLBACK, then ROLLED_BACK or FAIL), so a refused request
-  is a 409 naming the current state, and a sandbox rolled back wants to run again.
+  is a 409 naming the current state, and a sandbox rolled back wants to run again. The request holds the
+  sandbox's work lease while it runs, so only a dead control plane's rollback is taken over (failed).
 - A fork takes ONE full checkpoint and creates its children as records the reconciler brings up on the
   parent's node (FORK -> creating -> running), like any other create.
 - A snapshot of another project's sandbox answers like a missing one (404).
@@ -39,6 +40,9 @@ from space.core.lifecycle import Event, State
 
 #: How long listing snapshots waits for the node's current exclusive sizes before using recorded ones.
 LIVE_SIZES_TIMEOUT_S = 3.0
+#: How long a rollback request holds its sandbox: longer than any rollback's node call; a control plane that
+#: dies meanwhile is replaced sooner on its own host (its leases are freed at the next start).
+ROLLBACK_LEASE_S = 120.0
 
 router = APIRouter()
 
@@ -95,13 +99,23 @@ async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, services: Svc
     if snap is None or snap.sandbox_id != sb.id:
         raise errors.NotFound(f"snapshot {body.snapshot_id} of sandbox {sandbox_id} not found")
     services.forget(sb.id)
-    sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLBACK)
+    owner = services.reconciler.owner
+    # The step runs here, not in the reconciler: it holds the sandbox's work lease meanwhile, so the
+    # reconciler takes over a `rolling_back` row only once this process is gone (it then fails the step:
+    # crashed, and recovered like any crash).
+    if not await asyncio.to_thread(store.hold, sb.id, owner, ROLLBACK_LEASE_S):
+        raise errors.Conflict(f"sandbox {sb.id} is in the middle of another step; retry the rollback")
     try:
-        await services.nodes.client(node_of(sb)).rollback(sb.id, snap.id)
-    except errors.SpaceError:
-        await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.FAIL)
-        raise
-    sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK)
+        sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLBACK)
+        try:
+            await services.nodes.client(node_of(sb)).rollback(sb.id, snap.id)
+        except errors.SpaceError:
+            await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.FAIL)
+            raise
+        sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK)
+    finally:
+        with contextlib.suppress(errors.SpaceError):
+            await asyncio.to_thread(store.release, sb.id, owner)
     if sb.desired_state != State.RUNNING:
         sb = await asyncio.to_thread(store.set_desired, sb.id, State.RUNNING)
     return sandbox_view(sb)

@@ -47,6 +47,7 @@ from space.controlplane.reconciler.plan import (
 from space.controlplane.reconciler.recovery import RecoverySteps
 from space.controlplane.scheduler import DEFAULT_FRESH_S
 from space.controlplane.store.records import SandboxRecord
+from space.controlplane.store.sandbox_state import Note
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.lifecycle import Event, State, can
@@ -91,8 +92,17 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             State.RESTORING: self._restore,
             State.RECOVERING: self._recover,
             State.DELETING: self._delete,
+            State.ROLLING_BACK: self._abandoned_rollback,
             **dict.fromkeys(NODE_CALLS, self._run_node_step),
         }
+
+    async def _abandoned_rollback(self, sb: SandboxRecord) -> SandboxRecord | None:
+        """A rollback runs inside its API request, which holds the sandbox's lease; a `rolling_back` row the
+        reconciler could claim was left by a control plane that died mid-way. Whether the node rolled back
+        is unknown: the table's `fail` edge (crashed), then recovery from the newest checkpoint."""
+        reason = "the control plane that ran this rollback stopped before it finished"
+        note = Note("step.abandoned", reason, {"state": sb.state.value})
+        return await self._transition(sb, Event.FAIL, notice=reason, note=note)
 
     def poke(self) -> None:
         """Something changed (a request recorded a wish): look now instead of at the next tick."""

@@ -111,6 +111,20 @@ class WorkLeaseRepository(Repository):
         with self._tx("clearing a dead owner's leases") as session:
             return rowcount(session.execute(statement))
 
+    def hold(self, sandbox_id: str, owner: str, lease_s: float) -> bool:
+        """Lease one sandbox to `owner` for a step run outside the reconciler (an API request's inline
+        step): True if its lease was free, expired or already `owner`'s; False if another owner holds it."""
+        owner = text(owner, "owner", 128)
+        now = self.now()
+        statement = (
+            update(Sandbox)
+            .where(Sandbox.id == sandbox_id, or_(_lease_free(now), Sandbox.lease_owner == owner))
+            .values(lease_owner=owner, lease_until=now + seconds(lease_s, "lease_s"))
+            .execution_options(synchronize_session=False)
+        )
+        with self._tx("holding a lease") as session:
+            return rowcount(session.execute(statement)) == 1
+
     def renew(self, sandbox_id: str, owner: str, lease_s: float) -> bool:
         """Extend `owner`'s lease; False if the lease now belongs to someone else (stop working on it)."""
         until = self.now() + seconds(lease_s, "lease_s")
