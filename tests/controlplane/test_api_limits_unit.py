@@ -125,17 +125,16 @@ def test_one_settings_object_names_every_variable() -> None:
         "SPACE_RETENTION_AUDIT_S": " ",
         "space_api_request_burst": "1",
         "SPACE_STORE_URL": "file:///srv/objects",
-        "SPACE_FAILPOINTS": "a,,b",
     }
     settings = ControlPlaneSettings.from_env(environ)
     assert settings.api_streams_per_key == 3 and settings.pool_data_wait_s == 2.5
     assert settings.retention_audit_s == retention.RetentionSettings().audit_s  # blank: the default
     assert settings.api_request_burst == limits.LimitSettings().request_burst  # another name entirely
-    assert settings.store_url == "file:///srv/objects" and settings.armed_failpoints == {"a", "b"}
+    assert settings.store_url == "file:///srv/objects"
     assert limits.LimitSettings.of(settings).streams_per_key == 3
     assert PoolSettings.of(settings).data_wait_s == 2.5
-    only = ControlPlaneSettings.from_env({**environ, "SPACE_API_JSON_BODY_BYTES": "x"}, only="failpoints")
-    assert only.armed_failpoints == {"a", "b"} and only.api_streams_per_key == 32
+    only = ControlPlaneSettings.from_env({**environ, "SPACE_API_JSON_BODY_BYTES": "x"}, only="store_url")
+    assert only.store_url == "file:///srv/objects" and only.api_streams_per_key == 32
     with pytest.raises(errors.InvalidArgument, match="SPACE_RETENTION_IDEMPOTENCY_S"):
         retention.RetentionSettings.from_env({"SPACE_RETENTION_IDEMPOTENCY_S": "-5"})
 

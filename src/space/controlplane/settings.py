@@ -9,7 +9,8 @@ Invariants:
   `SPACE_KMS_URL` (ADR 0018) and `SPACE_FAILPOINTS` (tests only). A numeric variable that is unset or blank
   means the default; any other value must be a positive number (else `errors.InvalidArgument`, naming it).
 - A control plane reads them once, in `create_app` (`from_env`), and hands them to its parts through
-  `Services.settings`; only the failpoints are read on their own, at import (`failpoints.py`).
+  `Services.settings`. Kill points for crash injection are not settings: `space.core.failpoints` reads its
+  own environment variables, in every component alike (ADR 0038).
 """
 
 from __future__ import annotations
@@ -73,10 +74,6 @@ class ControlPlaneSettings(BaseSettings):
     kms_url: str | None = Field(
         default=None, validation_alias="SPACE_KMS_URL",
         description="kms://?endpoint=...&region=...: orgs may register KMS keys (BYOK, ADR 0018).",
-    )  # fmt: skip
-    failpoints: str = Field(
-        default="", validation_alias="SPACE_FAILPOINTS",
-        description="Tests only: comma-separated failpoints where the process SIGKILLs itself.",
     )  # fmt: skip
 
     # -- request limits of the public API (api/limits.py, ADR 0025) -----------------------------------------
@@ -244,10 +241,6 @@ class ControlPlaneSettings(BaseSettings):
         alias = cls.model_fields[field_name].validation_alias
         assert isinstance(alias, str)
         return alias
-
-    @property
-    def armed_failpoints(self) -> frozenset[str]:
-        return frozenset(point for point in self.failpoints.split(",") if point)
 
 
 _NUMERIC = frozenset(
