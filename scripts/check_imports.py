@@ -19,13 +19,14 @@ STDLIB = set(sys.stdlib_module_names)
 CORE_FORBIDDEN = {"subprocess", "socket", "shutil", "selectors", "asyncio", "urllib", "http", "sqlite3"}
 ALLOWED_SPACE_DEPS = {
     "protocol": {"protocol"},
+    "faults": {"faults"},  # fault injection (kill points): standard library only, like protocol
     "guest": {"protocol", "guest"},
     "core": {"core"},
     "rest": {"core", "rest"},
-    "node": {"core", "protocol", "node", "objectstore", "crypto", "rest"},
-    "objectstore": {"core", "objectstore", "crypto"},
+    "node": {"faults", "core", "protocol", "node", "objectstore", "crypto", "rest"},
+    "objectstore": {"faults", "core", "objectstore", "crypto"},
     "crypto": {"core", "crypto"},
-    "controlplane": {"core", "protocol", "controlplane", "objectstore", "crypto", "node", "rest"},
+    "controlplane": {"faults", "core", "protocol", "controlplane", "objectstore", "crypto", "node", "rest"},
     "sdk": {"core", "protocol", "sdk"},  # protocol: the standard-library wire descriptions (commands)
     "cli": {"core", "sdk", "cli", "controlplane", "node"},
 }
@@ -63,7 +64,7 @@ def main() -> int:
                 if target and target not in allowed:
                     problems.append(f"{where}: layer '{layer}' may not import space.{target}")
                 continue
-            if layer in {"protocol", "guest"} and top not in STDLIB and top != "__future__":
+            if layer in {"protocol", "guest", "faults"} and top not in STDLIB and top != "__future__":
                 problems.append(f"{where}: '{layer}' must use the standard library only, not {module}")
             if layer == "core" and top in CORE_FORBIDDEN:
                 problems.append(f"{where}: space.core does no I/O, but imports {module}")

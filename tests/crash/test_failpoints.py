@@ -1,4 +1,4 @@
-"""The kill-point mechanism (space.core.failpoints) and the list every component exports.
+"""The kill-point mechanism (space.faults.failpoints) and the list every component exports.
 
 - the exported list is derived from the tables: every lifecycle transition (both sides of its
   compare-and-swap), every node route, every helper verb, the artifact parts and the named control-plane
@@ -19,8 +19,8 @@ import subprocess
 import sys
 
 from space.controlplane.failpoints import POINTS, all_points
-from space.core import failpoints
 from space.core.lifecycle import TRANSITIONS
+from space.faults import failpoints
 from space.node.agent.app import ROUTERS, create_app
 from space.node.agent.killpoints import KillPointMiddleware
 from space.node.helper.verbs import VERBS
@@ -72,7 +72,7 @@ def test_arming_names_every_point_and_the_journal_disarms(tmp_path: pathlib.Path
 
 
 def _run_until(points: str, journal: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    code = "from space.core import failpoints as f\nfor p in ('one', 'two', 'three'):\n    f.hit(p)\n"
+    code = "from space.faults import failpoints as f\nfor p in ('one', 'two', 'three'):\n    f.hit(p)\n"
     code += "print('past')"
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),

@@ -6,7 +6,7 @@ Processes (each a killable `cluster.Service`, under one temporary root in /var/t
 - the node agent (as the `space` user when it exists), with the shared local-directory object store,
 - the control plane (SQLite, its own key service).
 Each is started with `SPACE_FAILPOINTS=<arm>` and its own fire-once journal (`SPACE_FAILPOINTS_ONCE`,
-space.core.failpoints): a process dies at a kill point by appending its name to its journal and SIGKILLing
+space.faults.failpoints): a process dies at a kill point by appending its name to its journal and SIGKILLing
 itself; the supervisor (a thread, every 50 ms) sees it dead, reads which point it died at from the journal,
 and starts it again with the same environment, so the new process goes past that point.
 
@@ -37,7 +37,7 @@ import pytest
 from space.controlplane.local import _prepare_node
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.store import Store
-from space.core.failpoints import ARM_VARIABLE, JOURNAL_VARIABLE, read_journal
+from space.faults.failpoints import ARM_VARIABLE, JOURNAL_VARIABLE, read_journal
 from space.node.local import ensure_local_store
 from space.objectstore.backends import open_store
 from tests.support import cluster as c

@@ -1,6 +1,6 @@
 """The control plane's kill points, and the full list of kill points of every component.
 
-The mechanism is `space.core.failpoints` (every component imports it; `SPACE_FAILPOINTS` arms it). This
+The mechanism is `space.faults.failpoints` (every component imports it; `SPACE_FAILPOINTS` arms it). This
 module adds the control plane's explicitly named points (POINTS: the steps of suspend, restore and
 recovery that are not lifecycle transitions) and `all_points()`, the list the crash-injection harness
 (tests/crash/test_crash_injection.py) covers, derived from the tables that define the steps:
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Final
 
-from space.core import failpoints as core_failpoints
-from space.core.failpoints import transition_points
 from space.core.lifecycle import TRANSITIONS
+from space.faults import failpoints as fault_points
+from space.faults.failpoints import transition_points
 
 POINTS: Final = frozenset(
     {
@@ -35,8 +35,8 @@ POINTS: Final = frozenset(
 
 
 def hit(name: str) -> None:
-    """Die here if the kill point `name` is armed (space.core.failpoints)."""
-    core_failpoints.hit(name)
+    """Die here if the kill point `name` is armed (space.faults.failpoints)."""
+    fault_points.hit(name)
 
 
 def control_plane_points() -> list[str]:

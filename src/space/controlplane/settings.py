@@ -9,7 +9,7 @@ Invariants:
   `SPACE_KMS_URL` (ADR 0018) and `SPACE_FAILPOINTS` (tests only). A numeric variable that is unset or blank
   means the default; any other value must be a positive number (else `errors.InvalidArgument`, naming it).
 - A control plane reads them once, in `create_app` (`from_env`), and hands them to its parts through
-  `Services.settings`. Kill points for crash injection are not settings: `space.core.failpoints` reads its
+  `Services.settings`. Kill points for crash injection are not settings: `space.faults.failpoints` reads its
   own environment variables, in every component alike (ADR 0038).
 """
 

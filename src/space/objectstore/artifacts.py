@@ -20,7 +20,7 @@ Invariants:
   holding a data key refuses an artifact whose manifest claims to be unencrypted (no downgrade).
 - Memory is bounded by the parts in flight (`concurrency`, default 4, each up to three copies: raw,
   compressed, sealed), whatever the entry's size.
-- Two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.core.failpoints): ARTIFACT_POINTS,
+- Two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.faults.failpoints): ARTIFACT_POINTS,
   `objectstore.part_written` after a part was stored (an upload interrupted with parts and no manifest)
   and `objectstore.part_read` after a part was fetched and verified (a download interrupted half-way).
 - On ArtifactCorrupt during `read_entry`, bytes of earlier (verified) parts may already be in `out`:
@@ -38,8 +38,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from space.core import errors, failpoints
+from space.core import errors
 from space.crypto.envelope import DataKey, check_key, mac
+from space.faults import failpoints
 from space.objectstore.base import ObjectStore
 from space.objectstore.manifest import (
     COMPRESSIONS,

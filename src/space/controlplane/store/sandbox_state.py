@@ -11,7 +11,7 @@ Invariants:
 - Callers set only the columns of TRANSITION_FIELDS (with a state change) or OBSERVED_FIELDS (without
   one); ids, project, state, generation, lease and timestamps are owned by the store.
 - Every compare-and-swap of `transition()` has two kill points (crash injection, armed only by
-  SPACE_FAILPOINTS): `cp.<state>.<event>.before` and `.after` (space.core.failpoints.transition_point).
+  SPACE_FAILPOINTS): `cp.<state>.<event>.before` and `.after` (space.faults.failpoints.transition_point).
 - `last_activity_at` never moves backwards, so late reports are harmless.
 - A transition given a `note` writes that sandbox event in the SAME transaction as the state change, so a
   move and the event that explains it (node lost, step re-planned, crashed, recovered) are never apart.
@@ -38,9 +38,10 @@ from space.controlplane.store.models import Sandbox, SandboxEvent
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandboxes import desirable
 from space.controlplane.store.values import aware, seconds, settable
-from space.core import failpoints, lifecycle
+from space.core import lifecycle
 from space.core.errors import Conflict, InvalidState, NotFound
 from space.core.lifecycle import Event, State
+from space.faults import failpoints
 
 # Columns a caller may set alongside a state change / as an observation. Everything else (ids, project,
 # state, generation, lease, timestamps) is owned by the store.

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
-from space.core import failpoints
+from space.faults import failpoints
 from space.node.agent.agent import NodeAgent
 from space.node.agent.killpoints import KillPointMiddleware
 from space.node.agent.routes import files, node, processes, pty, sandboxes, snapshots

@@ -1,7 +1,7 @@
 """The node agent's kill points: before and after every route of its RPC app (crash injection).
 
 `KillPointMiddleware` is installed by `create_app` only when the process is armed
-(space.core.failpoints.armed(); never in production), inside BearerAuth, so only authenticated requests
+(space.faults.failpoints.armed(); never in production), inside BearerAuth, so only authenticated requests
 reach a kill point. For the route a request matches, it calls `agent.<route name>.before` before the
 handler runs and `agent.<route name>.after` when the handler has finished and before the answer's first
 byte is sent (the node did the step, the control plane never hears of it). The points are derived from the
@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from space.core import failpoints
+from space.faults import failpoints
 
 PREFIX = "agent"
 

@@ -11,7 +11,7 @@ Invariants:
   refused with invalid_argument before any side effect.
 - Every failure is answered as a typed error; an unexpected exception is logged and answered as internal,
   and never takes the server down.
-- Each verb has two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.core.failpoints):
+- Each verb has two kill points (crash injection, armed only by SPACE_FAILPOINTS; space.faults.failpoints):
   `helper.<verb>.before` once its arguments are valid and `helper.<verb>.after` once its handler returned,
   before the answer is sent (`helper_points()` lists them from the verb table).
 """
@@ -34,8 +34,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from space.core import errors, failpoints
+from space.core import errors
 from space.core.settings import NodeSettings
+from space.faults import failpoints
 from space.node.filemodes import set_owner_only_umask
 from space.node.helper.context import HelperContext
 from space.node.helper.network import SandboxNetworks
