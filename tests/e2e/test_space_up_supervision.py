@@ -111,7 +111,13 @@ def test_each_component_killed_comes_back_and_the_sandbox_converges(cli: Cli) ->
     assert exec_answers(sandbox, "resumed")
     client.close()
     final = status_report(cli)
-    assert {name: row["restarts"] for name, row in components(final).items()} == dict.fromkeys(KILL_ORDER, 1)
+    restarts = {name: row["restarts"] for name, row in components(final).items()}
+    # An agent still starting when its helper is killed exits with it (a helper call of its start-up fails)
+    # and is restarted once more: a dependent's restart, logged like any death, never a loop.
+    agent_deaths = [e for e in supervisor_events(cli.data_dir)
+                    if e["event"] == "component.exited" and e["component"] == "agent"]  # fmt: skip
+    assert len(agent_deaths) == restarts["agent"] and restarts["agent"] in {1, 2}, agent_deaths
+    assert {**restarts, "agent": 1} == dict.fromkeys(KILL_ORDER, 1), restarts
     assert final["controlplane"] == {"health": "ok"}
 
     # `space down` stops everything: no restart fights it, and nothing of it is left running.
