@@ -15,7 +15,7 @@ Invariants:
   liveness; `runsc state` (a ~30 ms process) is only the fallback for an unreadable file.
 - Every retired container is deleted by `runsc delete --force` in a tracked background thread; `settle()`
   waits for them, and `sweep()` deletes leftovers of a previous helper (e.g. killed mid-way).
-- `run/runtime.json` (world-readable) is the runtime descriptor of this helper's runsc (space.core.runtimes),
+- `run/runtime.json` (the agent's, 0600) is the runtime descriptor of this helper's runsc (core.runtimes),
   published when the helper gets ready to launch (`prime`, at node.prepare) for the agent to report; a
   restore is refused (RuntimeIncompatible) before anything starts when its image needs another runtime.
 """
@@ -202,12 +202,15 @@ class Runtimes:
         self._refill_spare()
 
     def publish_descriptor(self) -> pathlib.Path:
-        """Write `run/runtime.json` (atomically, world-readable: it holds no secret) for the agent."""
+        """Write `run/runtime.json` (atomically) for the agent: owned by the agent's user, 0600 like every
+        other file of the data directory (ADR 0022), though it holds no secret."""
         path = self.layout.run / RUNTIME_DESCRIPTOR
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(self.runsc.descriptor(), sort_keys=True))
-        tmp.chmod(0o644)
+        tmp.chmod(0o600)
+        if os.geteuid() == 0:
+            os.chown(tmp, self.owner_uid, -1)
         tmp.replace(path)
         return path
 
