@@ -102,3 +102,13 @@ def test_unknown_methods_and_params_answer_typed(guest: Guest, method: str, para
     reply = guest.collect(stream, timeout=20)
     assert reply.terminal is not None and (reply.ok or reply.error["code"] != "internal"), reply
     assert guest.call(m.SYS_PING).ok
+
+
+def test_a_timeout_of_days_does_not_stop_the_output_pump(guest: Guest) -> None:
+    """Found by fuzzing: a timeout longer than poll()'s C int of milliseconds (~24.8 days) overflowed it and
+    ended the process's output thread, so the call never answered (flaky: only when the pump polled before
+    the process exited). A process that outlives the first poll makes it deterministic."""
+    reply = guest.call(
+        m.PROCESS_START, {"argv": ["/bin/sleep", "0.3"], "timeout": 3_162_482}, body=b"", timeout=20
+    )
+    assert reply.terminal is not None and reply.ok, reply

@@ -153,12 +153,17 @@ def _argv(params: dict[str, Any]) -> list[str]:
     if (argv is None) == (cmd is None):
         raise GuestError("invalid_argument", commands.ONE_COMMAND)
     if cmd is not None:
-        if not isinstance(cmd, str):
-            raise GuestError("invalid_argument", f"'{commands.CMD}' must be a string")
+        if not isinstance(cmd, str) or "\x00" in cmd:
+            raise GuestError("invalid_argument", f"'{commands.CMD}' must be a string without NUL bytes")
         return ["/bin/sh", "-c", cmd]
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise GuestError("invalid_argument", f"'{commands.ARGV}' must be a non-empty list of strings")
+    # NUL bytes cannot be passed to exec (found by fuzzing: they were an internal error).
+    if not isinstance(argv, list) or not argv or not all(_exec_string(a) for a in argv):
+        raise GuestError("invalid_argument", f"'{commands.ARGV}' must be a list of NUL-free strings")
     return argv
+
+
+def _exec_string(value: Any) -> bool:
+    return isinstance(value, str) and "\x00" not in value
 
 
 def _pty_size(value: Any) -> tuple[int, int] | None:

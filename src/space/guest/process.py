@@ -39,6 +39,7 @@ EXIT_GRACE = 0.5  # seconds to wait for output EOF after the process itself exit
 MAX_GRACE_PAUSE = 10.0  # the grace clock stops while a slow follower holds the log, at most this long
 ROOM_POLL = 0.05  # seconds between checks for room in the log while a follower is behind
 READ_SIZE = 65535
+MAX_POLL_MS = 60_000  # the longest single wait of the output pump (see _read_ready)
 
 
 def set_winsize(fd: int, rows: int, cols: int) -> None:
@@ -173,7 +174,10 @@ class Process:
             pump.paused += waited
 
     def _read_ready(self, pump: _Pump, timeout: float | None) -> None:
-        events = pump.poller.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+        # Bounded: poll() takes a C int of milliseconds, and a long process timeout (days) would overflow it
+        # and end this thread (found by fuzzing); the loop recomputes the wait after each wake-up.
+        wait_ms = None if timeout is None else min(MAX_POLL_MS, max(0, int(timeout * 1000) + 1))
+        events = pump.poller.poll(wait_ms)
         for fd, _mask in events:
             if fd == self._wake_read:
                 os.read(fd, 64)
