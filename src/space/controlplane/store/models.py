@@ -129,6 +129,8 @@ class Node(Base):
     # Issue 11 (migration 0008): what this node's runtime can restore (gVisor platform, network mode,
     # runtime version, ...); NULL until the node reports it.
     runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Issue 12 (migration 0009): the node's warm pools as last reported, {template: ready count}.
+    pools: Mapped[dict[str, int] | None] = mapped_column(JSON)
 
 
 class EnrolmentToken(Base):
@@ -202,6 +204,9 @@ class Sandbox(Base):
     # restored, recovered, forked): node deletes and orphan collection name it, so a stale request never
     # removes a newer copy. NULL: no copy on a node.
     incarnation: Mapped[int | None] = mapped_column(BigInteger)
+    # Issue 12 (migration 0009): how the node made it: 'pool', 'warm' or 'cold' (NULL: not created by a
+    # create request, or before 0009).
+    created_from: Mapped[str | None] = mapped_column(String(8))
 
 
 class Snapshot(Base):

@@ -22,6 +22,9 @@ Role = Literal["admin", "member", "read-only"]
 NodeStatus = Literal["ready", "lost", "draining", "offline"]
 SnapshotKind = Literal["disk", "full"]
 SnapshotState = Literal["creating", "ready", "deleting"]
+#: How a node made a sandbox on a create request (migration 0009): a pooled sandbox bound to it, a restore
+#: of the template's warm checkpoint, or a boot.
+CreatedFrom = Literal["pool", "warm", "cold"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,7 @@ class NodeRecord:
     last_heartbeat_at: datetime
     registered_at: datetime
     runtime: dict[str, Any] | None = None  # what this node can restore (None: not reported)
+    pools: dict[str, int] | None = None  # ready pooled sandboxes per template (None: not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class SandboxRecord:
     # on the text.
     error_code: str | None = None
     incarnation: int | None = None  # the generation at which the copy on node_id was made
+    created_from: CreatedFrom | None = None  # how the node made it (None: not by a create request)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ TRANSITION_FIELDS: Final = frozenset(
     {
         "node_id",
         "incarnation",
+        "created_from",
         "error",
         "error_code",
         "error_permanent",

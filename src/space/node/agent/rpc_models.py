@@ -159,6 +159,9 @@ class SandboxObserved(BaseModel):
     snapshots: list[SnapshotInfo] = Field(default_factory=list)
     #: Why a `crashed` sandbox's runtime ended, for people (e.g. its memory limit; ADR 0036); else None.
     crash_reason: str | None = None
+    #: How this node made it on a create request: "pool" (a pooled sandbox was bound to it), "warm" (restored
+    #: from the template's warm checkpoint on request) or "cold" (booted); None for other sandboxes.
+    created_from: Literal["pool", "warm", "cold"] | None = None
 
 
 class SandboxList(BaseModel):
@@ -373,6 +376,8 @@ class RegisterRequest(BaseModel):
     driver: str
     isolating: bool
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
+    #: Ready pooled sandboxes per template (issue 12); the scheduler prefers nodes with one.
+    pools: dict[str, int] = Field(default_factory=dict)
 
 
 class Heartbeat(BaseModel):
