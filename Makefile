@@ -7,6 +7,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 setup:
 	@bash scripts/setup.sh
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(VENV)/bin/pip install -q -e ".[bench]"
 
 check: setup
 	$(VENV)/bin/ruff check src tests bench examples scripts
@@ -45,8 +46,9 @@ soak: setup
 fuzz: setup
 	SPACE_FUZZ=long $(PY) -m pytest -q tests/fuzz
 
+# `space bench` on an installation of its own (issue 12); the node-level benchmark is bench.node_bench.
 bench: setup
-	$(PY) -m bench.node_bench
+	$(PY) -m space.cli.main bench --embedded
 
 # Removes every sandbox, mount and loop device SPACE test runs may have left (for a developer's machine).
 clean-host: setup
