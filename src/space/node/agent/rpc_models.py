@@ -376,8 +376,6 @@ class RegisterRequest(BaseModel):
     driver: str
     isolating: bool
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
-    #: Ready pooled sandboxes per template (issue 12); the scheduler prefers nodes with one.
-    pools: dict[str, int] = Field(default_factory=dict)
 
 
 class Heartbeat(BaseModel):
@@ -401,6 +399,8 @@ class Heartbeat(BaseModel):
     sandboxes: list[SandboxObserved]
     unmanaged: list[str] = Field(default_factory=list)
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
+    #: Ready pooled sandboxes per template (issue 12); the scheduler prefers nodes with one.
+    pools: dict[str, int] = Field(default_factory=dict)
 
 
 # -- suspend / restore / recover (object storage) -----------------------------------------------------------
