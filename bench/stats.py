@@ -21,6 +21,7 @@ def summarize(samples_ms: list[float], **extra: Any) -> dict[str, Any]:
         "p50_ms": round(percentile(samples_ms, 50), 2),
         "p90_ms": round(percentile(samples_ms, 90), 2),
         "p99_ms": round(percentile(samples_ms, 99), 2),
+        "max_ms": round(max(samples_ms), 2),
         "n": len(samples_ms),
         **extra,
     }
@@ -31,7 +32,7 @@ def print_table(results: dict[str, dict[str, Any]], targets: dict[str, str]) -> 
     for name, row in results.items():
         if "p90_ms" in row:
             other = ", ".join(
-                f"{k}={v}" for k, v in row.items() if k not in {"p50_ms", "p90_ms", "p99_ms", "n"}
+                f"{k}={v}" for k, v in row.items() if k not in {"p50_ms", "p90_ms", "p99_ms", "max_ms", "n"}
             )
             print(
                 f"{name:<26} {row['p50_ms']:>8.2f}ms {row['p90_ms']:>8.2f}ms {row['p99_ms']:>8.2f}ms "
@@ -42,9 +43,12 @@ def print_table(results: dict[str, dict[str, Any]], targets: dict[str, str]) -> 
             print(f"{name:<26} {'':>32} {'':>5}  {other} [{targets.get(name, '')}]")
 
 
-def write_json(results: dict[str, Any], kind: str) -> pathlib.Path:
-    out_dir = pathlib.Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def write_json(results: dict[str, Any], kind: str, out_dir: pathlib.Path = RESULTS_DIR) -> pathlib.Path:
+    """Write `<kind>-<time>.json` and `<kind>-latest.json` under `out_dir`; the first one's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{kind}-{time.strftime('%Y%m%dT%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=2))
     (out_dir / f"{kind}-latest.json").write_text(json.dumps(results, indent=2))

@@ -177,11 +177,27 @@ def find_bench_module() -> Path | None:
     return None
 
 
-def bench(
-    quick: Annotated[bool, typer.Option("--quick", help="Fewer iterations.")] = False,
+def bench(  # noqa: PLR0917
+    quick: Annotated[bool, typer.Option("--quick", help="Few samples (under a minute).")] = False,
     as_json: JsonFlag = False,
+    embedded: Annotated[
+        bool, typer.Option("--embedded", help="Start an installation of its own (root), purged at the end.")
+    ] = False,
+    template: Annotated[str, typer.Option("--template", help="Template to create sandboxes of.")] = "python",
+    node_url: Annotated[
+        str | None, typer.Option("--node-url", metavar="URL", help="The node agent's RPC (exec_true_node).")
+    ] = None,
+    node_data_dir: Annotated[
+        Path | None,
+        typer.Option("--node-data-dir", metavar="DIR", help="The node's data directory on this host."),
+    ] = None,
+    results_dir: Annotated[
+        Path | None, typer.Option("--results-dir", metavar="DIR", help="Default: bench/results.")
+    ] = None,
+    samples: Annotated[int | None, typer.Option("--samples", hidden=True, min=1)] = None,
 ) -> None:
-    """Benchmark the API (runs `python -m bench.api_bench`)."""
+    """Benchmark a SPACE through its API ($SPACE_URL or config; --embedded: one of its own) against a plain
+    runsc baseline; writes JSON and a chart under bench/results (runs `python -m bench.api_bench`)."""
     module = find_bench_module()
     if module is None:
         typer.echo(
@@ -190,11 +206,14 @@ def bench(
             err=True,
         )
         raise typer.Exit(EXIT_USAGE)
-    argv = [sys.executable, "-m", "bench.api_bench"]
-    if quick:
-        argv.append("--quick")
-    if as_json:
-        argv.append("--json")
+    argv = [sys.executable, "-m", "bench.api_bench", "--template", template]
+    flags = {"--quick": quick, "--json": as_json, "--embedded": embedded}
+    argv += [flag for flag, on in flags.items() if on]
+    options = {"--node-url": node_url, "--node-data-dir": node_data_dir, "--results-dir": results_dir,
+               "--samples": samples}  # fmt: skip
+    for option, value in options.items():
+        if value is not None:
+            argv += [option, str(value)]
     env = dict(os.environ)
     if state.url:
         env["SPACE_URL"] = state.url

@@ -1,0 +1,207 @@
+"""The operations `space bench` measures through the public API (the SDK), each a list of latencies in ms.
+
+What each sample is:
+- create (warm, cold, c8): `POST /v1/sandboxes` to the first `exec true` answered (the seed's definition of
+  creation; issue 12). The sandbox's `created_from` ('pool', 'warm', 'cold'; read after the clock stopped)
+  is counted per sample, 'unknown' when the server does not say.
+- exec_true: `exec ["true"]` on a running sandbox; exec_true_node: the same call on the node's own RPC.
+- file_4k: write 4 KiB, then read it back. pause / resume: each call until the sandbox settled.
+- snapshot_disk / checkpoint_full: one snapshot each (disk only / processes and memory too).
+- fork: the fork request to the child's first exec answered. suspend: until suspended; restore: the
+  restore request to the first exec answered.
+
+Invariants:
+- Every sandbox made here is deleted before its function returns, also when a step fails.
+- Nothing is printed: progress goes to the `log` callable (stderr), so `--json` keeps stdout clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from space import Space
+from space.node.rpc_client import NodeClient
+from space.sdk import Sandbox
+
+Log = Callable[[str], None]
+FILE_4K = b"x" * 4096
+
+
+class BenchFailure(RuntimeError):
+    """A measured operation answered wrongly (not a slow answer: a wrong one)."""
+
+
+@dataclass
+class Series:
+    """The samples of one operation, and where created sandboxes came from (creation only)."""
+
+    samples: list[float] = field(default_factory=list)
+    origins: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def extra(self) -> dict[str, Any]:
+        return {"from": dict(sorted(self.origins.items()))} if self.origins else {}
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+def _check_exec(sb: Sandbox) -> None:
+    result = sb.exec(["true"])
+    if result.exit_code != 0:
+        raise BenchFailure(f"`true` exited {result.exit_code} in {sb.id}")
+
+
+def create_once(sp: Space, template: str) -> tuple[float, str]:
+    """One creation: ms from the request to the first exec answered, and the sandbox's `created_from`."""
+    start = time.perf_counter()
+    sb = sp.sandboxes.create(template=template)
+    try:
+        _check_exec(sb)
+        elapsed = _ms(start)
+        origin = sb.data.get("created_from") or sb.refresh().data.get("created_from")
+    finally:
+        sb.delete()
+    return elapsed, str(origin or "unknown")
+
+
+def create_series(  # noqa: PLR0917
+    url: str, api_key: str | None, template: str, n: int, concurrency: int, log: Log, label: str
+) -> Series:
+    """`n` creations, `concurrency` at a time (threads, one client each)."""
+    series = Series()
+    lock = threading.Lock()
+    local = threading.local()
+    clients: list[Space] = []
+
+    def one(_index: int) -> None:
+        sp = getattr(local, "sp", None)
+        if sp is None:
+            sp = local.sp = Space(url=url, api_key=api_key)
+            with lock:
+                clients.append(sp)
+        elapsed, origin = create_once(sp, template)
+        with lock:
+            series.samples.append(elapsed)
+            series.origins[origin] += 1
+            done = len(series.samples)
+        if done % max(1, n // 10) == 0 or done == n:
+            log(f"{label}: {done}/{n}")
+
+    try:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            for future in [pool.submit(one, i) for i in range(n)]:
+                future.result()
+    finally:
+        for sp in clients:
+            sp.close()
+    return series
+
+
+@contextlib.contextmanager
+def subject(sp: Space, template: str) -> Iterator[Sandbox]:
+    """A running sandbox for the per-sandbox operations, deleted at the end."""
+    sb = sp.sandboxes.create(template=template)
+    try:
+        _check_exec(sb)
+        yield sb
+    finally:
+        sb.delete()
+
+
+def exec_series(sb: Sandbox, n: int) -> Series:
+    series = Series()
+    for _ in range(n):
+        start = time.perf_counter()
+        _check_exec(sb)
+        series.samples.append(_ms(start))
+    return series
+
+
+def node_exec_series(node_url: str, rpc_token: str, sandbox_id: str, n: int) -> Series:
+    """`exec true` on the node's RPC directly (the reference the API's hop is compared with)."""
+
+    async def run() -> list[float]:
+        async with NodeClient(node_url, rpc_token) as node:
+            await node.exec(sandbox_id, ["true"])
+            samples = []
+            for _ in range(n):
+                start = time.perf_counter()
+                await node.exec(sandbox_id, ["true"])
+                samples.append(_ms(start))
+            return samples
+
+    return Series(samples=asyncio.run(run()))
+
+
+def file_series(sb: Sandbox, n: int) -> Series:
+    series = Series()
+    for i in range(n):
+        path = f"/work/bench-{i % 4}"
+        start = time.perf_counter()
+        sb.files.write(path, FILE_4K)
+        data = sb.files.read(path)
+        series.samples.append(_ms(start))
+        if data != FILE_4K:
+            raise BenchFailure(f"read back {len(data)} bytes of {path}, not the 4096 written")
+    return series
+
+
+def pause_resume_series(sb: Sandbox, n: int) -> tuple[Series, Series]:
+    paused, resumed = Series(), Series()
+    for _ in range(n):
+        start = time.perf_counter()
+        sb.pause()
+        paused.samples.append(_ms(start))
+        start = time.perf_counter()
+        sb.resume()
+        resumed.samples.append(_ms(start))
+    if sb.state != "running":
+        raise BenchFailure(f"{sb.id} is {sb.state} after resume")
+    _check_exec(sb)
+    return paused, resumed
+
+
+def snapshot_series(sb: Sandbox, n: int, *, full: bool) -> Series:
+    series = Series()
+    for _ in range(n):
+        start = time.perf_counter()
+        sb.snapshots.create(full=full)
+        series.samples.append(_ms(start))
+    return series
+
+
+def fork_series(sb: Sandbox, n: int) -> Series:
+    series = Series()
+    for _ in range(n):
+        start = time.perf_counter()
+        child = sb.fork()
+        try:
+            _check_exec(child)
+            series.samples.append(_ms(start))
+        finally:
+            child.delete()
+    return series
+
+
+def suspend_restore_series(sb: Sandbox, n: int) -> tuple[Series, Series]:
+    suspended, restored = Series(), Series()
+    for _ in range(n):
+        start = time.perf_counter()
+        sb.suspend()
+        suspended.samples.append(_ms(start))
+        if sb.state != "suspended":
+            raise BenchFailure(f"{sb.id} is {sb.state} after suspend")
+        start = time.perf_counter()
+        sb.restore()
+        _check_exec(sb)
+        restored.samples.append(_ms(start))
+    return suspended, restored
