@@ -96,7 +96,13 @@ def services_of(connection: HTTPConnection) -> Services:
     return services
 
 
-Svc = Annotated[Services, Depends(services_of)]
+async def _services_dependency(connection: HTTPConnection) -> Services:
+    """`services_of` as a dependency. A coroutine on purpose: FastAPI runs a plain `def` dependency in its
+    thread pool, a thread hop on every request (ADR 0044)."""
+    return services_of(connection)
+
+
+Svc = Annotated[Services, Depends(_services_dependency)]
 
 
 # -- authentication ------------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from starlette.requests import HTTPConnection
 from space.node.agent.service import NodeService
 
 
-def node_service(connection: HTTPConnection) -> NodeService:
-    """The app's NodeService (HTTP and WebSocket routes alike)."""
+async def node_service(connection: HTTPConnection) -> NodeService:
+    """The app's NodeService (HTTP and WebSocket routes alike). A coroutine on purpose: FastAPI runs a
+    plain `def` dependency in its thread pool, a thread hop on every request (ADR 0044)."""
     return cast(NodeService, connection.app.state.service)
 
 
