@@ -77,6 +77,18 @@ def test_env_cannot_smuggle_nul_or_bad_names(ctx: HelperContext) -> None:
     for env in ({"A B": "x"}, {"X": "a\x00b"}, {"1X": "y"}):
         args = {"sandbox_id": new_sandbox_id(), "env": env}
         refused(dispatch(ctx, {"verb": "sandbox.create", "args": args}, print))
+        refused(dispatch(ctx, {"verb": "sandbox.configure", "args": args}, print))
+
+
+def test_configure_needs_an_existing_sandbox_and_bounded_env(ctx: HelperContext) -> None:
+    """sandbox.configure (a pooled sandbox bound to its user, ADR 0047) rewrites an existing bundle only."""
+    sid = new_sandbox_id()
+    refused(dispatch(ctx, {"verb": "sandbox.configure", "args": {"sandbox_id": sid, "env": {}}}, print),
+            "not_found")  # fmt: skip
+    huge = {f"V{i}": "x" for i in range(257)}
+    refused(dispatch(ctx, {"verb": "sandbox.configure", "args": {"sandbox_id": sid, "env": huge}}, print))
+    refused(dispatch(ctx, {"verb": "sandbox.configure", "args": {"sandbox_id": sid, "template": "x"}}, print))
+    assert not ctx.layout.bundle(sid).exists()
 
 
 def test_path_outside_the_data_directory_is_refused(ctx: HelperContext, tmp_path: pathlib.Path) -> None:

@@ -36,8 +36,11 @@ from space.controlplane.local import LocalCluster
 from space.controlplane.supervisor import Emit
 from space.core import errors
 from space.node import filemodes
+from space.node.agent.pools import parse_pool_sizes
 from space.sdk.config import write_config_file
 
+#: Warm pools of a one-machine installation (ADR 0047): two python sandboxes ready, about 70 MB of memory.
+DEFAULT_POOLS = "python=2"
 #: How often the supervisor looks at its components (a death is noticed within this).
 TICK_S = 0.5
 stderr = Console(stderr=True)
@@ -71,10 +74,10 @@ def _event_log(data_dir: pathlib.Path, *, echo: bool) -> Emit:
     return emit
 
 
-def _supervise(data_dir: pathlib.Path, port: int, *, announce: bool = True) -> int:
+def _supervise(data_dir: pathlib.Path, port: int, pools: str, *, announce: bool = True) -> int:
     """Run SPACE in this process until SIGTERM/SIGINT, restarting what dies. `announce=False` (the
     detached supervisor, whose output is a log file): say where SPACE listens, never the key."""
-    cluster = LocalCluster(data_dir, port=port)
+    cluster = LocalCluster(data_dir, port=port, pools=pools)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -114,11 +117,24 @@ def up(
     ] = DEFAULT_DATA_DIR,
     port: Annotated[int, typer.Option("--port", help="port of the API on 127.0.0.1")] = 8470,
     detach: Annotated[bool, typer.Option("--detach", help="return once SPACE is ready")] = False,
+    pools: Annotated[
+        str,
+        typer.Option(
+            "--pools",
+            help="warm pools: sandboxes kept started per template, so a create binds one "
+            "(TEMPLATE=N,...; empty: none)",
+        ),
+    ] = DEFAULT_POOLS,
     supervisor: Annotated[
         bool, typer.Option("--supervisor", hidden=True, help="the detached supervisor: output is a log")
     ] = False,
 ) -> None:
     """Start the control plane, the node agent and the root helper on this machine."""
+    try:
+        parse_pool_sizes(pools)
+    except errors.InvalidArgument as exc:
+        stderr.print(f"error: --pools: {exc.message}")
+        raise typer.Exit(2) from exc
     filemodes.set_owner_only_umask()
     data_dir = data_dir.resolve()
     state = state_file(data_dir)
@@ -134,13 +150,13 @@ def up(
         state.unlink()
     (data_dir / "purge-request").unlink(missing_ok=True)
     if not detach:
-        raise typer.Exit(_supervise(data_dir, port, announce=not supervisor))
+        raise typer.Exit(_supervise(data_dir, port, pools, announce=not supervisor))
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = filemodes.open_private_log(data_dir / "space.log")
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "space.cli.main", "up", "--data-dir", str(data_dir), "--port", str(port),
-             "--supervisor"],
+             "--pools", pools, "--supervisor"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
     finally:

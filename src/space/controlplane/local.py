@@ -101,6 +101,8 @@ class LocalCluster:
     network: str = field(default_factory=lambda: NodeSettings().network)
     egress_config: pathlib.Path | None = None
     cgroup_parent: str = "space"  # several installations on one machine need their own (space.node.local)
+    #: The agent's --pools: warm pool sizes per template, "TEMPLATE=N,..." (ADR 0047); empty: none.
+    pools: str = ""
 
     @property
     def url(self) -> str:
@@ -199,7 +201,8 @@ class LocalCluster:
              # Enrols the node once; its own RPC token and identity are kept in DATA_DIR/identity (ADR 0021).
              "--bootstrap-token-file", str(self.data_dir / "node.token"),
              # --store-url: templates from the store (warm starts).
-             "--control-plane", self.url, "--store-url", self.store_url, *egress_args],
+             "--control-plane", self.url, "--store-url", self.store_url, *egress_args,
+             *(["--pools", self.pools] if self.pools else [])],
             user=self._agent_uid(),
         )  # fmt: skip
 

@@ -5,10 +5,10 @@ Only active when the node's helper runs with `network = "sandbox"` (asked throug
 "none" nothing here is installed and the agent behaves exactly as without it.
 
 How it hooks in: `install()` wraps the agent's driver in `EgressDriver`, which sees every moment a
-sandbox's runtime comes up (create incl. warm start, start, restore: rollback, fork children, restore from
-object storage, recovery; connect after an agent restart; a keep-running checkpoint that replaced the
-runtime) and every moment it goes (stop, destroy). So no lifecycle path can bring a sandbox up without its
-policy being decided first.
+sandbox's runtime comes up (create incl. warm start and the binding of a pooled runtime, start, restore:
+rollback, fork children, restore from object storage, recovery; connect after an agent restart; a
+keep-running checkpoint that replaced the runtime) and every moment it goes (stop, destroy). So no
+lifecycle path can bring a sandbox up without its policy being decided first.
 
 Invariants:
 - Fail closed: a sandbox whose policy is unknown (no record, control plane unreachable) is not known to
@@ -313,6 +313,21 @@ class EgressDriver:
         if channel is not None:
             await self.wiring.runtime_up(spec.sandbox_id, channel, fresh=True)
         return channel
+
+    async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
+        # Nobody's yet: what every sandbox of this node gets (proxy environment, the node's CA, DNS), and no
+        # policy at all (no egress) until it is bound.
+        spec.env.update(self.wiring.sandbox_env())
+        channel = await self.inner.create_pooled(spec)
+        session = GuestSession(channel)
+        await self.wiring.install_files(session)
+        await session.configure(self.wiring.sandbox_env())
+        return channel
+
+    async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
+        spec.env.update(self.wiring.sandbox_env())
+        await self.inner.bind_pooled(spec, channel)
+        await self.wiring.runtime_up(spec.sandbox_id, channel, fresh=False)
 
     async def start(self, sandbox_id: str) -> GuestChannel:
         channel = await self.inner.start(sandbox_id)

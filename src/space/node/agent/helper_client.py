@@ -4,6 +4,9 @@ Invariants:
 - Each request uses its own short-lived connection from a small pool, so concurrent verbs on different
   sandboxes run in parallel in the helper and a broken connection affects one request only.
 - Helper errors come back as the same typed SpaceError classes they were raised as.
+- The helper sees runtime ids only, callers sandbox ids only: with `names` set, every call's sandbox-naming
+  arguments are translated to runtime ids and its answer's back (space.node.agent.runtime_names), here and
+  nowhere else.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from space.core import errors
+from space.node.agent.runtime_names import RuntimeNames
 
 ProgressCallback = Callable[[str], None]
 
@@ -26,6 +30,8 @@ class HelperClient:
         self.default_timeout = default_timeout
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._pool_size = pool_size
+        #: Set by the driver that keeps warm pools; None: ids pass unchanged.
+        self.names: RuntimeNames | None = None
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         while self._idle:
@@ -48,6 +54,15 @@ class HelperClient:
     ) -> dict[str, Any]:
         if timeout is None:
             timeout = self.default_timeout
+        if self.names is None:
+            return await self._call(verb, args, progress, timeout)
+        result = await self._call(verb, self.names.args_to_runtime(args or {}), progress, timeout)
+        translated: dict[str, Any] = self.names.result_to_sandbox(result)
+        return translated
+
+    async def _call(
+        self, verb: str, args: dict[str, Any] | None, progress: ProgressCallback | None, timeout: float
+    ) -> dict[str, Any]:
         reader, writer = await self._connection()
         reusable = False
         try:

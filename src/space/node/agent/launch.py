@@ -47,6 +47,7 @@ from space.node.agent.identity import (
     load_or_create_rpc_token,
     read_private,
 )
+from space.node.agent.pools import WarmPools, parse_pool_sizes
 from space.node.agent.registration import Reporter
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
@@ -155,6 +156,7 @@ async def serve(
     egress: EgressSettings | None = None,
     disk_reserve: DiskReserve | None = None,
     settings: NodeAgentSettings | None = None,
+    pools: dict[str, int] | None = None,
 ) -> None:
     """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
     node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
@@ -195,6 +197,7 @@ async def serve(
         adopted = await agent.recover()
         if adopted:
             log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
+        start_pools(agent, pools, settings)
         server = _Server(
             uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
         )
@@ -208,6 +211,22 @@ async def serve(
             await reporter.deregister()  # offline, then the lease released: the next start adopts
         await fence.close()
         await agent.close()
+
+
+def start_pools(agent: NodeAgent, sizes: dict[str, int] | None, settings: NodeAgentSettings) -> None:
+    """Give the agent its warm pools (ADR 0047) and start filling them; nothing when no size is set or the
+    driver keeps no pools."""
+    if not sizes or not any(sizes.values()):
+        return
+    if agent.driver.names is None:
+        log.warning("--pools ignored: the %s driver keeps no warm pools", agent.driver.name)
+        return
+    agent.pools = WarmPools(
+        lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0,
+        fill_yield_s=settings.pool_fill_yield_s,
+    )  # fmt: skip
+    agent.pools.start()
+    log.info("warm pools: %s", ", ".join(f"{t}={n}" for t, n in sizes.items()))
 
 
 def node_fence(agent: NodeAgent, *, enforce_in_agent: bool = False) -> Fence:
@@ -257,6 +276,11 @@ def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:
     parser.add_argument("--driver", choices=["runsc", "fake"], default="runsc")
     parser.add_argument("--templates", default="python", help="comma-separated templates to prepare")
     parser.add_argument("--no-prepare", action="store_true", help="skip node/template preparation")
+    parser.add_argument(
+        "--pools", default=settings.pools, metavar="TEMPLATE=N,...",
+        help="warm pool sizes per template: that many sandboxes kept started, so a create binds one "
+        "(default $SPACE_NODE_POOLS, else none; ADR 0047)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--store-url", default=settings.store_url,
@@ -282,6 +306,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = _parser(settings)
     args = parser.parse_args(argv)
     try:
+        pools = parse_pool_sizes(args.pools)
+    except errors.InvalidArgument as exc:
+        parser.error(f"--pools: {exc.message}")
+    try:
         percent, mb = args.disk_reserve.split(",")
         disk_reserve = DiskReserve(percent=float(percent), mb=int(mb))
     except ValueError:  # pydantic's ValidationError is a ValueError
@@ -303,6 +331,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             log_level=args.log_level,
             store_url=args.store_url or default_store_url(data_dir),
             egress=load_egress_settings(data_dir / "egress", args.egress_config),
-            disk_reserve=disk_reserve, settings=settings,
+            disk_reserve=disk_reserve, settings=settings, pools=pools,
         )
     )  # fmt: skip

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from space.core import errors
 from space.core.lifecycle import LIVE_STATES, Event, State, transition
@@ -46,6 +47,8 @@ class SandboxHandle:
     crashed_at: float | None = None
     #: The checkpoint a suspended sandbox is paused at (set when its suspend completed on this node).
     suspended_at: str | None = None
+    #: How a create made it here: "pool", "warm" or "cold" (None: not made by a create of this agent).
+    created_from: Literal["pool", "warm", "cold"] | None = None
 
     def attach(self, channel: GuestChannel | None) -> None:
         """Adopt a new channel; if it ends without the node closing it, the runtime died: `crash`."""

@@ -9,6 +9,10 @@ Invariants:
 - A create that fails leaves nothing behind: the driver's leftovers are destroyed and the id unregistered.
 - A sandbox created from its template's warm checkpoint is reseeded (and given its environment) before it
   is handed out, so copies of one checkpoint never share random state.
+- A create first tries the node's warm pool (ADR 0047): a pooled runtime is bound to the sandbox id (boot
+  environment, egress policy, reseed, environment) and the binding made durable only once all of it is
+  done; a bind that fails destroys the member and creates the usual way. `created_from` says which.
+- A deleted sandbox's alias (a bound pooled runtime's name) is forgotten with it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
+from space.node.agent.channel import GuestChannel
+from space.node.agent.pools import Member, clean_leftovers
 from space.node.agent.sandbox_handle import SandboxHandle, SnapshotRecord
 from space.node.agent.sandbox_registry import SandboxRegistry
 from space.node.drivers.base import SandboxSpec
@@ -32,7 +38,11 @@ class SandboxLifecycle(SandboxRegistry):
     """Lifecycle verbs over the registry (each one a `_step` under the sandbox's lock)."""
 
     async def recover(self) -> list[str]:
-        """Adopt what the node already runs (after an agent restart); returns the adopted ids."""
+        """Adopt what the node already runs (after an agent restart); returns the adopted ids. Pooled runtimes
+        an earlier agent left are destroyed, never adopted (space.node.agent.pools)."""
+        cleaned = await clean_leftovers(self.driver)
+        if cleaned:
+            log.info("destroyed %d pooled runtimes left by an earlier agent", len(cleaned))
         adopted = []
         for observed in await self.driver.list():
             if observed.sandbox_id in self.sandboxes or not observed.exists:
@@ -50,6 +60,8 @@ class SandboxLifecycle(SandboxRegistry):
             self.sandboxes[observed.sandbox_id] = handle
             adopted.append(observed.sandbox_id)
         self.incarnations.keep_only(self.sandboxes)
+        if self.driver.names is not None:
+            self.driver.names.keep_only(set(self.sandboxes))
         return adopted
 
     # -- create ----------------------------------------------------------------------------------------------
@@ -70,22 +82,26 @@ class SandboxLifecycle(SandboxRegistry):
         )
         if spec.sandbox_id in self.sandboxes:
             raise errors.AlreadyExists(f"sandbox {spec.sandbox_id} already exists")
-        await self.check_reserve(f"creating sandbox {spec.sandbox_id}")
+        member = self.pools.take(template, spec.limits) if warm and self.pools is not None else None
+        if member is None:
+            await self.check_reserve(f"creating sandbox {spec.sandbox_id}")  # a member's disk is already held
         handle = SandboxHandle(spec.sandbox_id, spec, State.PENDING, time.time())
         self.sandboxes[spec.sandbox_id] = handle
         async with handle.lock:
 
             async def effect() -> None:
-                channel = await self.driver.create_warm(spec) if warm and self.driver.warm_supported else None
+                if member is not None and await self._bind(handle, member):
+                    return
+                channel = None
+                if warm and self.driver.warm_supported:
+                    handle.created_from = "warm" if await self.driver.warm_ready(template) else "cold"
+                    channel = await self.driver.create_warm(spec)
                 if channel is None:
+                    handle.created_from = "cold"
                     await self.driver.create(spec)
                     handle.attach(await self.driver.start(spec.sandbox_id))
                     return
-                handle.attach(channel)
-                # Restored from the template's checkpoint: its own randomness and its own environment.
-                await handle.session.reseed()
-                if spec.env:
-                    await handle.session.configure(spec.env)
+                await self._personalise(handle, channel)
 
             try:
                 await self._step(handle, Event.CREATE, Event.CREATED, effect)
@@ -95,6 +111,38 @@ class SandboxLifecycle(SandboxRegistry):
                 self.sandboxes.pop(spec.sandbox_id, None)
                 raise
         return handle
+
+    async def _personalise(self, handle: SandboxHandle, channel: GuestChannel) -> None:
+        """A sandbox restored from a checkpoint: its own randomness and its own environment."""
+        handle.attach(channel)
+        await handle.session.reseed()
+        if handle.spec.env:
+            await handle.session.configure(handle.spec.env)
+
+    async def _bind(self, handle: SandboxHandle, member: Member) -> bool:
+        """Make pooled `member` the sandbox of `handle` (ADR 0047); False (member destroyed) if it failed,
+        and the caller makes the sandbox the usual way."""
+        names = self.driver.names
+        assert names is not None and self.pools is not None
+        sandbox_id = handle.sandbox_id
+        names.claim(sandbox_id, member.runtime_id)  # from here the helper's calls for the id reach it
+        try:
+            await self.driver.bind_pooled(handle.spec, member.channel)  # boots' env; egress policy
+            await self._personalise(handle, member.channel)
+            names.commit(sandbox_id)
+        except BaseException as exc:
+            handle.attach(None)
+            with contextlib.suppress(Exception):
+                await self.driver.stop(sandbox_id)  # the policy it was given goes; its record stays
+            names.release(sandbox_id)
+            await self.pools.discard(member)
+            if not isinstance(exc, errors.SpaceError | OSError):
+                raise
+            log.warning("binding pooled runtime %s to %s failed (%s): creating it the usual way",
+                        member.runtime_id, sandbox_id, exc)  # fmt: skip
+            return False
+        handle.created_from = "pool"
+        return True
 
     # -- pause / resume / stop / start ----------------------------------------------------------------------
     async def pause(self, sandbox_id: str) -> None:
@@ -144,6 +192,8 @@ class SandboxLifecycle(SandboxRegistry):
             await self._step(handle, Event.DELETE, Event.DELETED, effect)
             self.sandboxes.pop(sandbox_id, None)
             self.incarnations.forget(sandbox_id)
+            if self.driver.names is not None:
+                self.driver.names.forget(sandbox_id)
 
     async def delete_all(self) -> None:
         for sandbox_id in list(self.sandboxes):
@@ -151,7 +201,10 @@ class SandboxLifecycle(SandboxRegistry):
                 await self.delete(sandbox_id)
 
     async def close(self) -> None:
-        """Disconnect from every sandbox; they keep running (the holders keep their channels)."""
+        """Disconnect from every sandbox; they keep running (the holders keep their channels). Pool members
+        are left to the next start, which destroys them."""
+        if self.pools is not None:
+            await self.pools.close()
         for handle in self.sandboxes.values():
             await self._close_channel(handle)
         await self.driver.close()

@@ -28,6 +28,7 @@ from space.core.ids import parse_sandbox_id
 from space.core.lifecycle import Event, transition
 from space.core.settings import DiskReserve
 from space.node.agent.incarnations import Incarnations
+from space.node.agent.pools import WarmPools
 from space.node.agent.sandbox_handle import SandboxHandle
 from space.node.drivers.base import Driver
 from space.objectstore.base import ObjectStore
@@ -54,6 +55,10 @@ class SandboxRegistry:
         self.store = store
         # One restore (download + import) per sandbox id at a time, before its handle exists.
         self._restores: dict[str, asyncio.Lock] = {}
+        #: This node's warm pools (set by the agent's launcher when it keeps any; ADR 0047).
+        self.pools: WarmPools | None = None
+        #: Lifecycle steps running now: pool refills wait while there are any (space.node.agent.pools).
+        self.steps_in_flight = 0
 
     def get(self, sandbox_id: str) -> SandboxHandle:
         handle = self.sandboxes.get(parse_sandbox_id(sandbox_id))
@@ -67,12 +72,15 @@ class SandboxRegistry:
     ) -> T:
         """start-event → in-progress state → effect → done-event, or `fail` if the effect raised."""
         handle.state = transition(handle.state, start)
+        self.steps_in_flight += 1
         try:
             result = await effect()
         except BaseException:
             with contextlib.suppress(errors.InvalidState):
                 handle.state = transition(handle.state, Event.FAIL)
             raise
+        finally:
+            self.steps_in_flight -= 1
         handle.state = transition(handle.state, done)
         return result
 

@@ -147,6 +147,7 @@ class ServiceCore:
             crash_reason=crash_reason(runtime.exit if runtime is not None else None, handle.spec.limits)
             if handle.state == State.CRASHED
             else None,
+            created_from=handle.created_from,
         )
 
     async def _runtime(self, sandbox_id: str) -> RuntimeState | None:
@@ -171,12 +172,14 @@ class ServiceCore:
         observed = await asyncio.gather(
             *(self.observe(h, runtimes.get(h.sandbox_id) if runtimes else None, guest=guest) for h in handles)
         )
-        unmanaged = sorted(set(runtimes or {}) - {h.sandbox_id for h in handles})
+        names = self.agent.driver.names
+        pooled = set(names.members()) if names is not None else set()  # the node's, not the control plane's
+        unmanaged = sorted(set(runtimes or {}) - {h.sandbox_id for h in handles} - pooled)
         return rm.SandboxList(sandboxes=list(observed), unmanaged=unmanaged)
 
     def info(self) -> rm.NodeInfo:
-        used_cpus = 0.0
-        used_memory = 0
+        pools = self.agent.pools
+        used_cpus, used_memory, used_disk = pools.reserved() if pools is not None else (0.0, 0, 0)
         for handle in self.agent.sandboxes.values():
             if handle.state not in _IDLE_STATES:
                 used_cpus += handle.spec.limits.cpus
@@ -193,7 +196,7 @@ class ServiceCore:
             used=rm.Resources(
                 cpus=round(used_cpus, 3),
                 memory_mb=used_memory,
-                disk_mb=sum(h.spec.limits.disk_mb for h in self.agent.sandboxes.values()),
+                disk_mb=used_disk + sum(h.spec.limits.disk_mb for h in self.agent.sandboxes.values()),
             ),
             sandbox_count=len(self.agent.sandboxes),
             templates=list(self.templates),
@@ -216,6 +219,7 @@ class ServiceCore:
             activity=activity,
             sandboxes=observed.sandboxes,
             unmanaged=observed.unmanaged,
+            pools=self.agent.pools.counts() if self.agent.pools is not None else {},
         )
 
     def registration(self, url: str, token: str) -> rm.RegisterRequest:

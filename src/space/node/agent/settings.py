@@ -56,6 +56,15 @@ class NodeAgentSettings(BaseSettings):
         gt=0,
         description="How long a local node waits for its helper to open its socket.",
     )
+    pools: str = Field(
+        validation_alias=_node("pools"), default="",
+        description="Default of --pools: warm pool sizes per template, TEMPLATE=N[,TEMPLATE=N...] "
+        "(ADR 0047); empty: no pools.",
+    )  # fmt: skip
+    pool_fill_yield_s: float = Field(
+        validation_alias=_node("pool_fill_yield_s"), default=0.5, ge=0,
+        description="A pool refill waits up to this long for the node's lifecycle steps to finish first.",
+    )  # fmt: skip
     helper_pool_size: int = Field(
         validation_alias=_node("helper_pool_size"),
         default=8,

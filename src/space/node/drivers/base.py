@@ -19,6 +19,7 @@ from typing import Any
 
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
+from space.node.agent.runtime_names import RuntimeNames
 
 Progress = Callable[[str], None]
 
@@ -69,6 +70,8 @@ class Driver(abc.ABC):
     isolating: bool = True
     #: Whether create_warm/adopt_warm work (templates can start from a checkpoint instead of booting).
     warm_supported: bool = False
+    #: The runtime names of a driver that keeps warm pools (space.node.agent.runtime_names); None: no pools.
+    names: RuntimeNames | None = None
 
     @abc.abstractmethod
     async def prepare(self, progress: Progress | None = None) -> None:
@@ -89,6 +92,16 @@ class Driver(abc.ABC):
 
     async def warm_ready(self, template: str) -> bool:
         return False
+
+    async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
+        """Start a pooled sandbox under runtime id `spec.sandbox_id` (already a member of `names`), from the
+        template's warm checkpoint when there is one; it belongs to nobody yet (no policy, no user env)."""
+        raise NotImplementedError(f"{self.name} keeps no warm pools")
+
+    async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
+        """The pooled runtime claimed for `spec.sandbox_id` (space.node.agent.runtime_names) now belongs to
+        it: later boots start with `spec.env` (the running daemon is given it by the caller, after this)."""
+        raise NotImplementedError(f"{self.name} keeps no warm pools")
 
     async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
         """Make a full checkpoint of a freshly booted sandbox of `template` its warm start (the sandbox is

@@ -14,6 +14,7 @@ from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
 from space.node.agent.identity import identity_dir
+from space.node.agent.runtime_names import RuntimeNames
 from space.node.drivers.base import (
     CheckpointInfo,
     Driver,
@@ -35,6 +36,9 @@ class RunscDriver(Driver):
     def __init__(self, layout: NodeLayout, helper: HelperClient) -> None:
         self.layout = layout
         self.helper = helper
+        # Pooled runtimes and the sandbox ids bound to them (ADR 0047): the helper client translates.
+        self.names: RuntimeNames = RuntimeNames(self.state_file("runtime-names.json"))
+        helper.names = self.names
 
     def state_file(self, name: str) -> pathlib.Path | None:
         # The agent's private 0700 directory (the helper's node.prepare makes it for the agent's user; the
@@ -65,6 +69,14 @@ class RunscDriver(Driver):
             return await self.start(spec.sandbox_id)
         return await self._channel(spec.sandbox_id, str(result["socket"]))
 
+    async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
+        channel = await self.create_warm(spec)
+        assert channel is not None  # this driver's create_warm always starts the sandbox
+        return channel
+
+    async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
+        await self.helper.call("sandbox.configure", {"sandbox_id": spec.sandbox_id, "env": dict(spec.env)})
+
     async def warm_ready(self, template: str) -> bool:
         return bool((await self.helper.call("template.warm_status", {"name": template}))["ready"])
 
@@ -81,7 +93,8 @@ class RunscDriver(Driver):
         return await self._channel(sandbox_id, str(result["socket"]))
 
     async def connect(self, sandbox_id: str) -> GuestChannel:
-        return await self._channel(sandbox_id, str(self.layout.channel_socket(sandbox_id)))
+        socket_path = self.layout.channel_socket(self.names.to_runtime(sandbox_id))
+        return await self._channel(sandbox_id, str(socket_path))
 
     async def pause(self, sandbox_id: str) -> None:
         await self.helper.call("sandbox.pause", {"sandbox_id": sandbox_id})

@@ -71,6 +71,13 @@ class CreateParams(Params):
     warm: bool = False  # start from the template's warm checkpoint when it has one (create + start)
 
 
+class ConfigureParams(Params):
+    """A pooled sandbox bound to its user (ADR 0047): the environment its later boots start with."""
+
+    sandbox_id: SandboxId
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+
+
 class SnapshotParams(Params):
     sandbox_id: SandboxId
     snapshot_id: SnapshotId

@@ -22,7 +22,7 @@ from space.core import errors
 from space.core.settings import SandboxLimits
 from space.node.helper import oci, staging
 from space.node.helper.context import HelperContext, Progress
-from space.node.helper.params import CreateParams, NoParams, SandboxParams
+from space.node.helper.params import ConfigureParams, CreateParams, NoParams, SandboxParams
 from space.node.helper.warm import warm_ready
 from space.node.volumes import btrfs, btrfs_quota, templates
 
@@ -33,11 +33,24 @@ def _init_argv_env(ctx: HelperContext, template: str) -> tuple[list[str], dict[s
     return templates.guest_command(), dict(templates.GUEST_ENV)
 
 
+def _write_spec(
+    ctx: HelperContext, sandbox_id: str, template: str, env: dict[str, str], limits: SandboxLimits
+) -> None:
+    """The bundle's spec.json and config.json: what `state` reports and what a boot starts with."""
+    bundle = ctx.layout.bundle(sandbox_id)
+    argv, base_env = _init_argv_env(ctx, template)
+    (bundle / "spec.json").write_text(json.dumps({"template": template, "env": env}))
+    config = oci.bundle_config(
+        rootfs=ctx.layout.rootfs(sandbox_id), init_argv=argv, init_env={**base_env, **env}, limits=limits
+    )
+    oci.write_bundle_config(bundle, config)
+
+
 def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress) -> dict[str, Any]:
     template_path = ctx.layout.template(params.template)
     bundle = ctx.layout.bundle(params.sandbox_id)
     rootfs = ctx.layout.rootfs(params.sandbox_id)
-    argv, env = _init_argv_env(ctx, params.template)
+    _init_argv_env(ctx, params.template)  # NotFound before anything is written
     if btrfs.is_subvolume(rootfs):
         raise errors.AlreadyExists(f"sandbox {params.sandbox_id} already has a root filesystem")
     warm = ctx.layout.warm(params.template)
@@ -46,16 +59,23 @@ def sandbox_create(ctx: HelperContext, params: CreateParams, _progress: Progress
     btrfs.snapshot(warm / "rootfs" if use_warm else template_path, rootfs, readonly=False)
     btrfs_quota.set_limit(rootfs, params.limits.disk_mb << 20)
     (bundle / "limits.json").write_text(params.limits.model_dump_json())
-    (bundle / "spec.json").write_text(json.dumps({"template": params.template, "env": params.env}))
-    config = oci.bundle_config(
-        rootfs=rootfs, init_argv=argv, init_env={**env, **params.env}, limits=params.limits
-    )
-    oci.write_bundle_config(bundle, config)
+    _write_spec(ctx, params.sandbox_id, params.template, dict(params.env), params.limits)
     if use_warm:
         # Restored, not booted: the daemon comes up already initialised, so the sandbox answers sooner. The
         # config above (with the caller's env) is what a later `start` boots with.
         return {"bundle": str(bundle), "socket": ctx.runtimes.launch(params.sandbox_id, warm / "image")}
     return {"bundle": str(bundle)}
+
+
+def sandbox_configure(ctx: HelperContext, params: ConfigureParams, _progress: Progress) -> dict[str, Any]:
+    """Give an existing sandbox the environment its later boots start with (a pooled sandbox, bound to its
+    user: its running processes get it from the agent, through the daemon). Template and limits stay."""
+    bundle = ctx.layout.bundle(params.sandbox_id)
+    if not (bundle / "config.json").exists():
+        raise errors.NotFound(f"sandbox {params.sandbox_id} has no bundle on this node")
+    template = str(_spec(ctx, params.sandbox_id)["template"])
+    _write_spec(ctx, params.sandbox_id, template, dict(params.env), stored_limits(ctx, params.sandbox_id))
+    return {}
 
 
 def sandbox_start(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from space.node.helper.fence_verbs import guarded
 from space.node.helper.params import (
     AdoptWarmParams,
     CheckpointParams,
+    ConfigureParams,
     CreateParams,
     DiskParams,
     ImportParams,
@@ -65,6 +66,7 @@ VERBS: dict[str, Verb] = {
         Verb("node.fence", fence_verbs.FenceParams, fence_verbs.node_fence),
         Verb("node.fence_status", NoParams, fence_verbs.node_fence_status),
         Verb("sandbox.create", CreateParams, guarded(sandbox_verbs.sandbox_create), sandbox_scoped=True),
+        Verb("sandbox.configure", ConfigureParams, sandbox_verbs.sandbox_configure, sandbox_scoped=True),
         Verb("sandbox.start", SandboxParams, guarded(sandbox_verbs.sandbox_start), sandbox_scoped=True),
         Verb("sandbox.pause", SandboxParams, sandbox_verbs.sandbox_pause, sandbox_scoped=True),
         Verb("sandbox.resume", SandboxParams, guarded(sandbox_verbs.sandbox_resume), sandbox_scoped=True),
