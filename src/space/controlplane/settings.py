@@ -181,6 +181,11 @@ class ControlPlaneSettings(BaseSettings):
     pool_data_max_json_bytes: int = _positive(
         8 * MiB, "SPACE_NODE_POOL_DATA_MAX_JSON_BYTES", "Largest JSON answer the gateway relays whole."
     )
+    pool_sockets: str = Field(
+        default="", validation_alias="SPACE_NODE_POOL_SOCKETS",
+        description="URL=PATH,...: the node registered at URL is reached through the unix socket PATH (its "
+        "agent's --listen-socket, on this machine; ADR 0044). Only the operator names sockets, never a node.",
+    )  # fmt: skip
 
     # -- retention of rows that only grow (retention.py, ADR 0025) -------------------------------------------
     retention_idempotency_s: float = _positive(
