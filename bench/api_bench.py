@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench import api_measure as m
 from bench.api_report import document, meta, print_table, write_chart
@@ -40,10 +40,11 @@ from bench.plain_runsc import PlainRunsc, template_rootfs
 from bench.stats import RESULTS_DIR, percentile, write_json
 from space import Space
 from space.cli._common import exit_code_for
-from space.controlplane.local import LocalCluster, free_port
 from space.core.errors import SpaceError
-from space.node.agent.identity import default_rpc_token_file
 from space.sdk.config import resolve_config
+
+if TYPE_CHECKING:  # imported where used: a run against a remote SPACE starts without the control plane's code
+    from space.controlplane.local import LocalCluster
 
 #: Samples per operation: (full run, --quick). Creation follows the issue (N >= 200 at concurrency 1 and
 #: at concurrency 8); the naive baseline copies a whole root filesystem per sample, so 20 of it suffice.
@@ -74,6 +75,8 @@ class Target:
 @contextlib.contextmanager
 def embedded_target() -> Iterator[Target]:
     """A whole installation of our own in a fresh data directory, purged at the end."""
+    from space.controlplane.local import LocalCluster, free_port
+
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-bench-", dir="/var/tmp"))
     cluster = LocalCluster(data_dir, port=free_port(), cgroup_parent="space-bench")
     try:
@@ -148,6 +151,8 @@ class Run:
             log("exec_true_node omitted: the node's RPC is reachable only on its host (--node-url and "
                 "--node-data-dir, or --embedded)")  # fmt: skip
             return
+        from space.node.agent.identity import default_rpc_token_file
+
         try:
             token = default_rpc_token_file(t.node_data_dir).read_text().strip()
         except OSError as exc:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from space import Space
-from space.node.rpc_client import NodeClient
 from space.sdk import Sandbox
 
 Log = Callable[[str], None]
@@ -128,6 +127,7 @@ def exec_series(sb: Sandbox, n: int) -> Series:
 
 def node_exec_series(node_url: str, rpc_token: str, sandbox_id: str, n: int) -> Series:
     """`exec true` on the node's RPC directly (the reference the API's hop is compared with)."""
+    from space.node.rpc_client import NodeClient  # only on the node's host: not every run loads it
 
     async def run() -> list[float]:
         async with NodeClient(node_url, rpc_token) as node:
