@@ -1,4 +1,5 @@
-"""Node choice for a new sandbox: free capacity first, template locality as the tie-breaker.
+"""Node choice for a new sandbox: a node with a pooled sandbox of its template first, then one that holds the
+template, then the rest; free memory breaks ties within a tier.
 
 Invariants:
 - Only nodes in status `ready` whose free capacity fits the sandbox's limits (and, for a restore or a
@@ -12,13 +13,25 @@ Invariants:
   sandbox placed on it (from the store, so two placements between heartbeats cannot both take the last
   room) plus the new one's, plus the node's reserve, fit in its disk; a node already below its reserve
   takes no new sandbox. Nodes that report no disk (older agents) are not judged on disk.
+- Warm pools (issue 12, docs/adr/0046-direct-create-path.md): a create (`pools` given) prefers a node whose
+  believed count of ready pooled sandboxes of its template is > 0. The belief is the count of the node's
+  last heartbeat (`nodes.pools`) less the creates this process placed there since that heartbeat
+  (`PoolLedger.take`, under one lock with the choice), so concurrent creates spread over the pools instead
+  of all going to a node whose last heartbeat said 1. The belief only orders candidates; it never admits.
+- A pooled sandbox is already in the node's reported `used` (the node counts it against its capacity):
+  binding it needs no new room, so a node whose believed pool has one is admitted without the memory,
+  slot and CPU check (counting the sandbox again would refuse a node full of its own pool); disk is
+  judged as for any node (pooled sandboxes are not in the store's placed disk).
 - `check_admissible` refuses at once (StorageExhausted, 507) a `disk_mb` larger than any ready node can
   ever hold, instead of letting the create wait for a node that will never have room.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Final
 
 from space.controlplane import restore_targets
@@ -73,17 +86,51 @@ def below_reserve(node: NodeRecord) -> bool:
     return isinstance(free, int) and isinstance(reserve, int) and free < reserve
 
 
-def score(node: NodeRecord, sandbox: SandboxRecord, placed_disk_mb: int = 0) -> tuple[int, float] | None:
-    """None when the node cannot take the sandbox; else (holds its template, free memory), larger better.
-    `placed_disk_mb`: the disk_mb of the sandboxes already placed on the node (without this one)."""
+#: Tiers of a candidate node for a sandbox, best last: nothing of it, its template, a pooled sandbox of it.
+TIER_NONE, TIER_TEMPLATE, TIER_POOL = 0, 1, 2
+
+
+def score(
+    node: NodeRecord, sandbox: SandboxRecord, placed_disk_mb: int = 0, *, pooled: int = 0
+) -> tuple[int, float] | None:
+    """None when the node cannot take the sandbox; else (tier, free memory), larger better.
+    `placed_disk_mb`: the disk_mb of the sandboxes already placed on the node (without this one);
+    `pooled`: how many ready pooled sandboxes of its template the node is believed to have."""
     memory_free, slots_free, cpu_free = free_capacity(node)
-    if memory_free < sandbox.limits.memory_mb or slots_free < 1 or cpu_free < sandbox.limits.cpus:
+    fits = memory_free >= sandbox.limits.memory_mb and slots_free >= 1 and cpu_free >= sandbox.limits.cpus
+    if not fits and pooled <= 0:  # a pooled sandbox is already counted in `used`: binding it takes no room
         return None
     room = disk_room_mb(node)
     if room is not None and (placed_disk_mb + sandbox.limits.disk_mb > room or below_reserve(node)):
         return None
-    has_template = 1 if sandbox.template in (node.templates or []) else 0
-    return has_template, memory_free
+    if pooled > 0:
+        return TIER_POOL, memory_free
+    return (TIER_TEMPLATE if sandbox.template in (node.templates or []) else TIER_NONE), memory_free
+
+
+@dataclass
+class PoolLedger:
+    """This process's belief of each node's pool: the last heartbeat's counts less the creates placed there
+    since (see the module invariants). Thread-safe: `choose_node` runs in worker threads."""
+
+    #: node id -> (the heartbeat the placements are counted against, template -> creates placed since).
+    taken: dict[str, tuple[datetime, dict[str, int]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def believed(self, node: NodeRecord, template: str) -> int:
+        reported = (node.pools or {}).get(template, 0)
+        since = self.taken.get(node.id)
+        if since is None or since[0] != node.last_heartbeat_at:
+            return max(0, reported)  # a newer heartbeat already counts what was placed before it
+        return max(0, reported - since[1].get(template, 0))
+
+    def take(self, node: NodeRecord, template: str) -> None:
+        """A create of `template` was placed on `node`: one fewer pooled sandbox there until it reports."""
+        since = self.taken.get(node.id)
+        if since is None or since[0] != node.last_heartbeat_at:
+            since = (node.last_heartbeat_at, {})
+            self.taken[node.id] = since
+        since[1][template] = since[1].get(template, 0) + 1
 
 
 def placed_disk_mb(store: Store, node_id: str, *, besides: str | None = None) -> int:
@@ -105,21 +152,47 @@ def schedulable_nodes(store: Store, fresh_within_s: float | None) -> list[NodeRe
     return [node for node in nodes if node.last_heartbeat_at >= cutoff]
 
 
-def choose_node(store: Store, sandbox: SandboxRecord, *, fresh_within_s: float | None = None) -> str:
-    candidates = []
-    ready = schedulable_nodes(store, fresh_within_s)
+def choose_node(
+    store: Store,
+    sandbox: SandboxRecord,
+    *,
+    fresh_within_s: float | None = None,
+    pools: PoolLedger | None = None,
+) -> str:
+    """The best candidate node for `sandbox` (ResourceExhausted when none). With `pools` (a create), nodes
+    with a believed pooled sandbox of its template come first, and the one chosen is charged one."""
+    if pools is None:
+        return _best(store, sandbox, fresh_within_s, {})[0].id
+    with pools.lock:
+        ready = schedulable_nodes(store, fresh_within_s)
+        believed = {node.id: pools.believed(node, sandbox.template) for node in ready}
+        node, tier = _best(store, sandbox, fresh_within_s, believed, ready)
+        if tier == TIER_POOL:
+            pools.take(node, sandbox.template)
+        return node.id
+
+
+def _best(
+    store: Store,
+    sandbox: SandboxRecord,
+    fresh_within_s: float | None,
+    believed: Mapping[str, int],
+    ready: list[NodeRecord] | None = None,
+) -> tuple[NodeRecord, int]:
+    candidates: list[tuple[tuple[int, float], str, NodeRecord]] = []
+    ready = schedulable_nodes(store, fresh_within_s) if ready is None else ready
     # A restore or recovery goes only to nodes whose runtime can restore its checkpoint (ADR 0035).
     for node in restore_targets.able_nodes(store, sandbox, ready):
         placed = placed_disk_mb(store, node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
-        value = score(node, sandbox, placed)
+        value = score(node, sandbox, placed, pooled=believed.get(node.id, 0))
         if value is not None:
-            candidates.append((value, node.id))
+            candidates.append((value, node.id, node))
     if not candidates:
         raise errors.ResourceExhausted(
             f"no ready node with a fresh heartbeat has room for sandbox {sandbox.id}"
         )
-    candidates.sort(reverse=True)
-    return candidates[0][1]
+    value, _id, best = max(candidates, key=lambda c: (c[0], c[1]))
+    return best, value[0]
 
 
 def check_admissible(store: Store, limits: SandboxLimits) -> None:

@@ -16,6 +16,10 @@ Invariants:
   node.
 - Every heartbeat answer grants the node a lease, `fence_after_s` (node_lost_after_s - fence_grace_s): the
   node stops its own sandboxes that long after it sent the heartbeat, before any replica may mark it lost.
+- A heartbeat's `pools` ({template: ready pooled sandboxes}, issue 12) only orders the scheduler's choice,
+  never admits: it is parsed, not trusted. Templates the node does not report holding, names that are not
+  template names, and counts that are not integers are left out; a count is clamped to 0..MAX_POOL_COUNT;
+  a map of more than MAX_POOL_TEMPLATES entries, or one that is not a map, is recorded as empty.
 - Deregistration needs the node's own identity and the `beat` of its LATEST heartbeat (a 409 otherwise), so
   a replayed or delayed deregistration never takes a node that has reported since offline.
 - A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
@@ -116,6 +120,26 @@ def _capacity(raw: Any) -> dict[str, Any]:
         if isinstance(value, int) and not isinstance(value, bool):
             capacity[field] = max(0, value)
     return capacity
+
+
+MAX_POOL_TEMPLATES = 64  # templates with a pool a node may report
+MAX_POOL_COUNT = 1024  # ready pooled sandboxes of one template a node may report
+
+
+def _pools(raw: Any, templates: list[str]) -> dict[str, int] | None:
+    """A heartbeat's pools, parsed (see the module invariants); None when it reports none (older agents)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > MAX_POOL_TEMPLATES:
+        return {}
+    held = set(templates)
+    pools: dict[str, int] = {}
+    for template, count in raw.items():
+        if template not in held or isinstance(count, bool) or not isinstance(count, int):
+            continue
+        with contextlib.suppress(errors.InvalidArgument):
+            pools[ids.parse_template_name(template)] = min(max(0, count), MAX_POOL_COUNT)
+    return pools
 
 
 # -- node registration ---------------------------------------------------------------------------------------
@@ -241,7 +265,7 @@ async def heartbeat(
 ) -> dict[str, Any]:
     await authenticate_node(services.store, node_id, authorization)
     beat = await _json_object(request)
-    templates = list(beat.get("templates") or [])
+    templates = [t for t in beat.get("templates") or [] if isinstance(t, str)]
     used = dict(beat.get("used") or {})
     used["sandboxes"] = int(beat.get("sandbox_count", len(beat.get("sandboxes") or [])))
     reported_sandboxes = _reported_sandboxes(beat)
@@ -251,6 +275,7 @@ async def heartbeat(
         capacity=_capacity(beat.get("capacity") or {}),
         # What the node's runtime restores (ADR 0035): untrusted, so parsed; an unreadable one is no report.
         runtime=runtimes.parse_or_none(beat.get("runtime")),
+        pools=_pools(beat.get("pools"), templates),
     )  # fmt: skip
     await _crash_reports(services, node_id, reported_sandboxes, beat.get("time"))
     reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]

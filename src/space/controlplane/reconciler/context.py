@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Final
 
 from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.plan import NODE_CALLS, completion
-from space.controlplane.scheduler import DEFAULT_FRESH_S, choose_node
+from space.controlplane.scheduler import DEFAULT_FRESH_S, PoolLedger, choose_node
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.controlplane.store.sandbox_state import Note
 from space.controlplane.store.store import Store
@@ -95,6 +95,8 @@ class StepContext:
         self._freeing: dict[str, tuple[str, asyncio.Task[None]]] = {}
         #: Set (and replaced) whenever this reconciler moved a sandbox: waiters re-read without polling.
         self.changed = asyncio.Event()
+        #: What this process believes of each node's warm pools (placements since their last heartbeat).
+        self.pool_ledger = PoolLedger()
 
     # -- the record ------------------------------------------------------------------------------------------
     async def _transition(
@@ -132,8 +134,12 @@ class StepContext:
         node = await asyncio.to_thread(self.store.get_node, node_id)
         return node is None or node.status in GONE_STATUSES
 
-    async def _choose(self, sb: SandboxRecord) -> str:
-        return await asyncio.to_thread(choose_node, self.store, sb, fresh_within_s=self.node_fresh_s)
+    async def _choose(self, sb: SandboxRecord, *, create: bool = False) -> str:
+        """A node for sb; a create (`create`) prefers nodes with a pooled sandbox of its template."""
+        pools = self.pool_ledger if create else None
+        return await asyncio.to_thread(
+            functools.partial(choose_node, fresh_within_s=self.node_fresh_s, pools=pools), self.store, sb
+        )
 
     async def _place(self, sb: SandboxRecord) -> SandboxRecord:
         """Make sure sb has a ready target node and its incarnation recorded (before any node call)."""

@@ -239,8 +239,10 @@ class NodeRepository(Repository):
         activity: Mapping[str, datetime] | None = None,
         capacity: Mapping[str, Any] | None = None,
         runtime: Mapping[str, Any] | None = None,
+        pools: Mapping[str, int] | None = None,
     ) -> NodeRecord:
-        """A node's periodic report: resource use, templates present, per-sandbox last activity
+        """A node's periodic report: resource use, templates present, when given its ready pooled
+        sandboxes per template (already parsed by the caller: api/node_routes.py), per-sandbox last activity
         (applied only to sandboxes assigned to this node, never moving backwards) and, when given, its
         runtime descriptor (already parsed by the caller: space.core.runtimes). A lost node that
         reports again is ready; a draining one stays draining. NotFound: register again."""
@@ -255,6 +257,7 @@ class NodeRepository(Repository):
                 **({"templates": list(templates)} if templates is not None else {}),
                 **({"capacity": dict(capacity)} if capacity is not None else {}),
                 **({"runtime": dict(runtime)} if runtime is not None else {}),
+                **({"pools": dict(pools)} if pools is not None else {}),
             )
             .returning(Node)
             .execution_options(synchronize_session=False)
