@@ -4,6 +4,11 @@ Invariants:
 - Lifecycle routes only *record desired state* (after checking the transition table allows the request,
   so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
   they never call a node themselves.
+- A create that waits takes the direct path (docs/adr/0046-direct-create-path.md): the request records the
+  row, takes its work lease and runs the reconciler's own steps at once (Reconciler.drive: node chosen and
+  incarnation recorded with the `create` swap, before the node call); it answers as soon as the sandbox
+  runs. What it leaves undone (a failed node call, with its back-off; a lease another replica holds; a
+  kill) the reconciler finishes, and the request then waits for that like any other.
 - With an Idempotency-Key, a create derives the sandbox id from it: a retry that takes over the key of a
   request that died mid-way finds the sandbox that request recorded instead of making a second one.
 - A sandbox with an egress policy or bound credentials has its policy recorded before its row exists, so
@@ -81,7 +86,12 @@ async def _create(
         )  # fmt: skip
     except errors.AlreadyExists:
         assert sandbox_id is not None
-        sb = await find_sandbox(services, who, sandbox_id)
+        sb = await find_sandbox(services, who, sandbox_id)  # a retry: that row is its first request's
+    else:
+        if body.wait:
+            done = await services.reconciler.drive(sb)
+            if done is not None:
+                return done
     if body.wait:
         return await wait_settled(services, sb.id)
     services.reconciler.poke()

@@ -12,7 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,6 +55,12 @@ class Sandbox(_View):
     recovered_from: str | None
     suspended_snapshot_id: str | None = Field(description="Set while the sandbox is suspended.")
     snapshot_policy: dict[str, Any] | None = Field(description="The SnapshotPolicy as given (ADR 0014).")
+    created_from: Literal["pool", "warm", "cold"] | None = Field(
+        default=None,
+        description="How its node made it: 'pool' (a ready pooled sandbox was bound to it), 'warm' (restored "
+        "from its template's warm checkpoint: no pooled one was ready) or 'cold' (booted); null for a fork, "
+        "or while it is being created.",
+    )
 
 
 class Sandboxes(_View):
@@ -87,6 +93,7 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "recovered_from": sb.recovered_from,
         "suspended_snapshot_id": sb.suspended_snapshot_id if sb.state == State.SUSPENDED else None,
         "snapshot_policy": sb.snapshot_policy,
+        "created_from": sb.created_from,
     }
 
 

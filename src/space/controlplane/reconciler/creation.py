@@ -8,6 +8,13 @@ Invariants:
   placed there before, then re-planned) is deleted by its own incarnation first, never reused.
 - Only a ready node with a fresh heartbeat is chosen; a creating sandbox whose node is gone is re-planned
   (back to pending, on no node) by the lost-node round (replan.py), never left waiting.
+- A new sandbox's node is chosen BEFORE its `create` compare-and-swap and written with it (node and
+  incarnation = the generation the swap makes), so the placing costs no transaction of its own; when no
+  node has room the swap happens without one and the step chooses again (with back-off) as before. The
+  choice of a create prefers a node with a pooled sandbox of its template (scheduler.PoolLedger).
+- The node says how it made the sandbox (`created_from`: pool, warm, cold); it is recorded with the
+  `created` transition, and a create that found no pooled sandbox (warm, cold) writes a `pool.empty`
+  sandbox event in the same transaction.
 - A fork child starts on its parent's node from the parent's checkpoint (`fork_snapshot_id`); a parent
   that is on no node is a permanent failure (InvalidState); one whose node is not ready is retried (the
   checkpoint lives only there) without recording that node on the child.
@@ -17,19 +24,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from space.controlplane.reconciler.context import StepContext, stale_incarnation
 from space.controlplane.store.records import SandboxRecord
+from space.controlplane.store.sandbox_state import Note
 from space.core import errors
 from space.core.lifecycle import Event
 
+#: How a node may say it made a sandbox (SandboxObserved.created_from); anything else is not recorded.
+CREATED_FROM = frozenset({"pool", "warm", "cold"})
+
+
+def pool_empty_note(sb: SandboxRecord, created_from: str) -> Note | None:
+    """The `pool.empty` event of a create that found no pooled sandbox of its template (None for one that did
+    or for a node that does not say)."""
+    if created_from not in CREATED_FROM - {"pool"}:
+        return None
+    how = "its template's warm checkpoint" if created_from == "warm" else "a cold boot"
+    return Note(
+        "pool.empty",
+        f"no pooled sandbox of template {sb.template!r} was ready on node {sb.node_id}: created from {how}",
+        {"template": sb.template, "node_id": sb.node_id, "created_from": created_from},
+    )
+
 
 class CreationSteps(StepContext):
+    async def _begin_create(self, sb: SandboxRecord) -> SandboxRecord:
+        """pending -> creating, with the chosen node and the incarnation written by the same swap (a fork
+        child or a sandbox no node has room for now: without, the step places it)."""
+        fields: dict[str, Any] = {}
+        if sb.forked_from is None and sb.node_id is None:
+            with contextlib.suppress(errors.ResourceExhausted):
+                fields = {"node_id": await self._choose(sb, create=True), "incarnation": sb.generation + 1}
+        event = Event.FORK if sb.forked_from else Event.CREATE
+        return await self._transition(sb, event, **fields)
+
     async def _create(self, sb: SandboxRecord) -> SandboxRecord:
         if sb.forked_from is not None:
             return await self._fork_child(sb)
         if sb.node_id is None:
-            node_id = await self._choose(sb)
+            node_id = await self._choose(sb, create=True)
             sb = await asyncio.to_thread(
                 self.store.update_observed, sb.id, expected_generation=sb.generation, node_id=node_id,
                 incarnation=sb.generation,
@@ -37,7 +72,7 @@ class CreationSteps(StepContext):
         sb = await self._record_incarnation(sb)
         node = self._node_of(sb)
         try:
-            await node.create_sandbox(
+            observed, _made = await node.create_sandbox(
                 sb.id, template=sb.template, env=sb.env, limits=sb.limits, incarnation=sb.incarnation
             )
         except errors.Conflict as exc:
@@ -50,7 +85,11 @@ class CreationSteps(StepContext):
             raise errors.Unavailable(
                 f"sandbox {sb.id}: removed a stale copy on {sb.node_id}; retrying"
             ) from exc
-        return await self._transition(sb, Event.CREATED)
+        made_from = getattr(observed, "created_from", None)
+        if made_from not in CREATED_FROM:
+            return await self._transition(sb, Event.CREATED)
+        note = pool_empty_note(sb, made_from)
+        return await self._transition(sb, Event.CREATED, note=note, created_from=made_from)
 
     async def _fork_child(self, sb: SandboxRecord) -> SandboxRecord:
         """A fork child starts on its parent's node from the parent's checkpoint; the node call is idempotent

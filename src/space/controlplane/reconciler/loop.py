@@ -20,6 +20,10 @@ Invariants:
   node refuses the request as invalid) take the table's `fail` edge and stop retrying until a new wish.
 - Sandboxes a node runs that the database does not know (or knows as deleted, or as suspended, or as
   living on another node) are destroyed: no orphans, and never one sandbox running on two nodes.
+- The direct create path (`drive`, docs/adr/0046-direct-create-path.md): an API request that recorded a new
+  sandbox takes its lease (`Store.hold`) and runs the very steps a claim would (`work_on`: lease renewed
+  meanwhile, released after), so no pass of the loop is waited for, and no other replica's reconciler
+  runs the same step; whatever it leaves undone (a failure with its back-off, a kill) the loop finishes.
 - Leases of a dead control plane on this host (same pid *and* start time gone) are freed at start; other
   hosts' leases simply expire after LEASE_S.
 """
@@ -153,14 +157,23 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
 
     async def run_once(self) -> int:
         claimed = await asyncio.to_thread(self.store.claim_work, self.owner, BATCH, LEASE_S)
-        await asyncio.gather(*(self._work(record) for record in claimed))
+        await asyncio.gather(*(self.work_on(record) for record in claimed))
         return len(claimed)
 
-    async def _work(self, record: SandboxRecord) -> None:
+    async def drive(self, record: SandboxRecord) -> SandboxRecord | None:
+        """Take `record`'s lease and advance it now (an API request's direct path); None when another owner
+        holds the lease (its work is under way elsewhere) or the step did not end in a record."""
+        if not await asyncio.to_thread(self.store.hold, record.id, self.owner, LEASE_S):
+            return None
+        return await self.work_on(record)
+
+    async def work_on(self, record: SandboxRecord) -> SandboxRecord | None:
+        """Advance a sandbox whose lease this process holds, renewing the lease meanwhile and releasing it
+        after; the record as the last step left it (None if a step failed or lost a race)."""
         step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}")
         renewer = asyncio.create_task(self._renew(record.id, step))
         try:
-            await step
+            return await step
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -175,8 +188,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             renewer.cancel()
             with contextlib.suppress(errors.SpaceError):
                 await asyncio.to_thread(self.store.release, record.id, self.owner)
+        return None
 
-    async def _renew(self, sandbox_id: str, step: asyncio.Task[None]) -> None:
+    async def _renew(self, sandbox_id: str, step: asyncio.Task[Any]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
         work is taken over within LEASE_S. A lease that was taken away (its step re-planned because the
         node is gone) ends the step: nothing waits on a node that is gone."""
@@ -191,13 +205,15 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
                 return
 
     # -- one sandbox -----------------------------------------------------------------------------------------
-    async def reconcile(self, sb: SandboxRecord) -> None:
-        """Advance `sb` by as many steps as it takes to reach a stable state (or a failure)."""
+    async def reconcile(self, sb: SandboxRecord) -> SandboxRecord | None:
+        """Advance `sb` by as many steps as it takes to reach a stable state (or a failure); the record
+        as the last completed step left it (None when a step failed: its row says why)."""
         for _ in range(8):  # bounded: every loop either completes a step or returns
             nxt = await self._advance(sb)
             if nxt is None:
-                return
+                return sb if sb.state == sb.desired_state else None
             sb = nxt
+        return None
 
     async def _advance(self, sb: SandboxRecord) -> SandboxRecord | None:
         """One move: a wish to delete first, then an expired lifetime, then the step in progress (re-run),
@@ -218,7 +234,7 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         """From a stable state: begin the step toward the desired state (CAS into its in-progress state,
         then its effect), or nothing when it is there, failed for good, or cannot get there."""
         if sb.state == State.PENDING:
-            return await self._transition(sb, Event.FORK if sb.forked_from else Event.CREATE)
+            return await self._begin_create(sb)
         if sb.state == sb.desired_state or sb.error_permanent:
             return None
         if sb.state == State.CRASHED and sb.desired_state in RECOVER_FOR:

@@ -102,6 +102,13 @@ class AsyncSandbox:
         return str(self.data.get("state", "unknown"))
 
     @property
+    def created_from(self) -> str | None:
+        """How its node made it: "pool", "warm" (no pooled sandbox was ready) or "cold"; None for a fork,
+        while it is being created, or from an older server."""
+        value = self.data.get("created_from")
+        return None if value is None else str(value)
+
+    @property
     def path(self) -> str:
         return f"/v1/sandboxes/{seg(self.id)}"
 
