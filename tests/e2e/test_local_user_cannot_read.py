@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import free_port, host_leftovers, sandbox_ids_in
+from tests.support.host import runtime_id
 
 pytestmark = pytest.mark.root
 
@@ -216,7 +217,7 @@ def test_a_local_user_reads_no_secret_of_a_running_installation(installation: In
         assert kind in commands, f"no {kind} process among {commands}"
 
     # -- positive controls: the search finds what is there ------------------------------------------------
-    image_dir = data_dir / "fs" / "checkpoints" / sandbox / snapshot
+    image_dir = data_dir / "fs" / "checkpoints" / runtime_id(data_dir, sandbox) / snapshot
     as_root = inst.probe([], {"needles": needles, "paths": [str(data_dir / "admin.key"),
                               str(data_dir / "node.token"), str(image_dir)]})  # fmt: skip
     found_by_root = {name for name, _where in as_root["found"]}

@@ -58,3 +58,11 @@ def network_traces(tag: str) -> list[str]:
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
     found += [f"nft {line.strip()}" for line in tables.splitlines() if line.strip().endswith(f"space_{tag}")]
     return found
+
+
+def runtime_id(data_dir: pathlib.Path, sandbox_id: str) -> str:
+    """The runtime id behind `sandbox_id` on the node of `data_dir`: the one its host files are named after
+    (a sandbox bound from a warm pool runs under a runtime id of its own, ADR 0047)."""
+    from space.node.agent.runtime_names import RuntimeNames
+
+    return RuntimeNames(data_dir / "identity" / "runtime-names.json").to_runtime(sandbox_id)

@@ -207,6 +207,8 @@ class NodeInfo(BaseModel):
     store_url: str | None = None  # the only object store suspend/restore requests may name on this node
     #: What this node's runtime restores (space.core.runtimes; None: not known yet). ADR 0035.
     runtime: dict[str, str | None] | None = None
+    #: Ready pooled sandboxes per template (ADR 0047).
+    pools: dict[str, int] = Field(default_factory=dict)
 
 
 # -- data plane ------------------------------------------------------------------------------------------

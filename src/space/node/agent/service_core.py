@@ -203,6 +203,7 @@ class ServiceCore:
             time=time.time(),
             store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
             runtime=self.agent.node_runtime(),
+            pools=pools.counts() if pools is not None else {},
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
@@ -219,7 +220,6 @@ class ServiceCore:
             activity=activity,
             sandboxes=observed.sandboxes,
             unmanaged=observed.unmanaged,
-            pools=self.agent.pools.counts() if self.agent.pools is not None else {},
         )
 
     def registration(self, url: str, token: str) -> rm.RegisterRequest:
