@@ -8,6 +8,9 @@ Invariants:
 - In the data pool, one owner (API key) has at most `data_per_owner` calls in flight to one node; a call
   that cannot get a slot (or a pooled connection) within `data_wait_s` fails with ResourceExhausted (429,
   Retry-After) instead of waiting for ever.
+- A node the operator gave a unix socket (PoolSettings.sockets: its registered URL -> a path on this
+  machine) is reached through that socket, both pools alike, with the same node token; no node can name a
+  socket (a registered URL is http(s) only), so no node can point the control plane at another local socket.
 - No node answer is waited for without bound: a data call whose node sends no byte for `data_idle_s` is
   closed (httpx read timeout: between any two reads, headers included), a control call is answered whole
   within `control_total_s`, and a JSON answer larger than the pool's cap is refused (TooLarge) before it
@@ -42,6 +45,7 @@ class PoolSettings:
     data_wait_s: float = default_of("pool_data_wait_s")
     data_idle_s: float = default_of("pool_data_idle_s")
     data_max_json_bytes: int = default_of("pool_data_max_json_bytes")
+    sockets: str = default_of("pool_sockets")
 
     @classmethod
     def of(cls, settings: ControlPlaneSettings) -> PoolSettings:
@@ -51,21 +55,50 @@ class PoolSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
         return cls.of(ControlPlaneSettings.from_env(environ))
 
-    def control_transport(self) -> BoundedTransport:
+    def socket_for(self, url: str) -> str | None:
+        """The unix socket the operator named for the node registered at `url` (None: reach it by TCP)."""
+        return parse_sockets(self.sockets).get(url.rstrip("/"))
+
+    def control_transport(self, uds: str | None = None) -> BoundedTransport:
         return BoundedTransport(
             connections=self.control_connections,
             total_s=self.control_total_s,
             max_json_bytes=self.control_max_json_bytes,
+            uds=uds,
         )
 
-    def data_transport(self) -> BoundedTransport:
+    def data_transport(self, uds: str | None = None) -> BoundedTransport:
         return BoundedTransport(
             connections=self.data_connections,
             per_owner=self.data_per_owner,
             wait_s=self.data_wait_s,
             idle_s=self.data_idle_s,
             max_json_bytes=self.data_max_json_bytes,
+            uds=uds,
         )
+
+
+#: The longest path a unix socket address holds (sun_path is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+
+def parse_sockets(spec: str) -> dict[str, str]:
+    """`URL=PATH,...` (SPACE_NODE_POOL_SOCKETS, the server's --node-socket) as {node url: socket path};
+    InvalidArgument naming the entry that is not an http(s) url and an absolute path that fits."""
+    found: dict[str, str] = {}
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        url, sep, path = entry.partition("=")
+        if not sep or not url.startswith(("http://", "https://")) or not path.startswith("/"):
+            raise errors.InvalidArgument(
+                f"node socket {entry!r}: expected URL=PATH (an http(s) url, an absolute path)",
+                field="node_sockets",
+            )
+        if len(path.encode()) > MAX_SOCKET_PATH:
+            raise errors.InvalidArgument(
+                f"node socket path {path!r} is longer than {MAX_SOCKET_PATH} bytes", field="node_sockets"
+            )
+        found[url.rstrip("/")] = path
+    return found
 
 
 #: An idle pooled connection is dropped after this long: well under the node agent's keep-alive timeout
@@ -87,14 +120,18 @@ class BoundedTransport(httpx.AsyncBaseTransport):
         idle_s: float | None = None,
         total_s: float | None = None,
         inner: httpx.AsyncBaseTransport | None = None,
+        uds: str | None = None,
     ) -> None:
+        """`uds`: connect to this unix socket instead of the request's host and port."""
         self._inner = inner or httpx.AsyncHTTPTransport(
             limits=httpx.Limits(
                 max_connections=connections,
                 max_keepalive_connections=min(connections, 32),
                 keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            )
+            ),
+            uds=uds,
         )
+        self.uds = uds
         self.per_owner = per_owner
         self.wait_s = wait_s
         self.idle_s = idle_s

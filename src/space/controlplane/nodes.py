@@ -11,7 +11,8 @@ Invariants:
   alone opens no token, and a sealed token copied onto another node's row does not open.
 - Per node, control traffic and data traffic go through separate, bounded connection pools
   (space.controlplane.node_pools, ADR 0025): `client` picks the data pool inside a tenant's data-plane
-  request, the control pool otherwise.
+  request, the control pool otherwise. A node the operator gave a unix socket (SPACE_NODE_POOL_SOCKETS)
+  is reached through it, both pools alike (ADR 0044).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from space.controlplane.node_pools import PoolSettings, traffic_owner
+from space.controlplane.node_pools import PoolSettings, parse_sockets, traffic_owner
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.crypto.envelope import derive_key, open_sealed, seal
@@ -67,6 +68,7 @@ class NodePool:
         self.store = store
         self.tokens = RpcTokenSeal(node_token)
         self.pools = pools or PoolSettings.from_env()
+        parse_sockets(self.pools.sockets)  # a wrong socket setting fails the start, not the first call
         self._clients: dict[str, tuple[tuple[str, bytes], _Clients]] = {}
         self._retired: list[NodeClient] = []  # replaced clients, closed with the pool
         self._checked: dict[str, float] = {}
@@ -89,9 +91,10 @@ class NodePool:
             if cached is not None and cached[0] == (url, sealed):
                 return cached[1].pick()
         token = self.tokens.open(node_id, sealed)
+        uds = self.pools.socket_for(url)  # a node on this machine: its agent's unix socket (ADR 0044)
         client = _Clients(
-            control=NodeClient(url, token, transport=self.pools.control_transport()),
-            data=NodeClient(url, token, transport=self.pools.data_transport()),
+            control=NodeClient(url, token, transport=self.pools.control_transport(uds)),
+            data=NodeClient(url, token, transport=self.pools.data_transport(uds)),
         )
         with self._lock:
             # A replaced client is not closed here: a request may still be using it (it goes with the pool).

@@ -14,6 +14,7 @@ import uvicorn
 
 from space.controlplane.api.app import create_app
 from space.controlplane.keys import OrgDataKeys
+from space.controlplane.node_pools import parse_sockets
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
@@ -59,8 +60,20 @@ def main(argv: list[str] | None = None) -> int:
         help="DISK,FULL: the shortest disk_every_s and full_every_s a snapshot policy may ask for, in "
         "seconds (default 60,300; ADR 0027)",
     )
+    parser.add_argument(
+        "--node-socket", action="append", default=[], metavar="URL=PATH",
+        help="reach the node registered at URL through the unix socket PATH (that agent's --listen-socket, "
+        "on this machine; repeatable; added to $SPACE_NODE_POOL_SOCKETS; ADR 0044)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
+    if args.node_socket:
+        sockets = ",".join(filter(None, [settings.pool_sockets, *args.node_socket]))
+        settings = settings.model_copy(update={"pool_sockets": sockets})
+    try:
+        parse_sockets(settings.pool_sockets)
+    except errors.InvalidArgument as exc:
+        parser.error(exc.message)
     try:
         disk_s, full_s = (int(part) for part in args.snapshot_min_intervals.split(","))
         retention.set_minimum_intervals(disk_s, full_s)
