@@ -24,6 +24,7 @@ forwarded, fork and suspend/restore keep the policy, no canary in the checkpoint
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import ipaddress
@@ -55,7 +56,7 @@ from space.node.local import LocalNode, connect_agent
 from space.node.rpc_client import NodeClient
 from space.objectstore.backends import open_store
 from tests.support.egress_net import Upstream, UpstreamCA, leftovers, start_upstream
-from tests.support.host import network_traces
+from tests.support.host import network_traces, runtime_id
 from tests.support.loop import BackgroundLoop
 from tests.support.sandboxes import delete_quietly
 
@@ -526,7 +527,10 @@ def egress_cluster() -> Iterator[EgressCluster]:
     cert_api = test_ca.issue("api.pem", ["api.test"], ["10.98.43.2"])
     cert_evil = test_ca.issue("evil.pem", ["evil.test"], ["10.98.44.2"])
     upstreams: list[Upstream] = []
-    local = LocalCluster(data_dir=data_dir, port=free_port(), network="sandbox", cgroup_parent="space-egc")
+    # With a warm pool (ADR 0047): the sandbox of the test below is a pooled one, bound to its user.
+    local = LocalCluster(
+        data_dir=data_dir, port=free_port(), network="sandbox", cgroup_parent="space-egc", pools="python=1"
+    )
     started = False
     try:
         upstreams.append(start_upstream(tag, "api", 43, cert_api, workdir))
@@ -546,6 +550,7 @@ def egress_cluster() -> Iterator[EgressCluster]:
         local.egress_config = config
         local.start()
         started = True
+        _wait_for_pool(local)
         admin = httpx.Client(
             base_url=local.url, headers={"Authorization": f"Bearer {local.api_key}"}, timeout=60
         )
@@ -567,6 +572,19 @@ def egress_cluster() -> Iterator[EgressCluster]:
         shutil.rmtree(workdir, ignore_errors=True)
     assert network_traces(node_tag(data_dir)) == [], "network namespaces, links or the nft table left behind"
     assert leftovers(tag) == [], "upstream namespaces left behind"
+
+
+def _wait_for_pool(local: Any) -> None:
+    from space.node.agent.identity import default_rpc_token_file
+    from space.node.rpc_client import NodeClient
+
+    token = default_rpc_token_file(local.data_dir).read_text().strip()
+
+    async def ready() -> bool:
+        async with NodeClient(f"http://127.0.0.1:{local.node_port}", token) as node:
+            return (await node.info()).pools.get("python", 0) >= 1
+
+    _wait(lambda: asyncio.run(ready()), "a pooled python sandbox on the node", timeout=120)
 
 
 def _wait(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
@@ -599,6 +617,8 @@ def test_control_plane_credential_policy_push_and_audit(egress_cluster: EgressCl
     sb = sp.sandboxes.create(allow=["api.test"], credentials=["gh"])
     seen: list[str] = []
     try:
+        # A pooled sandbox (ADR 0047): everything below holds for one bound to its user at create.
+        assert client.get(f"/v1/sandboxes/{sb.id}").json()["created_from"] == "pool"
 
         def run(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return _fetch_sdk(sb, requests, seen)
@@ -642,9 +662,11 @@ def test_control_plane_credential_policy_push_and_audit(egress_cluster: EgressCl
         _wait(injected, "an 'injected' audit entry from the node")
         # a full checkpoint image on disk never holds the value (it does hold the placeholder)
         snap = sb.snapshots.create(full=True)
-        image = cl.local.data_dir / "fs" / "checkpoints" / sb.id / snap.id
+        runtime = runtime_id(cl.local.data_dir, sb.id)  # a pooled sandbox's files are its runtime's
+        assert runtime != sb.id
+        image = cl.local.data_dir / "fs" / "checkpoints" / runtime / snap.id
         assert _host_grep(placeholder, image), "control: the placeholder is not in the checkpoint image"
-        assert _host_grep(CANARY, image, cl.local.data_dir / "fs" / "sandboxes" / sb.id) == []
+        assert _host_grep(CANARY, image, cl.local.data_dir / "fs" / "sandboxes" / runtime) == []
         # a fork child has its parent's policy and bindings (the control plane's record), and its own
         # trust store written on restore
         child = sb.fork()
