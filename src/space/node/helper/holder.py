@@ -13,20 +13,21 @@ Invariants:
   also says how often the sandbox's host cgroup enforced its limits by then (`oom_kills`: processes the
   host's OOM killer killed; `task_limit_hits`: forks the host refused), read before anything removes the
   cgroup, so a crash can name its reason (ADR 0036).
-- Standard library only and started with `python3 -S`, ahead of need as a spare (`--spare`), so its
-  start-up time is not part of sandbox creation.
+- Standard library only, started with `python3 -I -S` importing this module by its directory, not through
+  the `space` package (whose `typing` import alone costs more than the relay: Runtimes.holder_argv), ahead
+  of need as a spare (`--spare`), so its start-up time is not part of sandbox creation.
+- Small, because one lives beside every sandbox (ADR 0045): while the sandbox runs it has loaded only
+  built-in and extension modules (`os`, `select`, `fcntl`, `_socket`, `time`; `_signal` is loaded by every
+  interpreter), no `subprocess`, `selectors`, `socket`, `signal`, `json` or `contextlib`; `json` is
+  imported only once the runtime has ended.
 """
 
 from __future__ import annotations
 
-import contextlib
+import _socket
 import fcntl
-import json
 import os
-import selectors
-import signal
-import socket
-import subprocess
+import select
 import sys
 import time
 
@@ -34,13 +35,56 @@ MAX_BUFFERED = 8 << 20
 READ_SIZE = 1 << 20
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+#: The interpreter loads `_signal` before any code runs; taking it from there keeps `signal` (and `enum`,
+#: which it imports) out of the holder.
+_SIGNAL = sys.modules["_signal"]
+POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
+POLLDONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def _json_string(text: str) -> str:
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif ord(char) < 0x20:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+def to_json(value: object) -> str:
+    """JSON for the few shapes the holder writes (numbers, strings, lists of strings, flat dicts), without
+    importing `json` while the sandbox runs."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return _json_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(to_json(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_json_string(str(k))}: {to_json(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot encode {type(value).__name__}")
 
 
 def _write_json(path: str, value: dict[str, object]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as handle:
-        json.dump(value, handle)
+        handle.write(to_json(value))
     os.replace(tmp, path)
+
+
+def _unlink(path: str) -> None:
+    try:  # noqa: SIM105 - `contextlib` would cost every holder ~0.6 MB
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -61,7 +105,9 @@ def _counter(path: str, key: str) -> int | None:
 
 def limit_events(argv: list[str]) -> dict[str, int]:
     """How often the host enforced the sandbox's limits while the runtime of `argv` ran (cgroup v1 or v2;
-    empty when its cgroup cannot be found)."""
+    empty when its cgroup cannot be found). Called once the runtime has ended, so `json` is imported here."""
+    import json
+
     bundle = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--bundle=")), None)
     if bundle is None:
         return {}
@@ -89,6 +135,33 @@ def limit_events(argv: list[str]) -> dict[str, int]:
     return found
 
 
+def spawn_runtime(argv: list[str]) -> tuple[int, int, int]:
+    """Start `argv` with fresh pipes as stdin and stdout and the holder's stderr (the log): returns (pid,
+    the write end of its stdin, the read end of its stdout). Every other descriptor of the holder is
+    close-on-exec (Python's default), and SIGPIPE is reset to its default for the runtime."""
+    stdin_r, stdin_w = os.pipe()
+    stdout_r, stdout_w = os.pipe()
+    try:
+        pid = os.posix_spawnp(
+            argv[0],
+            argv,
+            os.environ,
+            file_actions=[(os.POSIX_SPAWN_DUP2, stdin_r, 0), (os.POSIX_SPAWN_DUP2, stdout_w, 1)],
+            setsigdef=(_SIGNAL.SIGPIPE,),
+        )
+    finally:
+        os.close(stdin_r)
+        os.close(stdout_w)
+    for pipe_fd in (stdout_r, stdin_w):
+        # Bigger pipes mean fewer wake-ups of the sandbox per megabyte moved (1 MiB is the default cap).
+        try:  # noqa: SIM105 - see _unlink
+            fcntl.fcntl(pipe_fd, F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:
+            pass
+        os.set_blocking(pipe_fd, False)
+    return pid, stdin_w, stdout_r
+
+
 class Holder:
     def __init__(self, socket_path: str, owner_uid: int, argv: list[str], log_path: str) -> None:
         self.socket_path = socket_path
@@ -96,76 +169,63 @@ class Holder:
         self.owner_uid = owner_uid
         self.argv = argv
         self.log_path = log_path
-        self.client: socket.socket | None = None
+        self.client: _socket.socket | None = None
         self.to_client = bytearray()
         self.to_sandbox = bytearray()
-        self.selector = selectors.DefaultSelector()
+        self.poller = select.poll()
+        self.interest: dict[int, int] = {}
+        self.exit_code: int | None = None
 
-    def run(self) -> int:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.run_dir, "exit.json"))
+    def _listen(self) -> _socket.socket:
         # Bound under a temporary name and renamed into place once owned and listening: whoever sees the
         # socket path can connect to it at once.
         staging = f"{self.socket_path}.{os.getpid()}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         listener.bind(staging)
         os.chmod(staging, 0o600)
         os.chown(staging, self.owner_uid, -1)
         listener.listen(16)
         listener.setblocking(False)
         os.rename(staging, self.socket_path)
+        return listener
 
-        log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the child
-        child = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, close_fds=True
-        )
-        assert child.stdin is not None and child.stdout is not None
-        sandbox_out = child.stdout.fileno()
-        sandbox_in = child.stdin.fileno()
-        for pipe_fd in (sandbox_out, sandbox_in):
-            # Bigger pipes mean fewer wake-ups of the sandbox per megabyte moved (1 MiB is the default cap).
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(pipe_fd, F_SETPIPE_SZ, PIPE_SIZE)
-        os.set_blocking(sandbox_out, False)
-        os.set_blocking(sandbox_in, False)
+    def run(self) -> int:
+        _unlink(self.socket_path)
+        _unlink(os.path.join(self.run_dir, "exit.json"))
+        listener = self._listen()
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log_fd, 2)  # runsc's messages: root only
+        os.close(log_fd)
+        pid, sandbox_in, sandbox_out = spawn_runtime(self.argv)
+        self.runtime_pid = pid
         _write_json(
             os.path.join(self.run_dir, "holder.json"),
-            {
-                "holder_pid": os.getpid(),
-                "runtime_pid": child.pid,
-                "started_at": time.time(),
-                "argv": self.argv,
-            },
+            {"holder_pid": os.getpid(), "runtime_pid": pid, "started_at": time.time(), "argv": self.argv},
         )
-        signal.signal(signal.SIGTERM, lambda *_: None)  # the runtime's end, not a signal, ends the holder
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        _SIGNAL.signal(_SIGNAL.SIGTERM, lambda *_: None)  # the runtime's end, not a signal, ends the holder
+        _SIGNAL.signal(_SIGNAL.SIGPIPE, _SIGNAL.SIG_IGN)
 
-        self.selector.register(listener, selectors.EVENT_READ, "accept")
-        self.selector.register(sandbox_out, selectors.EVENT_READ, "sandbox")
+        self._set(listener.fileno(), POLLIN)
         sandbox_open = True
         while sandbox_open:
             self._update_interest(sandbox_in, sandbox_out)
-            for key, _mask in self.selector.select(timeout=1.0):
-                tag = key.data
-                if tag == "accept":
+            for fd, events in self.poller.poll(1000):
+                if fd == listener.fileno():
                     self._accept(listener)
-                elif tag == "sandbox":
+                elif fd == sandbox_out:
                     sandbox_open = self._read_sandbox(sandbox_out)
-                elif tag == "sandbox_in":
+                elif fd == sandbox_in:
                     self._flush_to_sandbox(sandbox_in)
-                elif tag == "client":
-                    self._client_ready(key.events)
-            if len(self.to_client) >= MAX_BUFFERED and child.poll() is not None:
+                elif self.client is not None and fd == self.client.fileno():
+                    self._client_ready(events)
+            if len(self.to_client) >= MAX_BUFFERED and self._reaped():
                 # The runtime ended while its output sat unread (no agent, or one that gave up on a hostile
                 # guest): the sandbox end is not polled then, so its EOF would never be seen.
                 break
         # The runtime closed its stdout: deliver what is left, then record how it ended.
         self._drain_to_client_blocking()
-        code = child.wait()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        code = self._wait()
+        _unlink(self.socket_path)
         ended: dict[str, object] = {"exit_code": code, "ended_at": time.time(), **limit_events(self.argv)}
         _write_json(os.path.join(self.run_dir, "exit.json"), ended)
         if self.client is not None:
@@ -173,23 +233,41 @@ class Holder:
         listener.close()
         return 0
 
+    # -- the runtime process ------------------------------------------------------------------------
+    def _reaped(self) -> bool:
+        """Whether the runtime has exited (reaping it if so), without blocking."""
+        if self.exit_code is None:
+            done, status = os.waitpid(self.runtime_pid, os.WNOHANG)
+            if done:
+                self.exit_code = os.waitstatus_to_exitcode(status)
+        return self.exit_code is not None
+
+    def _wait(self) -> int:
+        """The runtime's exit code (negative: the signal that ended it, as `subprocess` reports it)."""
+        if self.exit_code is None:
+            _, status = os.waitpid(self.runtime_pid, 0)
+            self.exit_code = os.waitstatus_to_exitcode(status)
+        return self.exit_code
+
     # -- event handlers -----------------------------------------------------------------------------
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, listener: _socket.socket) -> None:
         try:
-            conn, _ = listener.accept()
+            # `_socket.socket._accept` is what `socket.socket.accept` calls: the descriptor of the new
+            # connection (the `socket` module would import `enum` and `selectors`).
+            fd, _ = listener._accept()  # type: ignore[attr-defined]
         except BlockingIOError:
             return
         if self.client is not None:
             self._drop_client()
+        conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, fd)
         conn.setblocking(False)
         self.client = conn
-        self.selector.register(conn, selectors.EVENT_READ, "client")
+        self._set(fd, POLLIN)
 
     def _drop_client(self) -> None:
         if self.client is None:
             return
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(self.client)
+        self._set(self.client.fileno(), 0)
         self.client.close()
         self.client = None
         # Half a frame may have gone to the old client; the daemon resynchronises on frame headers and the
@@ -221,9 +299,9 @@ class Holder:
     def _client_ready(self, events: int) -> None:
         if self.client is None:
             return
-        if events & selectors.EVENT_WRITE:
+        if events & POLLOUT:
             self._flush_to_client()
-        if self.client is not None and events & selectors.EVENT_READ:
+        if self.client is not None and events & (POLLIN | POLLDONE):
             try:
                 data = self.client.recv(READ_SIZE)
             except BlockingIOError:
@@ -251,55 +329,70 @@ class Holder:
         """Re-register interests so that full buffers push back instead of growing."""
         if self.to_sandbox:
             self._flush_to_sandbox(sandbox_in)
-        want_in = bool(self.to_sandbox)
-        self._set(sandbox_in, selectors.EVENT_WRITE if want_in else 0, "sandbox_in")
-        self._set(sandbox_out, selectors.EVENT_READ if len(self.to_client) < MAX_BUFFERED else 0, "sandbox")
+        self._set(sandbox_in, POLLOUT if self.to_sandbox else 0)
+        self._set(sandbox_out, POLLIN if len(self.to_client) < MAX_BUFFERED else 0)
         if self.client is not None:
             events = 0
             if len(self.to_sandbox) < MAX_BUFFERED:
-                events |= selectors.EVENT_READ
+                events |= POLLIN
             if self.to_client:
-                events |= selectors.EVENT_WRITE
-            self._set(self.client, events, "client")
+                events |= POLLOUT
+            self._set(self.client.fileno(), events)
 
-    def _set(self, fileobj: int | socket.socket, events: int, tag: str) -> None:
-        try:
-            key = self.selector.get_key(fileobj)
-        except KeyError:
-            key = None
-        if events == 0:
-            if key is not None:
-                self.selector.unregister(fileobj)
+    def _set(self, fd: int, events: int) -> None:
+        current = self.interest.get(fd, 0)
+        if events == current:
             return
-        if key is None:
-            self.selector.register(fileobj, events, tag)
-        elif key.events != events:
-            self.selector.modify(fileobj, events, tag)
+        if events == 0:
+            self.poller.unregister(fd)
+            del self.interest[fd]
+        elif current == 0:
+            self.poller.register(fd, events)
+            self.interest[fd] = events
+        else:
+            self.poller.modify(fd, events)
+            self.interest[fd] = events
 
     def _drain_to_client_blocking(self) -> None:
         if self.client is None or not self.to_client:
             return
-        with contextlib.suppress(OSError):
-            self.client.setblocking(True)
+        try:
             self.client.settimeout(2.0)
             self.client.sendall(self.to_client)
+        except OSError:
+            pass
         self.to_client.clear()
 
 
+def parse_assignment(raw: bytes) -> list[str] | None:
+    """The job a spare is handed: NUL-separated `socket, owner uid, log, runtime argv...` (no field of
+    which can hold a NUL), read to EOF. None when the helper went away before using this spare."""
+    if not raw:
+        return None
+    fields = raw.decode().split("\0")
+    if len(fields) < 4 or not fields[1].isdigit():
+        raise ValueError("malformed holder assignment")
+    return [fields[0], fields[1], fields[2], "--", *fields[3:]]
+
+
+def encode_assignment(socket_path: str, owner_uid: int, log_path: str, argv: list[str]) -> bytes:
+    fields = [socket_path, str(owner_uid), log_path, *argv]
+    if any("\0" in field for field in fields):
+        raise ValueError("a holder assignment cannot carry a NUL byte")
+    return "\0".join(fields).encode()
+
+
 def _wait_for_assignment() -> list[str] | None:
-    """A spare holder is started ahead of need and blocks here until the helper hands it a sandbox (one JSON
-    line on stdin), so creating a sandbox does not wait for a Python interpreter to start."""
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return None  # the helper went away before using this spare
-    job = json.loads(line)
-    log_fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # runsc's messages: root only
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
+    """A spare holder is started ahead of need and blocks here until the helper hands it a sandbox (written
+    to its stdin, which the helper then closes), so creating a sandbox does not wait for an interpreter."""
+    chunks = []
+    while chunk := os.read(0, 1 << 16):
+        chunks.append(chunk)
+    assigned = parse_assignment(b"".join(chunks))
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    return [job["socket"], str(job["owner_uid"]), job["log"], "--", *job["argv"]]
+    return assigned
 
 
 def main(argv: list[str] | None = None) -> int:

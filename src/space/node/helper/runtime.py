@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from space.core import errors
-from space.node.helper import network
+from space.node.helper import holder, network
 from space.node.helper.runsc import Runsc
 from space.node.layout import NodeLayout
 
@@ -170,15 +170,22 @@ class Runtimes:
         return self._spawn_holder(sandbox_id, [*entry, *argv])
 
     @staticmethod
-    def _start_spare() -> subprocess.Popen[bytes]:
-        src_dir = pathlib.Path(__file__).resolve().parents[3]
-        # -S: the holder needs nothing from site-packages.
+    def holder_argv() -> list[str]:
+        """How a spare holder is started. -I -S and the holder's directory at the END of sys.path: no
+        site-packages, no shadowing of the standard library, and not the `space` package (its `typing`
+        import alone would cost a holder more than the relay needs). Imported, not run as a script: a
+        script is compiled from source in every holder, which leaves ~1.2 MB of compiler garbage in its
+        heap; an import loads the cached bytecode (ADR 0045)."""
         boot = (
-            f"import sys; sys.path.insert(0, {str(src_dir)!r}); "
-            "from space.node.helper.holder import main; raise SystemExit(main())"
+            f"import sys; sys.path.append({os.path.dirname(holder.__file__)!r}); "
+            "from holder import main; raise SystemExit(main())"
         )
+        return [sys.executable, "-I", "-S", "-c", boot, "--spare"]
+
+    @classmethod
+    def _start_spare(cls) -> subprocess.Popen[bytes]:
         spare = subprocess.Popen(
-            [sys.executable, "-S", "-c", boot, "--spare"],
+            cls.holder_argv(),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True,
         )  # fmt: skip
@@ -237,22 +244,17 @@ class Runtimes:
         run_dir = self.layout.run_dir(sandbox_id)
         socket_path = self.layout.channel_socket(sandbox_id)
         log_path = run_dir / "runtime.log"
-        holder = self._take_spare()
-        job = {
-            "socket": str(socket_path),
-            "owner_uid": self.owner_uid,
-            "log": str(log_path),
-            "argv": runtime_argv,
-        }
-        assert holder.stdin is not None
+        spare = self._take_spare()
+        job = holder.encode_assignment(str(socket_path), self.owner_uid, str(log_path), runtime_argv)
+        assert spare.stdin is not None
         try:
-            holder.stdin.write(json.dumps(job).encode() + b"\n")
-            holder.stdin.close()
+            spare.stdin.write(job)
+            spare.stdin.close()
         except BrokenPipeError as exc:
             raise errors.RuntimeFailure(f"holder of {sandbox_id} died before its assignment") from exc
         deadline = time.monotonic() + SOCKET_WAIT_S
         while not socket_path.exists():
-            if holder.poll() is not None:
+            if spare.poll() is not None:
                 raise errors.RuntimeFailure(f"holder of {sandbox_id} exited early: {log_tail(log_path)}")
             if time.monotonic() > deadline:
                 raise errors.RuntimeFailure(f"holder of {sandbox_id} did not open its socket")
