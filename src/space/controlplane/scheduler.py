@@ -17,7 +17,8 @@ Invariants:
   believed count of ready pooled sandboxes of its template is > 0. The belief is the count of the node's
   last heartbeat (`nodes.pools`) less the creates this process placed there since that heartbeat
   (`PoolLedger.take`, under one lock with the choice), so concurrent creates spread over the pools instead
-  of all going to a node whose last heartbeat said 1. The belief only orders candidates; it never admits.
+  of all going to a node whose last heartbeat said 1. The belief orders candidates; the only admission it
+  changes is the room check below (disk is always judged).
 - A pooled sandbox is already in the node's reported `used` (the node counts it against its capacity):
   binding it needs no new room, so a node whose believed pool has one is admitted without the memory,
   slot and CPU check (counting the sandbox again would refuse a node full of its own pool); disk is

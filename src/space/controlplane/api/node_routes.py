@@ -16,10 +16,11 @@ Invariants:
   node.
 - Every heartbeat answer grants the node a lease, `fence_after_s` (node_lost_after_s - fence_grace_s): the
   node stops its own sandboxes that long after it sent the heartbeat, before any replica may mark it lost.
-- A heartbeat's `pools` ({template: ready pooled sandboxes}, issue 12) only orders the scheduler's choice,
-  never admits: it is parsed, not trusted. Templates the node does not report holding, names that are not
-  template names, and counts that are not integers are left out; a count is clamped to 0..MAX_POOL_COUNT;
-  a map of more than MAX_POOL_TEMPLATES entries, or one that is not a map, is recorded as empty.
+- A heartbeat's `pools` ({template: ready pooled sandboxes}, issue 12) orders the scheduler's choice (and
+  spares a pooled node the room check its own `used` already made): it is parsed, not trusted. Templates
+  the node does not report holding, names that are not template names, and counts that are not integers
+  are left out; a count is clamped to 0..MAX_POOL_COUNT; a map of more than MAX_POOL_TEMPLATES entries,
+  or one that is not a map, is recorded as empty.
 - Deregistration needs the node's own identity and the `beat` of its LATEST heartbeat (a 409 otherwise), so
   a replayed or delayed deregistration never takes a node that has reported since offline.
 - A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
