@@ -326,8 +326,9 @@ class EgressDriver:
 
     async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
         spec.env.update(self.wiring.sandbox_env())
-        await self.inner.bind_pooled(spec, channel)
-        await self.wiring.runtime_up(spec.sandbox_id, channel, fresh=False)
+        async with asyncio.TaskGroup() as steps:
+            steps.create_task(self.inner.bind_pooled(spec, channel))
+            steps.create_task(self.wiring.runtime_up(spec.sandbox_id, channel, fresh=False))
 
     async def start(self, sandbox_id: str) -> GuestChannel:
         channel = await self.inner.start(sandbox_id)

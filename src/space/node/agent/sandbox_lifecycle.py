@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -26,6 +27,7 @@ from space.core.ids import new_sandbox_id
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
+from space.node.agent.guest import GuestSession
 from space.node.agent.pools import Member, clean_leftovers
 from space.node.agent.sandbox_handle import SandboxHandle, SnapshotRecord
 from space.node.agent.sandbox_registry import SandboxRegistry
@@ -127,8 +129,14 @@ class SandboxLifecycle(SandboxRegistry):
         sandbox_id = handle.sandbox_id
         names.claim(sandbox_id, member.runtime_id)  # from here the helper's calls for the id reach it
         try:
-            await self.driver.bind_pooled(handle.spec, member.channel)  # boots' env; egress policy
-            await self._personalise(handle, member.channel)
+            # Independent: the boots' environment and the egress policy (helper, gateway) beside the
+            # guest's fresh randomness; the guest's environment after both (the driver completes it).
+            async with asyncio.TaskGroup() as steps:
+                steps.create_task(self.driver.bind_pooled(handle.spec, member.channel))
+                steps.create_task(GuestSession(member.channel).reseed())
+            handle.attach(member.channel)
+            if handle.spec.env:
+                await handle.session.configure(handle.spec.env)
             names.commit(sandbox_id)
         except BaseException as exc:
             handle.attach(None)
@@ -136,7 +144,7 @@ class SandboxLifecycle(SandboxRegistry):
                 await self.driver.stop(sandbox_id)  # the policy it was given goes; its record stays
             names.release(sandbox_id)
             await self.pools.discard(member)
-            if not isinstance(exc, errors.SpaceError | OSError):
+            if not _a_failed_step(exc):
                 raise
             log.warning("binding pooled runtime %s to %s failed (%s): creating it the usual way",
                         member.runtime_id, sandbox_id, exc)  # fmt: skip
@@ -208,3 +216,10 @@ class SandboxLifecycle(SandboxRegistry):
         for handle in self.sandboxes.values():
             await self._close_channel(handle)
         await self.driver.close()
+
+
+def _a_failed_step(exc: BaseException) -> bool:
+    """A step's own failure (typed or I/O, alone or from a task group), not a cancellation or a bug."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_a_failed_step(inner) for inner in exc.exceptions)
+    return isinstance(exc, errors.SpaceError | OSError)
