@@ -7,6 +7,11 @@ Measures what bench/api_measure.py and bench/plain_runsc.py describe, prints a t
 issue (or, with --json, the JSON document alone), and writes bench/results/api-<time>.json (and
 api-latest.json) and api-<time>.png, a chart of the latency distributions.
 
+Creation: `create_warm` and `create_warm_c8` (bursts of 8) are paced to `--rate` creations per second (the
+issue's keep-up rate, 5/s), so they measure a node whose pool keeps up with that rate, and record where each
+sandbox came from; `create_cold` asks for limits no pool serves (POOL_BYPASS_LIMITS), the path without a
+pool, on any SPACE. An embedded node has a pool of `--pool-size` (8) and each series starts with it full.
+
 The node-level operations need the node on this machine: `exec_true_node` its RPC (`--node-url` and
 `--node-data-dir`, where its RPC token is) and `create_plain_runsc` root and the template's root filesystem
 (`--node-data-dir`). `--embedded` knows both. Without them the key is omitted and stderr says why.
@@ -55,10 +60,21 @@ COUNTS = {
     "fork": (20, 3), "suspend_restore": (10, 2),
 }  # fmt: skip
 CONCURRENCY = 8
+#: The issue's keep-up target (a node's pools keep up with 5 creates per second): creations are paced to it.
+DEFAULT_RATE = 5.0
+#: An embedded node's pool: one burst at concurrency 8 finds a member for every create.
+DEFAULT_POOL_SIZE = CONCURRENCY
 
 
 def log(line: str) -> None:
     print(f"  | {line}", file=sys.stderr, flush=True)
+
+
+#: Limits no pool serves (a pool serves only creates with exactly its own limits, ADR 0047), so a create with
+#: them takes the path without a pool: how `create_cold` is measured, on any SPACE, without reconfiguring it.
+#: One pid fewer than the default changes nothing else about the sandbox.
+POOL_BYPASS_LIMITS = {"pids": 511}
+POOL_FILL_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -70,42 +86,64 @@ class Target:
     node_url: str | None = None
     node_data_dir: pathlib.Path | None = None
     cluster: LocalCluster | None = None
+    pool: tuple[str, int] | None = None  # an embedded node's pool: (template, size)
+
+    def settle(self) -> None:
+        """Before a creation series: an embedded node's pool is full again (bounded; a remote SPACE is
+        measured as it is)."""
+        if self.cluster is None or self.pool is None or self.pool[1] == 0:
+            return
+        template, size = self.pool
+        ready = pool_ready(self.cluster, template)
+        deadline = time.monotonic() + POOL_FILL_TIMEOUT_S
+        while ready < size and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ready = pool_ready(self.cluster, template)
+        if ready < size:
+            log(f"the pool of {template} holds {ready} of {size} after {POOL_FILL_TIMEOUT_S:.0f} s; going on")
+
+
+def pool_ready(cluster: LocalCluster, template: str) -> int:
+    """Ready pooled sandboxes of `template` on an embedded cluster's node, as its last heartbeat said."""
+    from space.controlplane.store.engine import sqlite_url
+    from space.controlplane.store.store import Store
+
+    store = Store(sqlite_url(cluster.data_dir))
+    try:
+        return max([(node.pools or {}).get(template, 0) for node in store.list_nodes("ready")] or [0])
+    finally:
+        store.close()
 
 
 @contextlib.contextmanager
-def embedded_target() -> Iterator[Target]:
-    """A whole installation of our own in a fresh data directory, purged at the end."""
+def embedded_target(template: str, pool_size: int) -> Iterator[Target]:
+    """A whole installation of our own in a fresh data directory, with a pool of `pool_size` sandboxes of
+    `template`, purged at the end."""
     from space.controlplane.local import LocalCluster, free_port
 
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-bench-", dir="/var/tmp"))
-    cluster = LocalCluster(data_dir, port=free_port(), cgroup_parent="space-bench")
+    cluster = LocalCluster(
+        data_dir, port=free_port(), cgroup_parent="space-bench", pools=f"{template}={pool_size}"
+    )
     try:
         cluster.start(progress=log)
-        yield Target(cluster.url, cluster.api_key, f"http://127.0.0.1:{cluster.node_port}", data_dir, cluster)
+        node_url = f"http://127.0.0.1:{cluster.node_port}"
+        yield Target(cluster.url, cluster.api_key, node_url, data_dir, cluster, (template, pool_size))
     finally:
         log("purging the embedded installation")
         cluster.stop(purge=True)
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def pool_disabled(target: Target) -> Iterator[bool]:
-    """The hook that measures `create_cold`: turn the node's warm pool off for the block; yields whether it
-    could. The node has no pool settings yet (issue 12's pools are being built), so today every create takes
-    the path without a pool and the block runs as it is."""
-    del target
-    log("create_cold: the node has no pool setting to turn off yet; measuring the create path as it is")
-    yield False
-
-
 class Run:
     """One benchmark run: the samples of each operation (ms) and their extras (e.g. `from`)."""
 
-    def __init__(self, target: Target, template: str, quick: bool, samples: int | None) -> None:
+    def __init__(self, target: Target, args: argparse.Namespace) -> None:
         self.target = target
-        self.template = template
-        self.quick = quick
-        self.override = samples
+        self.template: str = args.template
+        self.quick: bool = args.quick
+        self.override: int | None = args.samples
+        self.rate: float | None = args.rate or None
         self.samples: dict[str, list[float]] = {}
         self.extras: dict[str, dict[str, Any]] = {}
 
@@ -119,17 +157,18 @@ class Run:
         if series.samples:
             log(f"{name}: n={len(series.samples)} p50={percentile(series.samples, 50):.1f} ms")
 
-    def create(self, name: str, concurrency: int) -> None:
+    def create(self, name: str, concurrency: int, limits: dict[str, Any] | None = None) -> None:
         t = self.target
-        self.keep(
-            name, m.create_series(t.url, t.api_key, self.template, self.n(name), concurrency, log, name)
-        )
+        t.settle()
+        creation = m.Creation(t.url, t.api_key, self.template, limits, self.rate)
+        self.keep(name, creation.run(self.n(name), concurrency, log, name))
 
     def measure(self, sp: Space) -> None:
         self.create("create_warm", 1)
         self.create("create_warm_c8", CONCURRENCY)
-        with pool_disabled(self.target):
-            self.create("create_cold", 1)
+        self.create("create_cold", 1, POOL_BYPASS_LIMITS)
+        if "pool" in self.extras.get("create_cold", {}).get("from", {}):
+            log(f"warning: a pool served creates with limits {POOL_BYPASS_LIMITS}: create_cold is not cold")
         self.plain_runsc()
         with m.subject(sp, self.template) as sb:
             self.keep("exec_true", m.exec_series(sb, self.n("exec_true")))
@@ -200,17 +239,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--node-url", help="the node agent's RPC URL (for exec_true_node)")
     parser.add_argument("--node-data-dir", type=pathlib.Path, help="the node's data directory on this host")
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--rate", type=float, default=DEFAULT_RATE,
+        help="creations per second at most (bursts of 8 at concurrency 8; 0: back to back)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pool-size", type=int, default=DEFAULT_POOL_SIZE, help="--embedded: the pool's size"
+    )
     parser.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)  # tests: N of each
     args = parser.parse_args(argv)
     if args.samples is not None and args.samples < 1:
         parser.error("--samples must be at least 1")
+    if args.rate < 0 or not 0 <= args.pool_size <= 256:
+        parser.error("--rate must not be negative and --pool-size is 0 to 256")
     return args
 
 
 def measure(args: argparse.Namespace, target: Target) -> dict[str, Any]:
     with Space(url=target.url, api_key=target.api_key) as sp:
         sp.sandboxes.list()  # a key the server refuses fails here, before anything is measured
-        run = Run(target, args.template, args.quick, args.samples)
+        run = Run(target, args)
         run.measure(sp)
     run_meta = meta(target=target.url, embedded=args.embedded, quick=args.quick, samples=args.samples)
     return {"doc": document(run.samples, run.extras, run_meta), "samples": run.samples}
@@ -220,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.embedded:
         if os.geteuid() != 0:
             raise PermissionError("--embedded starts a node's root helper: run it as root")
-        with embedded_target() as target:
+        with embedded_target(args.template, args.pool_size) as target:
             return measure(args, target)
     config = resolve_config()
     target = Target(config.url, config.api_key, args.node_url, args.node_data_dir)

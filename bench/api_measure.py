@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,10 +58,10 @@ def _check_exec(sb: Sandbox) -> None:
         raise BenchFailure(f"`true` exited {result.exit_code} in {sb.id}")
 
 
-def create_once(sp: Space, template: str) -> tuple[float, str]:
+def create_once(sp: Space, template: str, limits: Mapping[str, Any] | None = None) -> tuple[float, str]:
     """One creation: ms from the request to the first exec answered, and the sandbox's `created_from`."""
     start = time.perf_counter()
-    sb = sp.sandboxes.create(template=template)
+    sb = sp.sandboxes.create(template=template, limits=limits)
     try:
         _check_exec(sb)
         elapsed = _ms(start)
@@ -72,37 +71,40 @@ def create_once(sp: Space, template: str) -> tuple[float, str]:
     return elapsed, str(origin or "unknown")
 
 
-def create_series(  # noqa: PLR0917
-    url: str, api_key: str | None, template: str, n: int, concurrency: int, log: Log, label: str
-) -> Series:
-    """`n` creations, `concurrency` at a time (threads, one client each)."""
-    series = Series()
-    lock = threading.Lock()
-    local = threading.local()
-    clients: list[Space] = []
+@dataclass
+class Creation:
+    """A series of creations: `n` in bursts of `concurrency` (threads, one client each), a burst starting
+    no sooner than `concurrency / rate` s after the one before (rate None: back to back)."""
 
-    def one(_index: int) -> None:
-        sp = getattr(local, "sp", None)
-        if sp is None:
-            sp = local.sp = Space(url=url, api_key=api_key)
-            with lock:
-                clients.append(sp)
-        elapsed, origin = create_once(sp, template)
-        with lock:
-            series.samples.append(elapsed)
-            series.origins[origin] += 1
-            done = len(series.samples)
-        if done % max(1, n // 10) == 0 or done == n:
-            log(f"{label}: {done}/{n}")
+    url: str
+    api_key: str | None
+    template: str
+    limits: Mapping[str, Any] | None = None
+    rate: float | None = None
 
-    try:
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            for future in [pool.submit(one, i) for i in range(n)]:
-                future.result()
-    finally:
-        for sp in clients:
-            sp.close()
-    return series
+    def run(self, n: int, concurrency: int, log: Log, label: str) -> Series:
+        series = Series()
+        clients = [Space(url=self.url, api_key=self.api_key) for _ in range(concurrency)]
+        try:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                for first in range(0, n, concurrency):
+                    started = time.monotonic()
+                    size = min(concurrency, n - first)
+                    calls = [
+                        pool.submit(create_once, sp, self.template, self.limits) for sp in clients[:size]
+                    ]
+                    for call in calls:
+                        elapsed, origin = call.result()
+                        series.samples.append(elapsed)
+                        series.origins[origin] += 1
+                    if (first // concurrency) % max(1, n // concurrency // 10) == 0 or first + size == n:
+                        log(f"{label}: {first + size}/{n} {dict(series.origins)}")
+                    if self.rate:
+                        time.sleep(max(0.0, started + size / self.rate - time.monotonic()))
+        finally:
+            for sp in clients:
+                sp.close()
+        return series
 
 
 @contextlib.contextmanager

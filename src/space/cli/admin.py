@@ -194,6 +194,12 @@ def bench(  # noqa: PLR0917
     results_dir: Annotated[
         Path | None, typer.Option("--results-dir", metavar="DIR", help="Default: bench/results.")
     ] = None,
+    rate: Annotated[
+        float | None, typer.Option("--rate", help="Creations per second at most (default 5; 0: no pacing).")
+    ] = None,
+    pool_size: Annotated[
+        int | None, typer.Option("--pool-size", help="--embedded: the node's pool size (default 8).")
+    ] = None,
     samples: Annotated[int | None, typer.Option("--samples", hidden=True, min=1)] = None,
 ) -> None:
     """Benchmark a SPACE through its API ($SPACE_URL or config; --embedded: one of its own) against a plain
@@ -210,7 +216,7 @@ def bench(  # noqa: PLR0917
     flags = {"--quick": quick, "--json": as_json, "--embedded": embedded}
     argv += [flag for flag, on in flags.items() if on]
     options = {"--node-url": node_url, "--node-data-dir": node_data_dir, "--results-dir": results_dir,
-               "--samples": samples}  # fmt: skip
+               "--rate": rate, "--pool-size": pool_size, "--samples": samples}  # fmt: skip
     for option, value in options.items():
         if value is not None:
             argv += [option, str(value)]
