@@ -3,7 +3,7 @@ plane. `python -m space.node.agent.server` runs `main` (space.node.agent.server)
 
     python -m space.node.agent.server --data-dir D --listen 127.0.0.1:PORT [--rpc-token-file F] \\
         [--control-plane URL [--bootstrap-token-file F] [--advertise-url URL]] [--driver runsc|fake] \\
-        [--no-prepare]
+        [--no-prepare] [--listen-socket PATH]
 
 Invariants:
 - The RPC accepts only this node's own token, never the bootstrap token: a node given the same secret for
@@ -49,6 +49,7 @@ from space.node.agent.identity import (
 )
 from space.node.agent.pools import WarmPools, parse_pool_sizes
 from space.node.agent.registration import Reporter
+from space.node.agent.rpc_listen import close_listeners, open_listeners
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
 from space.node.rlimits import raise_fd_limit
@@ -157,6 +158,7 @@ async def serve(
     disk_reserve: DiskReserve | None = None,
     settings: NodeAgentSettings | None = None,
     pools: dict[str, int] | None = None,
+    listen_socket: pathlib.Path | None = None,
 ) -> None:
     """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
     node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
@@ -201,7 +203,12 @@ async def serve(
         server = _Server(
             uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
         )
-        await server.serve()  # on SIGTERM: stops accepting, lets requests in flight finish, returns
+        # TCP, and with `listen_socket` a unix socket for a control plane on this machine (ADR 0044).
+        listeners = open_listeners(host, port, listen_socket)
+        try:
+            await server.serve(sockets=listeners)  # on SIGTERM: stops accepting, lets requests finish
+        finally:
+            close_listeners(listeners, listen_socket)
     finally:
         if reporting is not None:
             reporting.cancel()  # heartbeats ran (and renewed the lease) while requests drained
@@ -223,7 +230,7 @@ def start_pools(agent: NodeAgent, sizes: dict[str, int] | None, settings: NodeAg
         return
     agent.pools = WarmPools(
         lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0,
-        fill_yield_s=settings.pool_fill_yield_s,
+        fill_yield_s=settings.pool_fill_yield_s, fill_concurrency=settings.pool_fill_concurrency,
     )  # fmt: skip
     agent.pools.start()
     log.info("warm pools: %s", ", ".join(f"{t}={n}" for t, n in sizes.items()))
@@ -254,6 +261,11 @@ def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m space.node.agent.server", description=DESCRIPTION)
     parser.add_argument("--data-dir", type=pathlib.Path, required=True)
     parser.add_argument("--listen", type=_parse_listen, default=("127.0.0.1", 7070), help="HOST:PORT")
+    parser.add_argument(
+        "--listen-socket", type=pathlib.Path,
+        help="also serve the RPC on this unix socket (mode 0600, this user's), for a control plane on this "
+        "machine (its --node-socket URL=PATH; ADR 0044), e.g. DATA_DIR/identity/rpc.sock",
+    )  # fmt: skip
     parser.add_argument(
         "--rpc-token-file", type=pathlib.Path,
         help="this node's own RPC secret, required on every RPC call (mode 0600); created with a random "
@@ -331,6 +343,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             log_level=args.log_level,
             store_url=args.store_url or default_store_url(data_dir),
             egress=load_egress_settings(data_dir / "egress", args.egress_config),
-            disk_reserve=disk_reserve, settings=settings, pools=pools,
+            disk_reserve=disk_reserve, settings=settings, pools=pools, listen_socket=args.listen_socket,
         )
     )  # fmt: skip
