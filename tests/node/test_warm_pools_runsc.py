@@ -39,7 +39,7 @@ async def _runtime_ids(node: RealNode) -> set[str]:
 @pytest.fixture
 def pools(node: RealNode) -> Iterator[WarmPools]:
     agent = node.agent
-    pools = WarmPools(lambda: agent.driver, {"python": 2}, fill_yield_s=0.0)
+    pools = WarmPools(lambda: agent.driver, {"python": 2}, fill_yield_s=0.0, fill_concurrency=2)
     agent.pools = pools
     node.run(_start(pools))
     try:

@@ -230,7 +230,7 @@ def start_pools(agent: NodeAgent, sizes: dict[str, int] | None, settings: NodeAg
         return
     agent.pools = WarmPools(
         lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0,
-        fill_yield_s=settings.pool_fill_yield_s,
+        fill_yield_s=settings.pool_fill_yield_s, fill_concurrency=settings.pool_fill_concurrency,
     )  # fmt: skip
     agent.pools.start()
     log.info("warm pools: %s", ", ".join(f"{t}={n}" for t, n in sizes.items()))

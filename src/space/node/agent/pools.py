@@ -13,9 +13,10 @@ Invariants:
 - A member belongs to nobody until bound: no user environment, no egress policy (so no egress at all),
   not in the agent's registry, not reported to the control plane as a sandbox nor as unmanaged.
 - Members count against the node's capacity (`reserved`): the heartbeat's `used` includes them.
-- Pools are refilled in the background, one member at a time; a fill waits (up to `fill_yield_s`) while a
-  user's lifecycle step runs on this node, so a refill competes with user requests for the CPU at most
-  one restore at a time, and only when the node has been busy for that long.
+- Pools are refilled in the background, at most `fill_concurrency` members at a time (default 1); a fill
+  waits (up to `fill_yield_s`) while a user's lifecycle step runs on this node, so a refill competes with
+  user requests for the CPU at most that many restores at a time, and only when the node has been busy
+  for that long.
 - Leftovers are destroyed at start (`clean_leftovers`): members recorded by an earlier agent (whose
   channels this process does not hold) are never adopted into the pool or as sandboxes; never leaked.
 """
@@ -29,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from space.core import errors
 from space.core.ids import new_sandbox_id, parse_template_name
@@ -79,6 +81,7 @@ class WarmPools:
         *,
         busy: Callable[[], bool] = lambda: False,
         fill_yield_s: float = 0.5,
+        fill_concurrency: int = 1,
         limits: SandboxLimits | None = None,
     ) -> None:
         # The driver is read at each use: the egress wiring wraps the agent's driver after start-up.
@@ -87,6 +90,7 @@ class WarmPools:
         self.limits = limits or SandboxLimits()
         self._busy = busy
         self.fill_yield_s = fill_yield_s
+        self.fill_concurrency = max(1, fill_concurrency)
         self._ready: dict[str, deque[Member]] = {t: deque() for t in self.sizes}
         self._filling: dict[str, int] = dict.fromkeys(self.sizes, 0)
         self._backoff: dict[str, float] = {}  # template -> monotonic time before which it is not filled
@@ -139,7 +143,8 @@ class WarmPools:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="warm-pools")
 
     async def close(self, *, destroy: bool = False) -> None:
-        """Stop filling; with `destroy`, destroy the ready members too (else the next start does)."""
+        """Stop filling; with `destroy`, destroy the members too, ready or interrupted in their making (else
+        the next start does)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,11 +154,10 @@ class WarmPools:
         for queue in self._ready.values():
             queue.clear()
         for member in members:
-            if destroy:
-                await self.discard(member)
-            else:
-                with contextlib.suppress(errors.SpaceError, OSError):
-                    await member.channel.close()
+            with contextlib.suppress(errors.SpaceError, OSError):
+                await member.channel.close()
+        if destroy:
+            await clean_leftovers(self._driver_of())
 
     # -- filling -------------------------------------------------------------------------------------------
     def _deficit(self) -> str | None:
@@ -166,16 +170,30 @@ class WarmPools:
         return None
 
     async def _run(self) -> None:
-        while True:
-            template = self._deficit()
-            if template is None:
-                self._wake.clear()
-                waits = [b - time.monotonic() for b in self._backoff.values() if b > time.monotonic()]
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(waits) if waits else None)
-                continue
-            await self._yield_to_users()
-            await self._fill_one(template)
+        fills: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                template = self._deficit() if len(fills) < self.fill_concurrency else None
+                if template is None:
+                    self._wake.clear()
+                    now = time.monotonic()
+                    waits = [b - now for b in self._backoff.values() if b > now]
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), min(waits) if waits else None)
+                    continue
+                await self._yield_to_users()
+                self._filling[template] += 1  # counted before the fill starts: the deficit sees it
+                fill = asyncio.get_running_loop().create_task(self._fill_one(template))
+                fills.add(fill)
+                fill.add_done_callback(partial(self._fill_done, fills))
+        finally:
+            for fill in fills:
+                fill.cancel()
+            await asyncio.gather(*fills, return_exceptions=True)
+
+    def _fill_done(self, fills: set[asyncio.Task[None]], fill: asyncio.Task[None]) -> None:
+        fills.discard(fill)
+        self._wake.set()
 
     async def _yield_to_users(self) -> None:
         deadline = time.monotonic() + self.fill_yield_s
@@ -185,12 +203,10 @@ class WarmPools:
     async def _fill_one(self, template: str) -> None:
         driver = self._driver_of()
         names = driver.names
-        if names is None:
-            raise errors.InvalidArgument(f"driver {driver.name} keeps no warm pools", field="pools")
+        assert names is not None, "WarmPools runs only over a driver that keeps them (launch.start_pools)"
         runtime_id = new_sandbox_id()
-        names.add_member(runtime_id, template)  # recorded before anything exists: never leaked
-        self._filling[template] += 1
         try:
+            names.add_member(runtime_id, template)  # recorded before anything exists: never leaked
             spec = SandboxSpec(sandbox_id=runtime_id, template=template, limits=self.limits, env={})
             channel = await driver.create_pooled(spec)
         except (errors.SpaceError, OSError) as exc:

@@ -86,8 +86,9 @@ class RuntimeNames:
 
     # -- pool members --------------------------------------------------------------------------------------
     def members(self) -> dict[str, str]:
-        """Pooled runtime id -> template (neither claimed nor bound)."""
-        return dict(self._members)
+        """Pooled runtime id -> template, of the members neither claimed nor bound."""
+        claimed = set(self._claimed.values())
+        return {runtime: t for runtime, t in self._members.items() if runtime not in claimed}
 
     def is_member(self, runtime_id: str) -> bool:
         return runtime_id in self._members

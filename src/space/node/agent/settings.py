@@ -61,6 +61,10 @@ class NodeAgentSettings(BaseSettings):
         description="Default of --pools: warm pool sizes per template, TEMPLATE=N[,TEMPLATE=N...] "
         "(ADR 0047); empty: no pools.",
     )  # fmt: skip
+    pool_fill_concurrency: int = Field(
+        validation_alias=_node("pool_fill_concurrency"), default=1, ge=1, le=16,
+        description="Pooled sandboxes made at once when pools need refilling (each is one restore).",
+    )  # fmt: skip
     pool_fill_yield_s: float = Field(
         validation_alias=_node("pool_fill_yield_s"), default=0.5, ge=0,
         description="A pool refill waits up to this long for the node's lifecycle steps to finish first.",
