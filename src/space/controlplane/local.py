@@ -43,6 +43,7 @@ from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, E
 from space.core import errors
 from space.core.settings import NodeSettings
 from space.node import filemodes
+from space.node.agent.rpc_listen import MAX_SOCKET_PATH, default_rpc_socket
 from space.node.local import LocalNode, ensure_local_store
 
 AGENT_USER = "space"
@@ -171,9 +172,9 @@ class LocalCluster:
         # One object store for the control plane and the node (suspend/restore, uploads, templates): a
         # directory the unprivileged agent owns.
         ensure_local_store(self.store_url, uid)
+        self.node_port = self.node_port or free_port()  # before the control plane: its --node-socket names it
         progress(f"starting the control plane on {self.url}")
         self.spawn_controlplane()
-        self.node_port = self.node_port or free_port()
         progress(f"starting the node agent as user '{self.agent_user}' on 127.0.0.1:{self.node_port}")
         self.spawn_agent()
         self.wait_ready(progress)
@@ -182,12 +183,22 @@ class LocalCluster:
     def store_url(self) -> str:
         return (self.data_dir / "objects").as_uri()
 
+    @property
+    def rpc_socket(self) -> pathlib.Path | None:
+        """The agent's unix socket, which the control plane reaches it through (ADR 0044); None when the
+        data directory's path is too long for a socket address (then TCP only)."""
+        path = default_rpc_socket(self.data_dir)
+        return path if len(os.fsencode(path)) <= MAX_SOCKET_PATH else None
+
     def spawn_controlplane(self) -> subprocess.Popen[bytes]:
+        socket_args: list[str] = []
+        if self.rpc_socket is not None and self.node_port:
+            socket_args = ["--node-socket", f"http://127.0.0.1:{self.node_port}={self.rpc_socket}"]
         return self._spawn(
             "controlplane",
             [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(self.data_dir),
              "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token"),
-             "--store-url", self.store_url],
+             "--store-url", self.store_url, *socket_args],
         )  # fmt: skip
 
     def spawn_agent(self) -> subprocess.Popen[bytes]:
@@ -198,6 +209,7 @@ class LocalCluster:
             "agent",
             [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
              "--listen", f"127.0.0.1:{self.node_port}",
+             *(["--listen-socket", str(self.rpc_socket)] if self.rpc_socket is not None else []),
              # Enrols the node once; its own RPC token and identity are kept in DATA_DIR/identity (ADR 0021).
              "--bootstrap-token-file", str(self.data_dir / "node.token"),
              # --store-url: templates from the store (warm starts).
