@@ -5,8 +5,10 @@
   and isolate themselves with `project` (a fresh project + member key per test, its sandboxes deleted after).
 - `start_fake_cluster(...)`: the same as a context manager, for tests that kill, stop or restart processes
   (crash convergence, lost nodes) or that run several control planes on one PostgreSQL database.
-- `real_cluster` (session scope, root): `space.controlplane.local.LocalCluster` (root helper + runsc node
-  agent + control plane), purged at the end and checked for leaks on the host.
+- `real_cluster` (session scope, root): ONE `space.controlplane.local.LocalCluster` (root helper + runsc node
+  agent + control plane) for every module that binds it (a reference count, as for `fake_cluster`), purged
+  at the end and checked for leaks on the host. A test that kills or reconfigures a component starts its
+  own with `start_real_cluster()`.
 
 Everything the tests wait for is polled with a deadline (`wait_for`); nothing sleeps to assert.
 """
@@ -623,8 +625,14 @@ def host_leftovers(data_dir: pathlib.Path, sandbox_ids: set[str]) -> dict[str, l
     }
 
 
-@pytest.fixture(scope="session")
-def real_cluster() -> Iterator[RealCluster]:
+_real_lock = threading.Lock()
+_real_shared: tuple[RealCluster, contextlib.ExitStack] | None = None
+_real_users = 0
+
+
+@contextlib.contextmanager
+def start_real_cluster() -> Iterator[RealCluster]:
+    """A LocalCluster in a fresh data directory under /var/tmp; purged at the end and the host checked."""
     from space.controlplane.local import LocalCluster
 
     if os.geteuid() != 0:
@@ -639,3 +647,28 @@ def real_cluster() -> Iterator[RealCluster]:
         local.stop(purge=True)
         left = {k: v for k, v in host_leftovers(data_dir, sandbox_ids).items() if v}
         assert left == {}, f"left on the host by the cluster: {left}"
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    """ONE real installation for the whole run, shared like `fake_cluster`: test modules bind this fixture
+    at module level (`real_cluster = tests.support.cluster.real_cluster`), which makes one session fixture
+    per module, and a reference count makes them all the same cluster (started by the first user, purged
+    after the last). Each test isolates itself (its own sandboxes, projects or keys, deleted at its end);
+    a test that kills, stops or reconfigures a component owns its cluster (`start_real_cluster`)."""
+    global _real_shared, _real_users
+    with _real_lock:
+        if _real_shared is None:
+            stack = contextlib.ExitStack()
+            made = stack.enter_context(start_real_cluster())
+            _real_shared = (made, stack)
+        _real_users += 1
+        shared = _real_shared[0]
+    try:
+        yield shared
+    finally:
+        with _real_lock:
+            _real_users -= 1
+            if _real_users == 0 and _real_shared is not None:
+                stack, _real_shared = _real_shared[1], None
+                stack.close()
