@@ -566,8 +566,9 @@ def test_a_running_sandbox_keeps_its_network_across_a_helper_restart(net_node: N
 
 
 def test_runsc_keeps_no_other_file_system_busy(net_node: NetNode) -> None:
-    """runsc lives as long as its sandbox in a mount namespace of its own: a host mount that existed when it
-    started must not stay pinned in there (another node's image, a disk the operator unmounts)."""
+    """runsc starts in a mount namespace of its own and leaves its sandbox and gofer (runsc runs detached,
+    ADR 0045), which live as long as the sandbox: a host mount that existed when it started must not stay
+    pinned in any of them (another node's image, a disk the operator unmounts)."""
     node = net_node
     other_mount = pathlib.Path(tempfile.mkdtemp(prefix="space-test-pin-", dir="/var/tmp"))
     subprocess.run(["mount", "-t", "tmpfs", "space-test-pin", str(other_mount)], check=True)
@@ -575,12 +576,15 @@ def test_runsc_keeps_no_other_file_system_busy(net_node: NetNode) -> None:
 
         async def scenario() -> None:
             async with new_sandbox(node.agent) as sb:
-                holder = json.loads((node.local.layout.run_dir(sb.sandbox_id) / "holder.json").read_text())
-                mountinfo = pathlib.Path(f"/proc/{holder['runtime_pid']}/mountinfo").read_text()
-                points = {line.split()[4] for line in mountinfo.splitlines()}
-                assert "/proc/sys/net/core" in points  # the rmem_default workaround is in place
-                assert str(other_mount) not in points
-                assert str(node.local.layout.fs) in points  # what runsc needs stays
+                layout = node.local.layout
+                container = (layout.run_dir(sb.sandbox_id) / "container").read_text().strip()
+                state = json.loads((layout.runsc_root / f"{container}_sandbox:{container}.state").read_text())
+                for pid in (state["sandbox"]["pid"], state["goferPid"]):
+                    mountinfo = pathlib.Path(f"/proc/{pid}/mountinfo").read_text()
+                    points = {line.split()[4] for line in mountinfo.splitlines()}
+                    assert str(other_mount) not in points, (pid, points)
+                    assert str(layout.data_dir) not in points, (pid, points)  # nothing of the host at all
+                # The rmem_default workaround was in place when runsc started: the sandbox has its network.
                 [result] = await _probe(sb.session, [_tcp("10.99.0.1", node.standins["proxy"].port, "pin")])
                 assert result["ok"], result
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import pathlib
+import signal
 import subprocess
 
 import pytest
@@ -80,7 +83,7 @@ def test_an_idle_sandbox_runs_the_host_processes_we_account_for(node) -> None:
             pids = sandbox_pids(node.data_dir, sb.sandbox_id)
             kinds = collections.Counter(kind_of(pid) for pid in pids)
             assert kinds["holder (python)"] == 1
-            assert kinds["runsc run|restore"] == 1
+            assert kinds["runsc run|restore"] == 0, "runsc runs the sandbox detached"
             assert kinds["runsc gofer"] == 1
             assert kinds["runsc sandbox (Sentry)"] == 1
             assert not [kind for kind in kinds if kind.startswith("other")], kinds
@@ -88,6 +91,11 @@ def test_an_idle_sandbox_runs_the_host_processes_we_account_for(node) -> None:
             with open(f"/proc/{info['holder_pid']}/cmdline", "rb") as handle:
                 cmdline = handle.read().split(b"\0")
             assert cmdline[1:3] == [b"-I", b"-S"], cmdline
+            assert kind_of(info["runtime_pid"]) == "runsc sandbox (Sentry)"
+            # The holder adopted the sandbox's processes (child subreaper): the Sentry and the gofer.
+            with open(f"/proc/{info['holder_pid']}/task/{info['holder_pid']}/children") as handle:
+                children = {kind_of(int(pid)) for pid in handle.read().split()}
+            assert children == {"runsc sandbox (Sentry)", "runsc gofer"}, children
 
     node.run(scenario())
 
@@ -124,6 +132,35 @@ def test_a_checkpoint_after_writing_and_freeing_100mb_stores_what_the_guest_uses
             await eventually(lambda: _above(s, before), what="the restored counter counting")
 
     node.run(scenario())
+
+
+@pytest.mark.root
+def test_a_detached_sandbox_killed_under_its_holder_is_recorded_as_killed(node) -> None:
+    """The Sentry is the runtime's process now: killing it ends the holder, which reaps it and the gofer and
+    records the container's status the way runsc reports it (128 + SIGKILL)."""
+
+    async def scenario() -> None:
+        async with new_sandbox(node.agent) as sb:
+            run_dir = node.data_dir / "run" / sb.sandbox_id
+            info = json.loads((run_dir / "holder.json").read_text())
+            pids = sandbox_pids(node.data_dir, sb.sandbox_id)
+            os.kill(info["runtime_pid"], signal.SIGKILL)
+            ended = await eventually(lambda: _exit_record(run_dir), what="exit.json written", timeout=30)
+            assert ended["exit_code"] == 137, ended
+            await eventually(lambda: _all_gone(pids), what="every process of the sandbox gone", timeout=30)
+
+    node.run(scenario())
+
+
+async def _exit_record(run_dir: pathlib.Path) -> dict[str, object] | None:
+    try:
+        return json.loads((run_dir / "exit.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+async def _all_gone(pids: set[int]) -> bool:
+    return not [pid for pid in pids if pathlib.Path(f"/proc/{pid}").exists()]
 
 
 async def _above(session, value: int) -> bool:  # type: ignore[no-untyped-def]

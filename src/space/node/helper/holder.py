@@ -13,6 +13,10 @@ Invariants:
   also says how often the sandbox's host cgroup enforced its limits by then (`oom_kills`: processes the
   host's OOM killer killed; `task_limit_hits`: forks the host refused), read before anything removes the
   cgroup, so a crash can name its reason (ADR 0036).
+- runsc runs the sandbox detached (`--detach`, ADR 0045): `runsc run|restore` exits once the sandbox is up
+  instead of staying beside it (~4 MB each). The holder is a child subreaper, so the sandbox and gofer
+  processes become its children: it reaps them, and records the sandbox process' exit status (the
+  container's, as runsc reports it: 128 + N for a signal) unless runsc itself failed to start it.
 - Standard library only, started with `python3 -I -S` importing this module by its directory, not through
   the `space` package (whose `typing` import alone costs more than the relay: Runtimes.holder_argv), ahead
   of need as a spare (`--spare`), so its start-up time is not part of sandbox creation.
@@ -135,6 +139,38 @@ def limit_events(argv: list[str]) -> dict[str, int]:
     return found
 
 
+PR_SET_CHILD_SUBREAPER = 36
+DETACH = "--detach"
+#: How long the runtime's other processes may outlive the sandbox process before the holder kills them.
+STRAGGLER_GRACE_S = 5.0
+
+
+def become_subreaper() -> None:
+    """Orphans of our children (a detached runsc's sandbox and gofer) become ours, not init's."""
+    import ctypes  # ~0.3 MB, only where runsc runs detached
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _children() -> list[int]:
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as handle:
+            return [int(pid) for pid in handle.read().split()]
+    except OSError:
+        return []
+
+
+def _is_sandbox_process(pid: int) -> bool:
+    """runsc's sandbox process (the Sentry) runs `runsc-sandbox ... boot ...`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return b"boot" in handle.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def spawn_runtime(argv: list[str]) -> tuple[int, int, int]:
     """Start `argv` with fresh pipes as stdin and stdout and the holder's stderr (the log): returns (pid,
     the write end of its stdin, the read end of its stdout). Every other descriptor of the holder is
@@ -174,7 +210,11 @@ class Holder:
         self.to_sandbox = bytearray()
         self.poller = select.poll()
         self.interest: dict[int, int] = {}
-        self.exit_code: int | None = None
+        self.detached = DETACH in argv
+        self.runtime_pid = 0
+        self.started_at = 0.0
+        self.sandbox_pid: int | None = None  # detached: the sandbox process, once runsc has handed it over
+        self.reaped: dict[int, int] = {}  # pid -> exit code (negative: the signal), for every child reaped
 
     def _listen(self) -> _socket.socket:
         # Bound under a temporary name and renamed into place once owned and listening: whoever sees the
@@ -196,12 +236,12 @@ class Holder:
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(log_fd, 2)  # runsc's messages: root only
         os.close(log_fd)
+        if self.detached:
+            become_subreaper()
         pid, sandbox_in, sandbox_out = spawn_runtime(self.argv)
         self.runtime_pid = pid
-        _write_json(
-            os.path.join(self.run_dir, "holder.json"),
-            {"holder_pid": os.getpid(), "runtime_pid": pid, "started_at": time.time(), "argv": self.argv},
-        )
+        self.started_at = time.time()
+        self._write_info(pid)
         _SIGNAL.signal(_SIGNAL.SIGTERM, lambda *_: None)  # the runtime's end, not a signal, ends the holder
         _SIGNAL.signal(_SIGNAL.SIGPIPE, _SIGNAL.SIG_IGN)
 
@@ -209,7 +249,9 @@ class Holder:
         sandbox_open = True
         while sandbox_open:
             self._update_interest(sandbox_in, sandbox_out)
-            for fd, events in self.poller.poll(1000):
+            # Until runsc has handed the sandbox over, wake often to reap it and take over its processes.
+            waiting = self.detached and self.runtime_pid not in self.reaped
+            for fd, events in self.poller.poll(20 if waiting else 1000):
                 if fd == listener.fileno():
                     self._accept(listener)
                 elif fd == sandbox_out:
@@ -218,7 +260,7 @@ class Holder:
                     self._flush_to_sandbox(sandbox_in)
                 elif self.client is not None and fd == self.client.fileno():
                     self._client_ready(events)
-            if len(self.to_client) >= MAX_BUFFERED and self._reaped():
+            if self._reap() and len(self.to_client) >= MAX_BUFFERED:
                 # The runtime ended while its output sat unread (no agent, or one that gave up on a hostile
                 # guest): the sandbox end is not polled then, so its EOF would never be seen.
                 break
@@ -233,21 +275,54 @@ class Holder:
         listener.close()
         return 0
 
-    # -- the runtime process ------------------------------------------------------------------------
-    def _reaped(self) -> bool:
-        """Whether the runtime has exited (reaping it if so), without blocking."""
-        if self.exit_code is None:
-            done, status = os.waitpid(self.runtime_pid, os.WNOHANG)
-            if done:
-                self.exit_code = os.waitstatus_to_exitcode(status)
-        return self.exit_code is not None
+    def _write_info(self, runtime_pid: int) -> None:
+        """holder.json: `runtime_pid` is the process whose end is the runtime's end (runsc's own, then the
+        sandbox process once a detached runsc has handed it over); `runsc_pid` is runsc's."""
+        info: dict[str, object] = {"holder_pid": os.getpid(), "runtime_pid": runtime_pid}
+        info.update(runsc_pid=self.runtime_pid, started_at=self.started_at, argv=self.argv)
+        _write_json(os.path.join(self.run_dir, "holder.json"), info)
 
-    def _wait(self) -> int:
-        """The runtime's exit code (negative: the signal that ended it, as `subprocess` reports it)."""
-        if self.exit_code is None:
-            _, status = os.waitpid(self.runtime_pid, 0)
-            self.exit_code = os.waitstatus_to_exitcode(status)
-        return self.exit_code
+    # -- the runtime processes ----------------------------------------------------------------------
+    def _reap(self) -> bool:
+        """Reap whichever children have exited, without blocking; whether none is left (the runtime, and
+        when detached the sandbox and gofer it handed over, are all gone)."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return True
+            if pid == 0:
+                return False
+            self.reaped[pid] = os.waitstatus_to_exitcode(status)
+            if pid == self.runtime_pid and self.detached and self.reaped[pid] == 0:
+                self._handed_over()
+
+    def _handed_over(self) -> None:
+        """runsc started the sandbox and left: its processes are ours now. holder.json names the sandbox
+        process (the Sentry) as the runtime from here on: the process whose end is the runtime's end."""
+        self.sandbox_pid = next((c for c in _children() if _is_sandbox_process(c)), None)
+        if self.sandbox_pid is not None:
+            self._write_info(self.sandbox_pid)
+
+    def _wait(self) -> int | None:
+        """Wait for every child, then the exit code to record: the runtime's own when it failed or ran
+        attached, else the sandbox process' (None: not known)."""
+        deadline: float | None = None
+        while not self._reap():
+            if deadline is None and (self.sandbox_pid is None or self.sandbox_pid in self.reaped):
+                deadline = time.monotonic() + STRAGGLER_GRACE_S
+            elif deadline is not None and time.monotonic() > deadline:
+                for pid in _children():  # e.g. a gofer that outlives its sandbox: ours to end
+                    try:  # noqa: SIM105 - see _unlink
+                        os.kill(pid, _SIGNAL.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.01)
+        runtime_code = self.reaped.get(self.runtime_pid)
+        if not self.detached or runtime_code != 0:
+            return runtime_code
+        code = self.reaped.get(self.sandbox_pid) if self.sandbox_pid is not None else None
+        return 128 - code if code is not None and code < 0 else code
 
     # -- event handlers -----------------------------------------------------------------------------
     def _accept(self, listener: _socket.socket) -> None:

@@ -4,6 +4,9 @@ Invariants:
 - Every sandbox on a node uses the same global flags, kept in one place: `--overlay2=none` so writes land
   in the sandbox's btrfs subvolume (snapshots see them), `--net-disconnect-ok` so a sandbox that used the
   network can still be checkpointed.
+- Sandboxes run detached (`--detach`, ADR 0045): `runsc run|restore` returns once the sandbox is up, so
+  no runsc process stays beside each sandbox; the holder (space.node.helper.holder) adopts and reaps the
+  sandbox and gofer processes as a child subreaper.
 - Control commands never hang the helper: each has a timeout and a failure becomes RuntimeFailure
   carrying runsc's own message.
 - Every checkpoint image holds `runtime.json` (IMAGE_DESCRIPTOR), the runtime descriptor of the runsc
@@ -87,10 +90,11 @@ class Runsc:
         runtimes.check_restore(self.descriptor(), recorded, what=f"checkpoint {image.name}")
 
     def run_argv(self, bundle: pathlib.Path, sandbox_id: str) -> list[str]:
-        return [*self.global_flags(), "run", f"--bundle={bundle}", sandbox_id]
+        return [*self.global_flags(), "run", "--detach", f"--bundle={bundle}", sandbox_id]
 
     def restore_argv(self, bundle: pathlib.Path, image: pathlib.Path, sandbox_id: str) -> list[str]:
-        return [*self.global_flags(), "restore", f"--bundle={bundle}", f"--image-path={image}", sandbox_id]
+        flags = ["--detach", f"--bundle={bundle}", f"--image-path={image}"]
+        return [*self.global_flags(), "restore", *flags, sandbox_id]
 
     def control(self, *args: str, timeout: float = CONTROL_TIMEOUT_S) -> str:
         argv = [*self.global_flags(), *args]

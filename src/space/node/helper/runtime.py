@@ -56,6 +56,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _runs_for(pid: int, sandbox_id: str) -> bool:
+    try:
+        return sandbox_id.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def log_tail(path: pathlib.Path, lines: int = 5) -> str:
     try:
         return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
@@ -302,17 +309,27 @@ class Runtimes:
         try:
             self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
         except errors.RuntimeFailure:
-            # runsc could not stop it (e.g. its state is damaged): kill the runtime process itself; runsc
-            # runs sandboxes "attached", so the sandbox and gofer die with it.
-            self._kill_runtime_process(sandbox_id)
+            # runsc could not stop it (e.g. its state is damaged): kill its processes ourselves.
+            self._kill_runtime_processes(sandbox_id, container)
             self.wait_holder_exit(sandbox_id)
         if container:
             self.retire(container)
 
-    def _kill_runtime_process(self, sandbox_id: str) -> None:
-        info_path = self.layout.run_dir(sandbox_id) / "holder.json"
+    def _kill_runtime_processes(self, sandbox_id: str, container: str | None) -> None:
+        """SIGKILL the runtime's processes: runsc's own if it still runs, and (runsc runs sandboxes detached)
+        the sandbox and gofer processes its state names; each only while its command line still names the
+        sandbox, so a recycled pid is never hit. The holder reaps them and records the end."""
+        pids: list[object] = []
         with contextlib.suppress(OSError, ValueError, KeyError, json.JSONDecodeError):
-            os.kill(int(json.loads(info_path.read_text())["runtime_pid"]), signal.SIGKILL)
+            info = json.loads((self.layout.run_dir(sandbox_id) / "holder.json").read_text())
+            pids.append(info["runtime_pid"])
+        state = self.container_state(container) if container else None
+        if state is not None:
+            pids += [(state.get("sandbox") or {}).get("pid"), state.get("goferPid")]
+        for pid in pids:
+            if isinstance(pid, int) and pid > 0 and _runs_for(pid, sandbox_id):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def retire(self, container: str) -> None:
         """Delete a container that no longer runs, off the critical path."""
