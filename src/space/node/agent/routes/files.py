@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from space.core import errors
 from space.node.agent import rpc_models as rm
 from space.node.agent import streams
-from space.node.agent.routes.deps import PathQuery, Service
+from space.node.agent.routes.deps import PathQuery, Service, json_answer
 from space.node.agent.rpc_auth import resource_router
 from space.node.agent.streams import bytes_response, finish_call, ndjson_response
 from space.protocol import FrameType
@@ -34,7 +34,7 @@ async def write_file(
     *,
     mode: Annotated[int | None, Query(ge=0, le=0o7777)] = None,
     append: bool = False,
-) -> rm.FileWritten:
+) -> Response:
     handle, session = await svc.session(sandbox_id)
     params: dict[str, Any] = {"path": path, "append": append}
     if mode is not None:
@@ -44,7 +44,7 @@ async def write_file(
         result = await streams.write_body(svc, call, request.stream(), handle.sandbox_id)
     except ClientDisconnect as exc:
         raise errors.InvalidArgument("the client went away before the upload ended") from exc
-    return rm.FileWritten(size=int(result.get("size", 0)))
+    return json_answer(rm.FileWritten(size=int(result.get("size", 0))))
 
 
 @router.get("/sandboxes/{sandbox_id}/files", response_model=None)

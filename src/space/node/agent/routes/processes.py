@@ -16,7 +16,7 @@ from fastapi import Query, Request, Response
 
 from space.node.agent import rpc_models as rm
 from space.node.agent import streams
-from space.node.agent.routes.deps import Service
+from space.node.agent.routes.deps import Service, json_answer
 from space.node.agent.rpc_auth import resource_router
 from space.node.agent.streams import finish_call, ndjson_response
 from space.protocol import methods as m
@@ -25,7 +25,7 @@ router = resource_router()
 
 
 @router.post("/sandboxes/{sandbox_id}/exec", response_model=None)
-async def exec_command(svc: Service, sandbox_id: str, body: rm.ExecRequest) -> Response | rm.ExecResponse:
+async def exec_command(svc: Service, sandbox_id: str, body: rm.ExecRequest) -> Response:
     handle, session = await svc.session(sandbox_id)
     if body.stream:
         params = body.params()
@@ -46,17 +46,19 @@ async def exec_command(svc: Service, sandbox_id: str, body: rm.ExecRequest) -> R
         stdin=body.stdin, max_output=body.max_output_bytes,
     )  # fmt: skip
     svc.touch(handle.sandbox_id)
-    return rm.ExecResponse(
-        exit_code=result.exit_code,
-        stdout_b64=base64.b64encode(result.stdout).decode(),
-        stderr_b64=base64.b64encode(result.stderr).decode(),
-        stdout=result.stdout.decode("utf-8", "replace"),
-        stderr=result.stderr.decode("utf-8", "replace"),
-        process_id=result.process_id,
-        timed_out=result.timed_out,
-        signal=result.signal,
-        stdout_truncated=result.stdout_truncated,
-        stderr_truncated=result.stderr_truncated,
+    return json_answer(
+        rm.ExecResponse(
+            exit_code=result.exit_code,
+            stdout_b64=base64.b64encode(result.stdout).decode(),
+            stderr_b64=base64.b64encode(result.stderr).decode(),
+            stdout=result.stdout.decode("utf-8", "replace"),
+            stderr=result.stderr.decode("utf-8", "replace"),
+            process_id=result.process_id,
+            timed_out=result.timed_out,
+            signal=result.signal,
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
+        )
     )
 
 
