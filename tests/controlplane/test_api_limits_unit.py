@@ -270,9 +270,8 @@ async def _data_calls_get_the_pool_wait_and_idle_read_timeouts() -> None:
 def test_pooled_node_connections_expire_before_the_node_closes_them() -> None:
     """The pool must drop an idle connection before the node agent's server does, or a request sent on a
     connection the node is closing fails (found by the load benchmark)."""
-    import uvicorn
-
     from space.controlplane.node_pools import KEEPALIVE_EXPIRY_S
+    from space.node.agent.rpc_listen import KEEPALIVE_S
 
-    server_keep_alive = uvicorn.Config(app=lambda: None).timeout_keep_alive  # what the agent runs with
+    server_keep_alive = KEEPALIVE_S  # what the agent's uvicorn runs with (space.node.agent.launch, ADR 0044)
     assert 0 < KEEPALIVE_EXPIRY_S < server_keep_alive

@@ -28,6 +28,7 @@ import httpx
 
 from space.controlplane.settings import ControlPlaneSettings, default_of
 from space.core import errors
+from space.node.agent.rpc_listen import KEEPALIVE_S as NODE_KEEPALIVE_S
 
 #: The owner (API key id) of the data-plane request being served; None for control traffic.
 traffic_owner: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_owner", default=None)
@@ -101,10 +102,11 @@ def parse_sockets(spec: str) -> dict[str, str]:
     return found
 
 
-#: An idle pooled connection is dropped after this long: well under the node agent's keep-alive timeout
-#: (uvicorn's 5 s), so the pool never sends a request on a connection the node is closing at that moment
-#: (a POST lost that way fails with a ReadError and is not retried; found by the load benchmark).
-KEEPALIVE_EXPIRY_S = 2.0
+#: An idle pooled connection is dropped after this long: under the node agent's keep-alive timeout
+#: (rpc_listen.KEEPALIVE_S), so the pool never sends a request on a connection the node is closing at that
+#: moment (a POST lost that way fails with a ReadError and is not retried; found by the load benchmark),
+#: yet long enough that a sandbox used every few seconds keeps its connection (ADR 0044).
+KEEPALIVE_EXPIRY_S = float(NODE_KEEPALIVE_S - 5)
 
 
 class BoundedTransport(httpx.AsyncBaseTransport):

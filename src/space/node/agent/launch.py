@@ -49,7 +49,7 @@ from space.node.agent.identity import (
 )
 from space.node.agent.pools import WarmPools, parse_pool_sizes
 from space.node.agent.registration import Reporter
-from space.node.agent.rpc_listen import close_listeners, open_listeners
+from space.node.agent.rpc_listen import KEEPALIVE_S, close_listeners, open_listeners
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
 from space.node.rlimits import raise_fd_limit
@@ -201,8 +201,11 @@ async def serve(
             log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
         start_pools(agent, pools, settings)
         server = _Server(
-            uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off")
-        )
+            uvicorn.Config(
+                app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
+                timeout_keep_alive=KEEPALIVE_S,
+            )
+        )  # fmt: skip
         # TCP, and with `listen_socket` a unix socket for a control plane on this machine (ADR 0044).
         listeners = open_listeners(host, port, listen_socket)
         try:

@@ -8,6 +8,7 @@ Invariants:
 - A socket file that an agent which died left behind is replaced; any other file at the path is refused
   (InvalidArgument), never removed. The path must fit a socket address (MAX_SOCKET_PATH bytes).
 - `close_listeners` closes every listener and removes the unix socket's file (only if it is still a socket).
+- An idle connection is kept open KEEPALIVE_S, longer than the control plane's pools keep one idle.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from space.core import errors
 
 #: The longest path a unix socket address holds (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
+#: How long the RPC keeps an idle connection open (uvicorn's keep-alive). Long enough that a sandbox used
+#: every few seconds (an agent's usual pace) reuses its connection instead of opening one per request; the
+#: control plane's pools drop idle connections a little sooner (node_pools.KEEPALIVE_EXPIRY_S).
+KEEPALIVE_S = 65
 SOCKET_MODE = 0o600
 
 
