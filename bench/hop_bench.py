@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import pathlib
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -118,12 +119,14 @@ async def _cpu_per_call(cluster: LocalCluster, op: Op, n: int) -> dict[str, floa
     return {name: round((_cpu_ms(pid) - before[name]) / n, 3) for name, pid in pids.items()}
 
 
-def run(n: int) -> dict[str, Any]:
+def run(n: int, report: Callable[[dict[str, Any]], None]) -> None:
+    """Measure on a fresh installation and `report` the results before it is purged (a failed purge then
+    loses no measurement)."""
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-hopbench-", dir="/var/tmp"))
     cluster = LocalCluster(data_dir, port=free_port())
-    cluster.start(progress=lambda line: print(f"  | {line}", flush=True))
+    cluster.start(progress=lambda line: print(f"  | {line}", file=sys.stderr, flush=True))
     try:
-        return asyncio.run(measure(cluster, n))
+        report(asyncio.run(measure(cluster, n)))
     finally:
         cluster.stop(purge=True)
 
@@ -131,15 +134,18 @@ def run(n: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("-n", type=int, default=200, help="samples per operation")
-    parser.add_argument("--json", action="store_true", help="print only the JSON")
+    parser.add_argument("--json", action="store_true", help="print only the JSON (progress goes to stderr)")
     args = parser.parse_args(argv)
-    results = run(args.n)
-    path = write_json(results, "hop")
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        print_table(results, TARGETS)
-        print(f"written to {path}")
+
+    def report(results: dict[str, Any]) -> None:
+        path = write_json(results, "hop")
+        if args.json:
+            print(json.dumps(results, indent=2), flush=True)
+        else:
+            print_table(results, TARGETS)
+            print(f"written to {path}", flush=True)
+
+    run(args.n, report)
     return 0
 
 
