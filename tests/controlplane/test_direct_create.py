@@ -70,6 +70,7 @@ def test_a_create_is_answered_by_the_request_itself_without_a_reconciler_pass(wo
             answer = await client.post("/v1/sandboxes", json={"template": "python"})
             assert services.reconciler._task is None  # no loop ran: the request did the work
             assert answer.status_code == 201, answer.text
+            await services.reconciler.stop()  # the lease is given back after the answer; a stop waits for it
             return dict(answer.json())
 
     body = asyncio.run(go())
@@ -184,7 +185,13 @@ def test_the_direct_path_never_drives_a_sandbox_whose_lease_another_owner_holds(
     after = world.store.load_sandbox(sb.id)
     assert after is not None and after.state == State.PENDING and after.lease_owner == "other-replica:1:1"
     assert world.store.release(sb.id, "other-replica:1:1")
-    done = asyncio.run(world.reconciler.drive(sb))  # free again: driven to the end, lease given back
+
+    async def drive() -> Any:
+        done = await world.reconciler.drive(sb)  # free again: driven to the end
+        await world.reconciler.stop()  # ...and its lease given back (just after the answer)
+        return done
+
+    done = asyncio.run(drive())
     assert done is not None and done.state == State.RUNNING
     stored = world.store.load_sandbox(sb.id)
     assert stored is not None and stored.state == State.RUNNING and stored.lease_owner is None

@@ -89,6 +89,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         self.interval = interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Leases of direct steps (drive), given back just after their request answered.
+        self._releasing: set[asyncio.Task[None]] = set()
         # In-progress state -> the effect that (re)runs its step and reports its completion.
         self._in_flight: dict[State, Effect] = {
             State.CREATING: self._create,
@@ -154,6 +156,7 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
                 await self._task
         for _node, task in list(self._freeing.values()):
             task.cancel()  # an abandoned copy is collected as an orphan
+        await asyncio.gather(*self._releasing, return_exceptions=True)  # a clean stop gives its leases back
 
     async def run_once(self) -> int:
         claimed = await asyncio.to_thread(self.store.claim_work, self.owner, BATCH, LEASE_S)
@@ -162,14 +165,16 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
 
     async def drive(self, record: SandboxRecord) -> SandboxRecord | None:
         """Take `record`'s lease and advance it now (an API request's direct path); None when another owner
-        holds the lease (its work is under way elsewhere) or the step did not end in a record."""
+        holds the lease (its work is under way elsewhere) or the step did not end in a record. The lease
+        is given back just after the answer (the request need not wait for that transaction)."""
         if not await asyncio.to_thread(self.store.hold, record.id, self.owner, LEASE_S):
             return None
-        return await self.work_on(record)
+        return await self.work_on(record, release_later=True)
 
-    async def work_on(self, record: SandboxRecord) -> SandboxRecord | None:
+    async def work_on(self, record: SandboxRecord, *, release_later: bool = False) -> SandboxRecord | None:
         """Advance a sandbox whose lease this process holds, renewing the lease meanwhile and releasing it
-        after; the record as the last step left it (None if a step failed or lost a race)."""
+        after (`release_later`: in a task of its own, so the caller answers first); the record as the last
+        step left it (None if a step failed or lost a race)."""
         step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}")
         renewer = asyncio.create_task(self._renew(record.id, step))
         try:
@@ -186,9 +191,17 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             log.exception("reconciling %s failed unexpectedly", record.id)
         finally:
             renewer.cancel()
-            with contextlib.suppress(errors.SpaceError):
-                await asyncio.to_thread(self.store.release, record.id, self.owner)
+            if release_later:
+                releasing = asyncio.create_task(self._release(record.id), name=f"release-{record.id}")
+                self._releasing.add(releasing)
+                releasing.add_done_callback(self._releasing.discard)
+            else:
+                await self._release(record.id)
         return None
+
+    async def _release(self, sandbox_id: str) -> None:
+        with contextlib.suppress(errors.SpaceError):
+            await asyncio.to_thread(self.store.release, sandbox_id, self.owner)
 
     async def _renew(self, sandbox_id: str, step: asyncio.Task[Any]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
