@@ -5,6 +5,7 @@ still asks for the node token and a capability for the very sandbox; only its ow
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import pwd
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -217,3 +219,30 @@ def test_only_the_sockets_owner_and_root_can_connect(sock_dir: pathlib.Path) -> 
         assert allowed.returncode == 0, allowed.stderr
     finally:
         listener.close()
+
+
+def test_a_connection_idle_for_seconds_is_reused(loop: BackgroundLoop) -> None:
+    """An agent's sandbox is used every few seconds: its pooled connection must still be there (the pool
+    kept idle connections 2 s; now KEEPALIVE_EXPIRY_S, under the node's own keep-alive)."""
+    peers: list[tuple[str, int]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        peers.append(scope["client"])  # one source port per connection
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    tcp, url = tcp_listener()
+    served = Served(loop, app, [tcp])
+    transport = PoolSettings().data_transport()
+
+    async def call() -> None:
+        async with httpx.AsyncClient(transport=transport, base_url=url) as http:
+            for pause in (0.0, 3.0):
+                await asyncio.sleep(pause)
+                assert (await http.get("/")).status_code == 200
+
+    try:
+        loop.run(call(), timeout=60)
+    finally:
+        served.stop()
+    assert len(peers) == 2 and peers[0] == peers[1], peers  # the same connection both times
