@@ -129,10 +129,22 @@ def embedded_target(template: str, pool_size: int) -> Iterator[Target]:
         cluster.start(progress=log)
         node_url = f"http://127.0.0.1:{cluster.node_port}"
         yield Target(cluster.url, cluster.api_key, node_url, data_dir, cluster, (template, pool_size))
+    except BaseException:
+        keep_logs(data_dir)
+        raise
     finally:
         log("purging the embedded installation")
         cluster.stop(purge=True)
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def keep_logs(data_dir: pathlib.Path) -> None:
+    """Copy the logs of a failed embedded run out of the data directory the purge removes (root only,
+    like the data directory: logs name sandboxes and paths, never secrets)."""
+    kept = pathlib.Path(tempfile.mkdtemp(prefix="space-bench-failed-", dir="/var/tmp"))
+    for path in data_dir.glob("*.log"):
+        shutil.copy2(path, kept / path.name)
+    log(f"the embedded installation's logs are kept in {kept}")
 
 
 class Run:
@@ -284,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpaceError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return exit_code_for(exc)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
     except (PermissionError, m.BenchFailure) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, PermissionError) else 1
