@@ -41,7 +41,8 @@ demo-node: setup
 # The long modes of the reliability harness (issue 11): the same tests as in `make test`, run longer.
 soak: setup
 	SPACE_SOAK=1 $(PY) -m pytest -q tests/crash tests/model tests/load tests/e2e/test_multinode_chaos.py \
-		tests/objectstore/test_storage_faults.py tests/objectstore/test_storage_faults_e2e.py
+		tests/objectstore/test_storage_faults.py tests/objectstore/test_storage_faults_e2e.py \
+		tests/controlplane/test_controlplane_suspend.py
 
 fuzz: setup
 	SPACE_FUZZ=long $(PY) -m pytest -q tests/fuzz
