@@ -6,7 +6,6 @@ it is not refused for room the pool itself takes. And what a heartbeat may say a
 
 from __future__ import annotations
 
-import pathlib
 import secrets
 import threading
 from collections import Counter
@@ -149,10 +148,12 @@ def test_counts_below_zero_are_believed_as_none() -> None:
 BOOTSTRAP = "b" * 40
 
 
-@pytest.fixture
-def cp(tmp_path: pathlib.Path) -> Iterator[tuple[Store, TestClient]]:
-    store = open_store(sqlite_url(tmp_path / "cp"))
-    app = create_app(store, node_token=BOOTSTRAP, run_reconciler=False, data_dir=tmp_path,
+@pytest.fixture(scope="module")
+def cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Store, TestClient]]:
+    """One control plane for the module (each test enrols nodes of its own)."""
+    root = tmp_path_factory.mktemp("pools-cp")
+    store = open_store(sqlite_url(root / "cp"))
+    app = create_app(store, node_token=BOOTSTRAP, run_reconciler=False, data_dir=root,
                      settings=ControlPlaneSettings.from_env({}))  # fmt: skip
     try:
         with TestClient(app) as client:
