@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -195,3 +196,33 @@ def test_the_direct_path_never_drives_a_sandbox_whose_lease_another_owner_holds(
     assert done is not None and done.state == State.RUNNING
     stored = world.store.load_sandbox(sb.id)
     assert stored is not None and stored.state == State.RUNNING and stored.lease_owner is None
+
+
+def test_the_loop_leaves_a_sandbox_to_the_request_of_its_own_process_that_drives_it(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop and the requests of one process share a lease owner: a claim that lands between a request's
+    row and its hold must not make the loop work on the sandbox too (nor give the lease back under it)."""
+    sb = world.store.create_sandbox(world.project, "python")
+    hold = world.store.hold
+
+    def slow_hold(*args: Any) -> bool:
+        time.sleep(0.3)  # the loop's claim lands first
+        return hold(*args)
+
+    monkeypatch.setattr(world.store, "hold", slow_hold)
+
+    async def go() -> tuple[int, Any]:
+        driving = asyncio.create_task(world.reconciler.drive(sb))
+        await asyncio.sleep(0)  # the request has begun: its hold is under way
+        claimed = await world.reconciler.run_once()
+        done = await driving
+        await world.reconciler.stop()
+        return claimed, done
+
+    claimed, done = asyncio.run(go())
+    assert claimed == 0  # claimed by the same owner, but left to the request
+    assert done is not None and done.state == State.RUNNING
+    assert sum(n.calls.count("create_sandbox") for n in nodes(world).values()) == 1
+    stored = world.store.load_sandbox(sb.id)
+    assert stored is not None and stored.lease_owner is None

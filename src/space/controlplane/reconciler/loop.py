@@ -91,6 +91,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         self._task: asyncio.Task[None] | None = None
         # Leases of direct steps (drive), given back just after their request answered.
         self._releasing: set[asyncio.Task[None]] = set()
+        # Sandboxes this process is advancing (loop or drive): the lease owner is the same for both, so
+        # this is what keeps a claim and a request of this process off one sandbox at once.
+        self._busy: set[str] = set()
         # In-progress state -> the effect that (re)runs its step and reports its completion.
         self._in_flight: dict[State, Effect] = {
             State.CREATING: self._create,
@@ -160,21 +163,32 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
 
     async def run_once(self) -> int:
         claimed = await asyncio.to_thread(self.store.claim_work, self.owner, BATCH, LEASE_S)
-        await asyncio.gather(*(self.work_on(record) for record in claimed))
-        return len(claimed)
+        mine = [record for record in claimed if record.id not in self._busy]  # others: a request drives them
+        await asyncio.gather(*(self.work_on(record) for record in mine))
+        return len(mine)
 
     async def drive(self, record: SandboxRecord) -> SandboxRecord | None:
         """Take `record`'s lease and advance it now (an API request's direct path); None when another owner
         holds the lease (its work is under way elsewhere) or the step did not end in a record. The lease
         is given back just after the answer (the request need not wait for that transaction)."""
-        if not await asyncio.to_thread(self.store.hold, record.id, self.owner, LEASE_S):
+        if record.id in self._busy:
             return None
-        return await self.work_on(record, release_later=True)
+        self._busy.add(record.id)  # before the hold: the loop of this process may claim it meanwhile
+        try:
+            held = await asyncio.to_thread(self.store.hold, record.id, self.owner, LEASE_S)
+        except BaseException:
+            self._busy.discard(record.id)
+            raise
+        if not held:
+            self._busy.discard(record.id)
+            return None
+        return await self.work_on(record, release_later=True)  # busy until it ends
 
     async def work_on(self, record: SandboxRecord, *, release_later: bool = False) -> SandboxRecord | None:
         """Advance a sandbox whose lease this process holds, renewing the lease meanwhile and releasing it
         after (`release_later`: in a task of its own, so the caller answers first); the record as the last
         step left it (None if a step failed or lost a race)."""
+        self._busy.add(record.id)
         step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}")
         renewer = asyncio.create_task(self._renew(record.id, step))
         try:
@@ -191,6 +205,7 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             log.exception("reconciling %s failed unexpectedly", record.id)
         finally:
             renewer.cancel()
+            self._busy.discard(record.id)
             if release_later:
                 releasing = asyncio.create_task(self._release(record.id), name=f"release-{record.id}")
                 self._releasing.add(releasing)
@@ -202,6 +217,7 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
     async def _release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SpaceError):
             await asyncio.to_thread(self.store.release, sandbox_id, self.owner)
+        self.poke()  # a wish recorded while it was held (a pause right after a create) is claimable now
 
     async def _renew(self, sandbox_id: str, step: asyncio.Task[Any]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
