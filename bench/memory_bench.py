@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import pathlib
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from typing import Any
@@ -162,7 +164,7 @@ async def checkpoint_size(agent: NodeAgent, write_mb: int) -> dict[str, Any]:
 
 async def run(data_dir: pathlib.Path, sandboxes: int, write_mb: int, platform: str) -> dict[str, Any]:
     node = LocalNode(data_dir, platform=platform, cgroup_parent="space-bench-mem")
-    agent = await node.start(progress=lambda line: print(f"  | {line}", flush=True))
+    agent = await node.start(progress=lambda line: print(f"  | {line}", file=sys.stderr, flush=True))
     results: dict[str, Any] = {}
     try:
         handles = [await agent.create("python") for _ in range(sandboxes)]
@@ -176,6 +178,9 @@ async def run(data_dir: pathlib.Path, sandboxes: int, write_mb: int, platform: s
     finally:
         await agent.delete_all()
         await node.stop(purge=True)
+        for parent in pathlib.Path("/sys/fs/cgroup").glob(f"*/{node.cgroup_parent}"):
+            with contextlib.suppress(OSError):
+                parent.rmdir()  # the node's own cgroup parent, empty now
     return results
 
 
@@ -195,7 +200,7 @@ def main() -> int:
     path = write_json(results, "memory")
     print(json.dumps(results, indent=2))
     if not args.json:
-        print(f"written to {path}")
+        print(f"written to {path}", file=sys.stderr)
     return 0
 
 
