@@ -198,7 +198,7 @@ def bench(  # noqa: PLR0917
         float | None, typer.Option("--rate", help="Creations per second at most (default 5; 0: no pacing).")
     ] = None,
     pool_size: Annotated[
-        int | None, typer.Option("--pool-size", help="--embedded: the node's pool size (default 8).")
+        int | None, typer.Option("--pool-size", help="--embedded: the node's pool size (default 6).")
     ] = None,
     samples: Annotated[int | None, typer.Option("--samples", hidden=True, min=1)] = None,
 ) -> None:
