@@ -45,6 +45,7 @@ from space.node.agent.identity import default_identity_file, default_rpc_token_f
 from space.sdk import Space
 from tests.support.host import cgroups_under, loop_devices_for, mounts_under, processes_mentioning
 from tests.support.node_capability import NodeAuth
+from tests.support.shared_server import SharedServer
 
 T = TypeVar("T")
 
@@ -625,11 +626,6 @@ def host_leftovers(data_dir: pathlib.Path, sandbox_ids: set[str]) -> dict[str, l
     }
 
 
-_real_lock = threading.Lock()
-_real_shared: tuple[RealCluster, contextlib.ExitStack] | None = None
-_real_users = 0
-
-
 @contextlib.contextmanager
 def start_real_cluster() -> Iterator[RealCluster]:
     """A LocalCluster in a fresh data directory under /var/tmp; purged at the end and the host checked."""
@@ -656,19 +652,13 @@ def real_cluster() -> Iterator[RealCluster]:
     per module, and a reference count makes them all the same cluster (started by the first user, purged
     after the last). Each test isolates itself (its own sandboxes, projects or keys, deleted at its end);
     a test that kills, stops or reconfigures a component owns its cluster (`start_real_cluster`)."""
-    global _real_shared, _real_users
-    with _real_lock:
-        if _real_shared is None:
-            stack = contextlib.ExitStack()
-            made = stack.enter_context(start_real_cluster())
-            _real_shared = (made, stack)
-        _real_users += 1
-        shared = _real_shared[0]
-    try:
-        yield shared
-    finally:
-        with _real_lock:
-            _real_users -= 1
-            if _real_users == 0 and _real_shared is not None:
-                stack, _real_shared = _real_shared[1], None
-                stack.close()
+    with _shared_real.use() as (made, _stack):
+        yield made
+
+
+def _start_shared_real() -> tuple[RealCluster, contextlib.ExitStack]:
+    stack = contextlib.ExitStack()
+    return stack.enter_context(start_real_cluster()), stack
+
+
+_shared_real = SharedServer(_start_shared_real, lambda made: made[1].close())
