@@ -246,3 +246,32 @@ def test_a_connection_idle_for_seconds_is_reused(loop: BackgroundLoop) -> None:
     finally:
         served.stop()
     assert len(peers) == 2 and peers[0] == peers[1], peers  # the same connection both times
+
+
+def test_tcp_connections_of_the_agents_listener_do_not_wait_for_acks(loop: BackgroundLoop) -> None:
+    """uvicorn serves the listeners rpc_listen opens (loop.create_server(sock=...)): their connections need
+    TCP_NODELAY, or every small answer waits for the client's delayed ACK (found by bench/hop_bench.py)."""
+    listener = open_listeners("127.0.0.1", 0, None)[0]
+    port = listener.getsockname()[1]
+    seen: list[int] = []
+
+    async def check() -> None:
+        def accepted(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listener)
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(200):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    loop.run(check(), timeout=30)
+    assert seen and seen[0] != 0, seen

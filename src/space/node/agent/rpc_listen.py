@@ -7,6 +7,8 @@ Invariants:
   request on it still needs the node token and, for a sandbox, that sandbox's capability, exactly like TCP.
 - A socket file that an agent which died left behind is replaced; any other file at the path is refused
   (InvalidArgument), never removed. The path must fit a socket address (MAX_SOCKET_PATH bytes).
+- Connections accepted on the TCP listener have TCP_NODELAY (asyncio sets it for a socket whose protocol
+  is IPPROTO_TCP), as uvicorn's own listeners do.
 - `close_listeners` closes every listener and removes the unix socket's file (only if it is still a socket).
 - An idle connection is kept open KEEPALIVE_S, longer than the control plane's pools keep one idle.
 """
@@ -38,7 +40,9 @@ def default_rpc_socket(data_dir: pathlib.Path) -> pathlib.Path:
 def tcp_listener(host: str, port: int) -> socket.socket:
     """A bound TCP socket for the RPC (uvicorn listens on it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections of a socket that says
+    # it is TCP, and without it Nagle holds a small answer back until the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
