@@ -94,6 +94,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         # Sandboxes this process is advancing (loop or drive): the lease owner is the same for both, so
         # this is what keeps a claim and a request of this process off one sandbox at once.
         self._busy: set[str] = set()
+        # Not after every release: a claim racing the next request for SQLite's write lock costs it more.
+        self._poke_after_release = False
         # In-progress state -> the effect that (re)runs its step and reports its completion.
         self._in_flight: dict[State, Effect] = {
             State.CREATING: self._create,
@@ -116,6 +118,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
     def poke(self) -> None:
         """Something changed (a request recorded a wish): look now instead of at the next tick."""
         self._wake.set()
+        # A direct step's lease not yet given back keeps its sandbox from this claim: look again after it.
+        self._poke_after_release = bool(self._releasing)
 
     # -- the loop and its leases -----------------------------------------------------------------------------
     async def free_dead_leases(self) -> list[str]:
@@ -217,7 +221,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
     async def _release(self, sandbox_id: str) -> None:
         with contextlib.suppress(errors.SpaceError):
             await asyncio.to_thread(self.store.release, sandbox_id, self.owner)
-        self.poke()  # a wish recorded while it was held (a pause right after a create) is claimable now
+        if self._poke_after_release:  # a wish recorded while it was held (a pause right after a create)
+            self._poke_after_release = False
+            self._wake.set()
 
     async def _renew(self, sandbox_id: str, step: asyncio.Task[Any]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
