@@ -270,11 +270,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def measure(args: argparse.Namespace, target: Target) -> dict[str, Any]:
+    load_at_start = round(os.getloadavg()[0], 2)
     with Space(url=target.url, api_key=target.api_key) as sp:
         sp.sandboxes.list()  # a key the server refuses fails here, before anything is measured
         run = Run(target, args)
         run.measure(sp)
-    run_meta = meta(target=target.url, embedded=args.embedded, quick=args.quick, samples=args.samples)
+    run_meta = meta(
+        target=target.url, embedded=args.embedded, quick=args.quick, samples=args.samples,
+        load_at_start=load_at_start,
+    )  # fmt: skip
     return {"doc": document(run.samples, run.extras, run_meta), "samples": run.samples}
 
 

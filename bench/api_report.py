@@ -67,10 +67,15 @@ def git_commit(directory: pathlib.Path) -> str | None:
     return commit if proc.returncode == 0 and commit else None
 
 
-def meta(*, target: str, embedded: bool, quick: bool, samples: int | None) -> dict[str, Any]:
+def meta(
+    *, target: str, embedded: bool, quick: bool, samples: int | None, load_at_start: float | None = None
+) -> dict[str, Any]:
+    """What the numbers were measured on (the load average at the start and at the end of the run: a loaded
+    machine's numbers are upper bounds)."""
     return {
         "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cores": os.cpu_count(),
+        "load_avg_1m_start": load_at_start,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "machine": platform.machine(),
         "python": platform.python_version(),
