@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench import api_bench, api_report
+from bench import api_bench, api_report, plain_runsc
 from tests.support import cluster as c
 
 real_cluster = c.real_cluster
@@ -53,7 +53,8 @@ def test_json_is_one_document_with_every_operation_and_the_chart_is_written(
     real_cluster: c.RealCluster, tmp_path: pathlib.Path
 ) -> None:
     before = live_sandboxes(real_cluster)
-    copies_before = set(pathlib.Path("/var/tmp").glob("space-bench-plain-*"))  # another run's may exist
+    scratch = pathlib.Path(plain_runsc.scratch_dir())
+    copies_before = set(scratch.glob("space-bench-plain-*"))  # another run's may exist
     results = tmp_path / "results"
     env = bare_env(tmp_path)
     run = space_bench(
@@ -93,7 +94,7 @@ def test_json_is_one_document_with_every_operation_and_the_chart_is_written(
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # matplotlib is installed by `make setup`
     assert "create_warm" in run.stderr  # the table and the progress went to stderr
     assert live_sandboxes(real_cluster) == before, "the benchmark left sandboxes behind"
-    left = set(pathlib.Path("/var/tmp").glob("space-bench-plain-*")) - copies_before
+    left = set(scratch.glob("space-bench-plain-*")) - copies_before
     assert not left, f"the baseline left its copies: {left}"
 
 
