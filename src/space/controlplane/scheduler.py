@@ -41,7 +41,7 @@ from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.lifecycle import State
-from space.core.settings import SandboxLimits
+from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent.settings import NodeAgentSettings
 
 #: Heartbeats a ready node may miss before the scheduler stops choosing it (it is marked lost later).
@@ -67,7 +67,7 @@ def free_capacity(node: NodeRecord) -> tuple[float, float, float]:
     return (
         float(capacity.get("memory_mb", 0)) - float(used.get("memory_mb", 0)),
         float(capacity.get("sandboxes", 0)) - float(used.get("sandboxes", 0)),
-        float(capacity.get("cpus", 0)) * 4 - float(used.get("cpus", 0)),  # CPUs are overcommitted 4x
+        float(capacity.get("cpus", 0)) * CPU_OVERCOMMIT - float(used.get("cpus", 0)),
     )
 
 

@@ -30,6 +30,9 @@ _FROZEN: Final = ConfigDict(frozen=True, extra="forbid")
 
 STORAGE_PER_DISK: Final = 2  # default storage budget per MB of disk
 STORAGE_MB_MAX: Final = 2 * 1048576  # 2 TiB: twice the largest disk
+#: A node hands out this many times its CPUs to sandboxes' `cpus` limits (the scheduler's admission and a
+#: node's own warm-pool refills count the same way).
+CPU_OVERCOMMIT: Final = 4
 
 
 class SandboxLimits(BaseModel):

@@ -199,7 +199,7 @@ async def serve(
         adopted = await agent.recover()
         if adopted:
             log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
-        start_pools(agent, pools, settings)
+        start_pools(agent, service, pools, settings)
         server = _Server(
             uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
@@ -223,7 +223,9 @@ async def serve(
         await agent.close()
 
 
-def start_pools(agent: NodeAgent, sizes: dict[str, int] | None, settings: NodeAgentSettings) -> None:
+def start_pools(
+    agent: NodeAgent, service: NodeService, sizes: dict[str, int] | None, settings: NodeAgentSettings
+) -> None:
     """Give the agent its warm pools (ADR 0047) and start filling them; nothing when no size is set or the
     driver keeps no pools."""
     if not sizes or not any(sizes.values()):
@@ -232,7 +234,7 @@ def start_pools(agent: NodeAgent, sizes: dict[str, int] | None, settings: NodeAg
         log.warning("--pools ignored: the %s driver keeps no warm pools", agent.driver.name)
         return
     agent.pools = WarmPools(
-        lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0,
+        lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0, room=service.has_room,
         fill_yield_s=settings.pool_fill_yield_s, fill_concurrency=settings.pool_fill_concurrency,
     )  # fmt: skip
     agent.pools.start()

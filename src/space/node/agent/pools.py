@@ -12,7 +12,9 @@ Invariants:
   never returned to the pool, so nothing of one user ever reaches another.
 - A member belongs to nobody until bound: no user environment, no egress policy (so no egress at all),
   not in the agent's registry, not reported to the control plane as a sandbox nor as unmanaged.
-- Members count against the node's capacity (`reserved`): the heartbeat's `used` includes them.
+- Members count against the node's capacity (`reserved`): the heartbeat's `used` includes them, and a
+  refill starts only while one more fits the node (`room`: memory and overcommitted CPUs, as the
+  scheduler counts), so pools never push a node past what it admits.
 - Pools are refilled in the background, at most `fill_concurrency` members at a time (default 1); a fill
   waits (up to `fill_yield_s`) while a user's lifecycle step runs on this node, so a refill competes with
   user requests for the CPU at most that many restores at a time, and only when the node has been busy
@@ -45,6 +47,8 @@ FILL_BACKOFF_S = 1.0
 FILL_BACKOFF_MAX_S = 60.0
 #: How often a fill waiting for the node to be idle looks again.
 IDLE_POLL_S = 0.01
+#: How often a full pool, or one waiting for room on the node, looks again without being woken.
+ROOM_POLL_S = 2.0
 
 
 def parse_pool_sizes(value: str) -> dict[str, int]:
@@ -80,6 +84,7 @@ class WarmPools:
         sizes: Mapping[str, int],
         *,
         busy: Callable[[], bool] = lambda: False,
+        room: Callable[[SandboxLimits], bool] = lambda _limits: True,
         fill_yield_s: float = 0.5,
         fill_concurrency: int = 1,
         limits: SandboxLimits | None = None,
@@ -89,6 +94,7 @@ class WarmPools:
         self.sizes = {parse_template_name(t): n for t, n in sizes.items()}
         self.limits = limits or SandboxLimits()
         self._busy = busy
+        self._room = room
         self.fill_yield_s = fill_yield_s
         self.fill_concurrency = max(1, fill_concurrency)
         self._ready: dict[str, deque[Member]] = {t: deque() for t in self.sizes}
@@ -161,6 +167,8 @@ class WarmPools:
 
     # -- filling -------------------------------------------------------------------------------------------
     def _deficit(self) -> str | None:
+        if not self._room(self.limits):
+            return None  # looked at again when a member is taken or a fill ends, or after ROOM_POLL_S
         now = time.monotonic()
         for template, size in self.sizes.items():
             if self._backoff.get(template, 0.0) > now:
@@ -177,9 +185,12 @@ class WarmPools:
                 if template is None:
                     self._wake.clear()
                     now = time.monotonic()
-                    waits = [b - now for b in self._backoff.values() if b > now]
+                    waits = [b - now for b in self._backoff.values() if b > now] + [ROOM_POLL_S]
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for may swallow a cancellation that
+                    # arrives as the event is set, and the pool would never stop.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), min(waits) if waits else None)
+                        async with asyncio.timeout(min(waits)):
+                            await self._wake.wait()
                     continue
                 await self._yield_to_users()
                 self._filling[template] += 1  # counted before the fill starts: the deficit sees it

@@ -29,7 +29,7 @@ from typing import Any
 
 from space.core import errors
 from space.core.lifecycle import IN_PROGRESS_STATES, State
-from space.core.settings import SandboxLimits
+from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent import rpc_models as rm
 from space.node.agent.agent import NodeAgent, SandboxHandle, SnapshotRecord
 from space.node.agent.egress_wiring import EgressWiring
@@ -204,6 +204,15 @@ class ServiceCore:
             store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
             runtime=self.agent.node_runtime(),
             pools=pools.counts() if pools is not None else {},
+        )
+
+    def has_room(self, limits: SandboxLimits) -> bool:
+        """Whether one more sandbox with `limits` fits the node's memory and (overcommitted) CPUs, counting
+        pooled sandboxes, as the scheduler counts (a warm pool refills only then)."""
+        info = self.info()
+        return (
+            info.capacity.memory_mb - info.used.memory_mb >= limits.memory_mb
+            and info.capacity.cpus * CPU_OVERCOMMIT - info.used.cpus >= limits.cpus
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
