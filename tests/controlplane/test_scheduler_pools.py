@@ -1,7 +1,7 @@
 """The scheduler's preference for warm pools (issue 12, scheduler.py): nodes with a pooled sandbox of the
 template first, then nodes holding the template, then the rest; the count it believes is charged locally
-per placement until the node's next heartbeat; a pooled sandbox is already in the node's `used`, so binding
-it is not refused for room the pool itself takes. And what a heartbeat may say about pools
+per placement until the node's next heartbeat; a pool orders candidates but never admits a node without
+room (pooled sandboxes are not in `used`: they give way). And what a heartbeat may say about pools
 (api/node_routes.py): parsed, bounded, only for the node's own templates, only by the node itself."""
 
 from __future__ import annotations
@@ -122,16 +122,16 @@ def test_a_newer_heartbeat_replaces_the_belief() -> None:
     assert [choose(store, ledger) for _ in range(3)] == ["a", "a", "b"]
 
 
-def test_a_pooled_sandbox_already_counted_in_used_is_not_counted_again() -> None:
-    """The node reports its pooled sandboxes in `used`: a node full of its own pool still binds one, but a
-    full node without a pooled sandbox is refused, and disk is judged for both."""
+def test_a_pool_never_admits_a_node_without_room() -> None:
+    """Pooled sandboxes are not in a node's `used` (they give way to placements, ADR 0047): a node whose
+    sandboxes fill it is refused even with a believed pooled sandbox, a node whose only load is its pool
+    takes any placement, and disk is judged for every node."""
     full = {"memory_mb": BIG["memory_mb"], "sandboxes": BIG["sandboxes"], "cpus": BIG["cpus"] * 4}
-    store = FakeStore([node("full-of-pool", used=full, pools={"python": 1})])
-    assert choose(store, scheduler.PoolLedger()) == "full-of-pool"
-    with pytest.raises(errors.ResourceExhausted):  # believed empty now: it has no room for a new one
-        choose(store, scheduler.PoolLedger(taken={"full-of-pool": (T0, {"python": 1})}))
     with pytest.raises(errors.ResourceExhausted):
-        choose(FakeStore([node("full", used=full)]), scheduler.PoolLedger())
+        choose(FakeStore([node("full-with-pool", used=full, pools={"python": 1})]), scheduler.PoolLedger())
+    assert choose(
+        FakeStore([node("only-its-pool", used={}, pools={"python": 4})]), scheduler.PoolLedger()
+    ) == ("only-its-pool")
     disk = {**BIG, "disk_mb": 1000, "disk_free_mb": 1000, "disk_reserve_mb": 0}
     small = replace(node("small-disk", pools={"python": 3}), capacity=disk)
     with pytest.raises(errors.ResourceExhausted):

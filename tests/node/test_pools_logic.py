@@ -107,6 +107,32 @@ def test_no_fill_without_room_and_what_is_held_counts() -> None:
     asyncio.run(scenario())
 
 
+def test_members_give_way_when_the_node_needs_their_room() -> None:
+    async def scenario() -> None:
+        driver = StandInDriver()
+        node_full = {"value": False}  # the node's sandboxes and members do not fit (a placement took room)
+
+        def room(limits: SandboxLimits | None) -> bool:
+            return not node_full["value"] and (limits is None or len(driver.running) < 2)
+
+        pools = _pools(driver, room=room)
+        pools.start()
+        await _until(lambda: pools.counts() == {"python": 2})
+        members = sorted(pools._ready["python"], key=lambda m: m.ready_at)
+        oldest = members[0].runtime_id
+        node_full["value"] = True
+        pools.wake()
+        await _until(lambda: pools.stats["evicted"] == 2 and driver.running == {})
+        assert oldest not in driver.names.members() and driver.names.members() == {}
+        assert pools.counts() == {"python": 0}  # and no refill while there is no room
+        node_full["value"] = False
+        pools.wake()
+        await _until(lambda: pools.counts() == {"python": 2})
+        await pools.close(destroy=True)
+
+    asyncio.run(scenario())
+
+
 def test_a_failed_fill_backs_off_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pools_module, "FILL_BACKOFF_S", 0.05)
 

@@ -17,12 +17,10 @@ Invariants:
   believed count of ready pooled sandboxes of its template is > 0. The belief is the count of the node's
   last heartbeat (`nodes.pools`) less the creates this process placed there since that heartbeat
   (`PoolLedger.take`, under one lock with the choice), so concurrent creates spread over the pools instead
-  of all going to a node whose last heartbeat said 1. The belief orders candidates; the only admission it
-  changes is the room check below (disk is always judged).
-- A pooled sandbox is already in the node's reported `used` (the node counts it against its capacity):
-  binding it needs no new room, so a node whose believed pool has one is admitted without the memory,
-  slot and CPU check (counting the sandbox again would refuse a node full of its own pool); disk is
-  judged as for any node (pooled sandboxes are not in the store's placed disk).
+  of all going to a node whose last heartbeat said 1. The belief orders candidates; it never admits.
+- Pooled sandboxes are not in a node's reported `used` (docs/adr/0047-warm-pools.md): they hold room only
+  while no placement needs it (the node refills only within its capacity and destroys pooled sandboxes
+  when its sandboxes need the room), so every placement, pooled or not, is judged on the same room.
 - `check_admissible` refuses at once (StorageExhausted, 507) a `disk_mb` larger than any ready node can
   ever hold, instead of letting the create wait for a node that will never have room.
 """
@@ -99,7 +97,7 @@ def score(
     `pooled`: how many ready pooled sandboxes of its template the node is believed to have."""
     memory_free, slots_free, cpu_free = free_capacity(node)
     fits = memory_free >= sandbox.limits.memory_mb and slots_free >= 1 and cpu_free >= sandbox.limits.cpus
-    if not fits and pooled <= 0:  # a pooled sandbox is already counted in `used`: binding it takes no room
+    if not fits:
         return None
     room = disk_room_mb(node)
     if room is not None and (placed_disk_mb + sandbox.limits.disk_mb > room or below_reserve(node)):

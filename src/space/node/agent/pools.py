@@ -12,9 +12,11 @@ Invariants:
   never returned to the pool, so nothing of one user ever reaches another.
 - A member belongs to nobody until bound: no user environment, no egress policy (so no egress at all),
   not in the agent's registry, not reported to the control plane as a sandbox nor as unmanaged.
-- Members count against the node's capacity (`reserved`): the heartbeat's `used` includes them, and a
-  refill starts only while one more fits the node (`room`: memory and overcommitted CPUs, as the
-  scheduler counts), so pools never push a node past what it admits.
+- Members hold room only while nothing else needs it: a refill starts only while one more fits the node
+  beside its sandboxes and other members (`room`: memory and overcommitted CPUs, as the scheduler
+  counts), and while the node's sandboxes and members do not fit (the scheduler placed a sandbox in room a
+  member held: members are not in the heartbeat's `used`) the oldest ready member is destroyed. So pools
+  never push a node past its capacity and never keep a placement out.
 - Pools are refilled in the background, at most `fill_concurrency` members at a time (default 1); a fill
   waits (up to `fill_yield_s`) while a user's lifecycle step runs on this node, so a refill competes with
   user requests for the CPU at most that many restores at a time, and only when the node has been busy
@@ -84,7 +86,7 @@ class WarmPools:
         sizes: Mapping[str, int],
         *,
         busy: Callable[[], bool] = lambda: False,
-        room: Callable[[SandboxLimits], bool] = lambda _limits: True,
+        room: Callable[[SandboxLimits | None], bool] = lambda _limits: True,
         fill_yield_s: float = 0.5,
         fill_concurrency: int = 1,
         limits: SandboxLimits | None = None,
@@ -104,15 +106,16 @@ class WarmPools:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: Counters for the heartbeat and the benchmark: members bound, failed fills, lost members.
-        self.stats = {"taken": 0, "fill_failures": 0, "lost": 0}
+        self.stats = {"taken": 0, "fill_failures": 0, "lost": 0, "evicted": 0}
+        self._discarding: set[asyncio.Task[None]] = set()
 
     # -- what the node reports -------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._ready.items()}
 
     def reserved(self) -> tuple[float, int, int]:
-        """(cpus, memory MB, disk MB) held by members, ready or being filled."""
-        held = sum(len(q) for q in self._ready.values()) + sum(self._filling.values())
+        """(cpus, memory MB, disk MB) held by members: ready, being filled or being destroyed."""
+        held = sum(len(q) for q in self._ready.values()) + sum(self._filling.values()) + len(self._discarding)
         return held * self.limits.cpus, held * self.limits.memory_mb, held * self.limits.disk_mb
 
     # -- taking ------------------------------------------------------------------------------------------
@@ -166,9 +169,28 @@ class WarmPools:
             await clean_leftovers(self._driver_of())
 
     # -- filling -------------------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Look at the pools now (a lifecycle step ended: room may have been taken or freed)."""
+        self._wake.set()
+
+    def _give_way(self) -> None:
+        """Destroy ready members, oldest first, while the node's sandboxes and members do not fit."""
+        while not self._room(None):
+            ready = [m for q in self._ready.values() for m in q]
+            if not ready:
+                return
+            oldest = min(ready, key=lambda m: m.ready_at)
+            self._ready[oldest.template].remove(oldest)
+            oldest.channel.on_lost = None
+            self.stats["evicted"] += 1
+            log.info("warm pool %s: member %s destroyed to make room", oldest.template, oldest.runtime_id)
+            task = asyncio.get_running_loop().create_task(self.discard(oldest))
+            self._discarding.add(task)
+            task.add_done_callback(self._discarding.discard)
+
     def _deficit(self) -> str | None:
         if not self._room(self.limits):
-            return None  # looked at again when a member is taken or a fill ends, or after ROOM_POLL_S
+            return None  # looked at again when woken (a take, a step, a fill's end) or after ROOM_POLL_S
         now = time.monotonic()
         for template, size in self.sizes.items():
             if self._backoff.get(template, 0.0) > now:
@@ -181,6 +203,7 @@ class WarmPools:
         fills: set[asyncio.Task[None]] = set()
         try:
             while True:
+                self._give_way()
                 template = self._deficit() if len(fills) < self.fill_concurrency else None
                 if template is None:
                     self._wake.clear()

@@ -73,6 +73,8 @@ class SandboxRegistry:
         """start-event → in-progress state → effect → done-event, or `fail` if the effect raised."""
         handle.state = transition(handle.state, start)
         self.steps_in_flight += 1
+        if self.pools is not None:
+            self.pools.wake()  # the step's sandbox now counts: a pool may have to give way
         try:
             result = await effect()
         except BaseException:
@@ -81,6 +83,8 @@ class SandboxRegistry:
             raise
         finally:
             self.steps_in_flight -= 1
+            if self.pools is not None:
+                self.pools.wake()  # room may have been freed
         handle.state = transition(handle.state, done)
         return result
 

@@ -178,8 +178,8 @@ class ServiceCore:
         return rm.SandboxList(sandboxes=list(observed), unmanaged=unmanaged)
 
     def info(self) -> rm.NodeInfo:
-        pools = self.agent.pools
-        used_cpus, used_memory, used_disk = pools.reserved() if pools is not None else (0.0, 0, 0)
+        # Pooled sandboxes are not in `used`: they give way to any placement (ADR 0047, `has_room`).
+        used_cpus, used_memory = 0.0, 0
         for handle in self.agent.sandboxes.values():
             if handle.state not in _IDLE_STATES:
                 used_cpus += handle.spec.limits.cpus
@@ -196,23 +196,27 @@ class ServiceCore:
             used=rm.Resources(
                 cpus=round(used_cpus, 3),
                 memory_mb=used_memory,
-                disk_mb=used_disk + sum(h.spec.limits.disk_mb for h in self.agent.sandboxes.values()),
+                disk_mb=sum(h.spec.limits.disk_mb for h in self.agent.sandboxes.values()),
             ),
             sandbox_count=len(self.agent.sandboxes),
             templates=list(self.templates),
             time=time.time(),
             store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
             runtime=self.agent.node_runtime(),
-            pools=pools.counts() if pools is not None else {},
+            pools=self.agent.pools.counts() if self.agent.pools is not None else {},
         )
 
-    def has_room(self, limits: SandboxLimits) -> bool:
-        """Whether one more sandbox with `limits` fits the node's memory and (overcommitted) CPUs, counting
-        pooled sandboxes, as the scheduler counts (a warm pool refills only then)."""
+    def has_room(self, limits: SandboxLimits | None) -> bool:
+        """Whether the node's sandboxes, its pooled sandboxes and one more with `limits` (None: none) fit
+        its memory and (overcommitted) CPUs, counted as the scheduler counts: a warm pool refills only
+        then, and gives way (destroys members) while its node's sandboxes and members do not fit."""
         info = self.info()
+        pools = self.agent.pools
+        held_cpus, held_memory, _disk = pools.reserved() if pools is not None else (0.0, 0, 0)
+        more_cpus, more_memory = (limits.cpus, limits.memory_mb) if limits is not None else (0.0, 0)
         return (
-            info.capacity.memory_mb - info.used.memory_mb >= limits.memory_mb
-            and info.capacity.cpus * CPU_OVERCOMMIT - info.used.cpus >= limits.cpus
+            info.capacity.memory_mb - info.used.memory_mb - held_memory >= more_memory
+            and info.capacity.cpus * CPU_OVERCOMMIT - info.used.cpus - held_cpus >= more_cpus
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
