@@ -92,7 +92,7 @@ def test_a_failed_commit_changes_nothing(tmp_path: pathlib.Path, monkeypatch: py
     def disk_full(*_args: object, **_kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("space.node.agent.runtime_names.os.fsync", disk_full)
+    monkeypatch.setattr("space.node.filemodes.os.fsync", disk_full)
     with pytest.raises(OSError):
         names.commit(sandbox)
     monkeypatch.undo()

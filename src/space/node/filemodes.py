@@ -68,3 +68,23 @@ def create_private_file(path: pathlib.Path) -> None:
         os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~GROUP_AND_OTHER)
     finally:
         os.close(fd)
+
+
+def replace_private_file(path: pathlib.Path, body: bytes, *, durable: bool = True) -> None:
+    """Write `body` as `path`, 0600, atomically (a temporary file renamed over it; a reader sees the old
+    file or the new one, never half). `durable`: fsync the data before the rename, for state that must
+    survive a machine restart, not only a process restart."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(body)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise

@@ -20,16 +20,15 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import pathlib
 from collections.abc import Iterable
 from typing import Final
 
 from space.core import errors
 from space.core.ids import parse_sandbox_id
+from space.node.filemodes import replace_private_file
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +118,4 @@ class Incarnations:
         if self.path is None:
             return
         body = json.dumps({"version": FILE_VERSION, "incarnations": self._held}, sort_keys=True).encode()
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
-            raise
+        replace_private_file(self.path, body, durable=True)

@@ -24,15 +24,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import pathlib
 from typing import Any, Final
 
 from space.core import errors
 from space.core.ids import parse_sandbox_id, parse_template_name
+from space.node.filemodes import replace_private_file
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +176,4 @@ class RuntimeNames:
         body = json.dumps(
             {"version": FILE_VERSION, "aliases": self._aliases, "members": self._members}, sort_keys=True
         ).encode()
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(body)
-                if durable:
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                temporary.unlink()
-            raise
+        replace_private_file(self.path, body, durable=durable)
