@@ -16,8 +16,8 @@ import sys
 from typing import Any
 
 import pytest
-
 from bench import api_bench, api_report, plain_runsc
+
 from tests.support import cluster as c
 
 real_cluster = c.real_cluster
