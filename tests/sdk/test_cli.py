@@ -380,9 +380,10 @@ def test_bench_runs_the_module_with_the_flags(monkeypatch: pytest.MonkeyPatch, t
         f"import json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\nraise SystemExit(5)\n"
     )
     monkeypatch.chdir(tmp_path)
-    result = invoke("bench", "--quick", "--json")
+    result = invoke("bench", "--quick", "--json", "--rate", "2")
     assert result.exit_code == 5
-    assert json.loads(record.read_text()) == ["--quick", "--json"]
+    # The template always (its default named), then the flags given and the options set.
+    assert json.loads(record.read_text()) == ["--template", "python", "--quick", "--json", "--rate", "2.0"]
 
 
 def test_up_and_down_registered_when_space_cli_up_exists(monkeypatch: pytest.MonkeyPatch) -> None:
