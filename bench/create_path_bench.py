@@ -66,7 +66,8 @@ def _wrap_sync(owner: type, name: str) -> None:
     setattr(owner, name, timed)
 
 
-def _wrap_async(owner: type, name: str, kind: str) -> None:
+def _wrap_async(owner: Any, name: str, kind: str) -> None:
+    """Time every call of the coroutine function `owner.name` (a class's method or a module's function)."""
     original = getattr(owner, name)
 
     @functools.wraps(original)
@@ -92,22 +93,8 @@ def instrument() -> None:
 
     Reconciler.poke = timed_poke  # type: ignore[method-assign]
     # Module globals the create route looks up at call time: the whole route, the caller's authentication.
-    _wrap_module(sandbox_routes, "_create", "route.create")
-    _wrap_module(deps, "authenticate_key", "auth")
-
-
-def _wrap_module(module: Any, name: str, kind: str) -> None:
-    original = getattr(module, name)
-
-    @functools.wraps(original)
-    async def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return await original(*args, **kwargs)
-        finally:
-            SPANS.append((kind, start, time.perf_counter() - start))
-
-    setattr(module, name, timed)
+    _wrap_async(sandbox_routes, "_create", "route.create")
+    _wrap_async(deps, "authenticate_key", "auth")
 
 
 def reconciler_only() -> None:

@@ -25,21 +25,12 @@ import tempfile
 from collections import defaultdict
 from typing import Any
 
+from bench.node_bench import pss_kib
 from bench.stats import write_json
 from space.node.agent.agent import NodeAgent, SandboxHandle
 from space.node.local import LocalNode
 
 MiB = 1 << 20
-
-
-def pss_kib(pid: int) -> int:
-    try:
-        for line in pathlib.Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def _children(pid: int) -> set[int]:
