@@ -226,3 +226,30 @@ def test_the_loop_leaves_a_sandbox_to_the_request_of_its_own_process_that_drives
     assert sum(n.calls.count("create_sandbox") for n in nodes(world).values()) == 1
     stored = world.store.load_sandbox(sb.id)
     assert stored is not None and stored.lease_owner is None
+
+
+def test_a_created_sandbox_is_ready_for_its_first_exec_without_a_database_round_trip(world: World) -> None:
+    """The record the create wrote is the gateway's cached running sandbox, and its creation counts as its
+    last activity: the first data-plane call neither reads nor writes the database for it. A delete drops
+    the cached record at once."""
+    from space.controlplane.api import deps
+
+    async def go() -> None:
+        client, services = api(world)
+        async with client:
+            body = (await client.post("/v1/sandboxes", json={"template": "python"})).json()
+            await services.reconciler.stop()
+            reads, writes = [], []
+            world.store.get_sandbox = lambda *a, **k: reads.append(a)  # type: ignore[method-assign]
+            world.store.record_activity = lambda *a, **k: writes.append(a)  # type: ignore[method-assign]
+            who = next(iter(services.keys.values()))[0]
+            principal = deps.Principal(key=who, project_id=world.project)
+            found = await deps.running_sandbox(services, principal, body["id"])
+            await deps._note_activity(services, body["id"])
+            assert found.id == body["id"] and found.node_id == body["node_id"]
+            assert (reads, writes) == ([], [])
+            del world.store.get_sandbox, world.store.record_activity
+            assert (await client.delete(f"/v1/sandboxes/{body['id']}?wait=false")).status_code == 202
+            assert (world.project, body["id"]) not in services.running
+
+    asyncio.run(go())

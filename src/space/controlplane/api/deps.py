@@ -285,15 +285,28 @@ _COMING_UP = {State.PENDING, State.CREATING, State.STARTING}
 _COMES_BACK = {State.SUSPENDED, State.RESTORING, State.RECOVERING}
 
 
+def remember_running(
+    services: Services, project_id: str, sb: SandboxRecord, *, created: bool = False
+) -> bool:
+    """Cache `sb` for the data plane if it is running (True), for at most `running_cache_s`. A sandbox
+    just `created` also counts as used now: its row's last activity is its creation, so its first
+    data-plane call need not write it again."""
+    if sb.state != State.RUNNING or sb.desired_state != State.RUNNING:
+        return False
+    now = time.monotonic()
+    services.running[(project_id, sb.id)] = (sb, now + services.settings.running_cache_s)
+    if created:
+        services.activity.setdefault(sb.id, now)
+    return True
+
+
 async def running_sandbox(services: Services, who: Principal, sandbox_id: str) -> SandboxRecord:
     """The sandbox, running: a paused one is resumed first (transparently), others are refused by state."""
     cached = services.running.get((who.project_id, sandbox_id))
     if cached is not None and cached[1] > time.monotonic():
         return cached[0]
     sb = await find_sandbox(services, who, sandbox_id)
-    if sb.state == State.RUNNING and sb.desired_state == State.RUNNING:
-        expires = time.monotonic() + services.settings.running_cache_s
-        services.running[(who.project_id, sandbox_id)] = (sb, expires)
+    if remember_running(services, who.project_id, sb):
         return sb
     paused = sb.state in _WAKES_ON_USE or (sb.state == State.RUNNING and sb.desired_state == State.PAUSED)
     # Like a paused sandbox, a suspended one comes back on first use (on any node).

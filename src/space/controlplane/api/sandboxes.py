@@ -34,6 +34,7 @@ from space.controlplane.api.deps import (
     find_sandbox,
     idempotency_scope,
     idempotent,
+    remember_running,
     wait_settled,
 )
 from space.controlplane.api.egress import prepare_create
@@ -91,6 +92,7 @@ async def _create(
         if body.wait:
             done = await services.reconciler.drive(sb)
             if done is not None:
+                remember_running(services, who.project_id, done, created=True)  # its first exec is next
                 return done
     if body.wait:
         return await wait_settled(services, sb.id)
