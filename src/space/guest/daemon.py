@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import os
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -365,8 +366,6 @@ def sys_sync(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, An
 
 
 def sys_reseed(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
-    import random
-
     entropy_hex = params.get("entropy", "")
     if not isinstance(entropy_hex, str):
         raise GuestError("invalid_argument", "'entropy' must be a hex string")
