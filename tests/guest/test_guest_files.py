@@ -155,7 +155,10 @@ def test_list_and_stat(guest: Guest, tmp_path: Path) -> None:
     info = guest.call("files.stat", {"path": str(tmp_path / "c_link")}).result
     assert info["type"] == "symlink" and info["target"] == "b.txt"
     info = guest.call("files.stat", {"path": str(tmp_path / "b.txt")}).result
-    assert set(info) == {"name", "path", "type", "size", "mode", "mtime", "uid", "gid", "target"}
+    assert set(info) == {
+        "name", "path", "type", "size", "mode", "permissions", "mtime", "modified", "uid", "gid", "owner",
+        "group", "target", "symlink_target",
+    }  # fmt: skip
     assert info["mode"] == stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) and info["uid"] == os.getuid()
     assert code_of(guest, "files.list", path=str(tmp_path / "b.txt")) == "not_a_directory"
     assert code_of(guest, "files.list", path=str(tmp_path / "missing")) == "not_found"
@@ -174,9 +177,11 @@ def test_list_of_a_huge_directory_is_batched(guest: Guest, tmp_path: Path) -> No
 
 def test_mkdir(guest: Guest, tmp_path: Path) -> None:
     deep = tmp_path / "x" / "y" / "z"
-    assert guest.call("files.mkdir", {"path": str(deep), "mode": 0o700}).ok
+    made = guest.call("files.mkdir", {"path": str(deep), "mode": 0o700}).result
+    assert made["created"] is True and made["entry"]["type"] == "dir" and made["entry"]["path"] == str(deep)
     assert deep.is_dir() and stat.S_IMODE(deep.stat().st_mode) == 0o700
-    assert guest.call("files.mkdir", {"path": str(deep)}).ok  # -p: existing is fine
+    again = guest.call("files.mkdir", {"path": str(deep)}).result  # -p: existing is fine, and said so
+    assert again["created"] is False and again["entry"]["permissions"] == "drwx------"
     assert code_of(guest, "files.mkdir", path=str(deep), parents=False) == "already_exists"
     assert code_of(guest, "files.mkdir", path=str(tmp_path / "p" / "q"), parents=False) == "not_found"
     (tmp_path / "f").write_bytes(b"")

@@ -231,7 +231,7 @@ def test_pty_resize_and_input(guest: Guest) -> None:
     assert b"40 120" in reply.stdout and b"got:hello" in reply.stdout
     not_pty = start_background(guest, argv=["sleep", "5"])
     assert guest.call("process.resize", {"process_id": not_pty, "rows": 1, "cols": 1}).error["code"] == (
-        "invalid_argument"
+        "not_a_terminal"
     )
     guest.call("process.signal", {"process_id": not_pty, "signal": "KILL"})
 

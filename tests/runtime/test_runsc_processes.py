@@ -82,9 +82,10 @@ def test_pty_session_with_resize(node) -> None:
             assert text.rstrip().endswith("40 100"), text
             assert r.stderr == b""  # a PTY's output is all STDOUT
             assert r.exit_code == 0
-            with pytest.raises(errors.InvalidArgument):  # no PTY, no resize
-                plain = await s.start_background("sleep 5")
+            plain = await s.start_background("sleep 5")
+            with pytest.raises(errors.GuestError) as refused:  # no PTY, no resize
                 await s.resize(plain["process_id"], 10, 10)
+            assert refused.value.guest_code == "not_a_terminal"
             await s.signal(plain["process_id"], "KILL")
 
     node.run(scenario())

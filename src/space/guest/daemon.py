@@ -76,6 +76,10 @@ HANDLERS: dict[str, tuple[str, str]] = {
     m.FILES_RENAME: ("space.guest.files", "files_rename"),
     m.FILES_CHMOD: ("space.guest.files", "files_chmod"),
     m.FILES_WATCH: ("space.guest.watch", "files_watch"),
+    m.FILES_XATTR_LIST: ("space.guest.xattrs", "files_xattr_list"),
+    m.FILES_XATTR_GET: ("space.guest.xattrs", "files_xattr_get"),
+    m.FILES_XATTR_SET: ("space.guest.xattrs", "files_xattr_set"),
+    m.FILES_XATTR_REMOVE: ("space.guest.xattrs", "files_xattr_remove"),
 }
 
 

@@ -1,4 +1,5 @@
-"""File calls: read, write, list, stat, mkdir, remove, rename, chmod.
+"""File calls: read, write, list, stat, mkdir, remove, rename, chmod (entries: space.guest.fileinfo;
+extended attributes: space.guest.xattrs).
 
 Invariants:
 - Paths are absolute or relative to the work directory (/work, see settings.py); a NUL byte or an empty
@@ -11,20 +12,24 @@ Invariants:
   and a target that is a mount point (EBUSY) are written in place.
 - Overwriting keeps the target's mode (and, as root, its owner) unless "mode" is given; writing through a
   symlink writes its target, as a shell redirection would.
-- A listing too big for one frame is sent in EVENT {"type": "entries"} batches before the RESULT.
+- A listing too big for one frame is sent in EVENT {"type": "entries"} batches before the RESULT; it is
+  bounded in depth and entries (space.guest.fileinfo) and says whether it was cut ("truncated").
+- mkdir says whether it made the directory ("created"); mkdir and rename answer the resulting entry.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import os
 import stat
 from typing import TYPE_CHECKING, Any
 
+from space.guest import fileinfo, xattrs
 from space.guest.channel import Call, Cancelled, GuestError
-from space.guest.params import REQUIRED, get_bool, get_int, get_str
-from space.guest.settings import SETTINGS
+from space.guest.fileinfo import resolve
+from space.guest.params import REQUIRED, get_bool, get_int
 from space.protocol import methods as m
 from space.protocol.frames import CHUNK_SIZE, MAX_PAYLOAD, Channel
 
@@ -35,46 +40,11 @@ DEFAULT_FILE_MODE = 0o644
 LIST_BATCH_BYTES = MAX_PAYLOAD // 2  # JSON of one batch of entries stays well under a frame
 
 
-def resolve(params: dict[str, Any], key: str = "path") -> str:
-    path: str = get_str(params, key)
-    if not path or "\x00" in path:
-        raise GuestError("invalid_argument", f"{key!r} must be a non-empty path without NUL bytes")
-    return os.path.join(SETTINGS.workdir, path)
-
-
 def _mode(params: dict[str, Any], key: str, default: Any) -> Any:
     mode = get_int(params, key, default)
     if mode is not None and not 0 <= mode <= 0o7777:
         raise GuestError("invalid_argument", f"{key!r} must be a permission mode 0..0o7777")
     return mode
-
-
-def stat_entry(path: str, st: os.stat_result) -> dict[str, Any]:
-    if stat.S_ISREG(st.st_mode):
-        kind = "file"
-    elif stat.S_ISDIR(st.st_mode):
-        kind = "dir"
-    elif stat.S_ISLNK(st.st_mode):
-        kind = "symlink"
-    else:
-        kind = "other"
-    target = None
-    if kind == "symlink":
-        try:
-            target = os.readlink(path)
-        except OSError:
-            target = None
-    return {
-        "name": os.path.basename(path.rstrip("/")) or "/",
-        "path": path,
-        "type": kind,
-        "size": st.st_size,
-        "mode": stat.S_IMODE(st.st_mode),
-        "mtime": st.st_mtime,
-        "uid": st.st_uid,
-        "gid": st.st_gid,
-        "target": target,
-    }
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -205,43 +175,58 @@ def _write_in_place(call: Call, path: str, mode: int | None, how: int) -> dict[s
 
 def files_stat(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
     path = resolve(params)
-    return stat_entry(path, os.lstat(path))
+    described = fileinfo.describe(path, fileinfo.Names(), follow=get_bool(params, "follow", False))
+    if get_bool(params, "xattrs", False):
+        described["xattrs"] = xattrs.attributes_or_empty(path)
+    return described
 
 
 def files_list(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
     path = resolve(params)
-    entries: list[dict[str, Any]] = []
-    with os.scandir(path) as scan:
-        for item in scan:
-            try:
-                entries.append(stat_entry(item.path, item.stat(follow_symlinks=False)))
-            except FileNotFoundError:
-                continue  # removed while listing
-    entries.sort(key=lambda entry: entry["name"])
-    batch: list[dict[str, Any]] = []
-    batch_bytes = 0
-    for entry in entries:
-        size = len(entry["path"]) * 2 + len(str(entry.get("target") or "")) + 200
-        if batch and batch_bytes + size > LIST_BATCH_BYTES:
-            call.event({"type": m.EVENT_ENTRIES, "entries": batch})
-            batch, batch_bytes = [], 0
-        batch.append(entry)
-        batch_bytes += size
-    return {"entries": batch}
+    depth = get_int(params, "depth", 1)
+    limit = get_int(params, "limit", fileinfo.DEFAULT_LIST_ENTRIES)
+    if not 1 <= depth <= fileinfo.MAX_DEPTH:
+        raise GuestError("invalid_argument", f"'depth' must be 1..{fileinfo.MAX_DEPTH}")
+    if not 1 <= limit <= fileinfo.MAX_LIST_ENTRIES:
+        raise GuestError("invalid_argument", f"'limit' must be 1..{fileinfo.MAX_LIST_ENTRIES}")
+
+    def with_xattrs(item: dict[str, Any]) -> None:
+        item["xattrs"] = xattrs.attributes_or_empty(os.fsdecode(_raw_path(item)))
+
+    def emit(batch: list[dict[str, Any]]) -> None:
+        if call.cancelled.is_set():
+            raise Cancelled
+        call.event({"type": m.EVENT_ENTRIES, "entries": batch})
+
+    decorate = with_xattrs if get_bool(params, "xattrs", False) else None
+    last, truncated = fileinfo.list_in_batches(
+        path, depth, limit, emit, batch_bytes=LIST_BATCH_BYTES, decorate=decorate
+    )
+    return {"entries": last, "truncated": truncated}
+
+
+def _raw_path(item: dict[str, Any]) -> bytes:
+    raw = item.get("path_b64")
+    return base64.b64decode(raw) if raw else os.fsencode(item["path"])
 
 
 def files_mkdir(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+    """Answers {"created": false} for a directory that was already there (with parents; without, that is
+    already_exists), and the directory's entry either way; an existing non-directory is already_exists."""
     path = resolve(params)
     parents = get_bool(params, "parents", True)
     mode = _mode(params, "mode", 0o755)
+    created = True
     if parents:
         if os.path.isdir(path):
-            return {}
-        os.makedirs(path, mode, exist_ok=True)
+            created = False
+        else:
+            os.makedirs(path, mode, exist_ok=True)  # an existing non-directory: already_exists
     else:
         os.mkdir(path, mode)
-    os.chmod(path, mode)  # mkdir's mode is filtered by the umask; the caller asked for this one
-    return {}
+    if created:
+        os.chmod(path, mode)  # mkdir's mode is filtered by the umask; the caller asked for this one
+    return {"created": created, "entry": fileinfo.describe(path, fileinfo.Names())}
 
 
 def files_remove(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
@@ -263,8 +248,12 @@ def files_remove(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str
 
 
 def files_rename(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
-    os.rename(resolve(params, "src"), resolve(params, "dst"))
-    return {}
+    """Answers the destination's entry; with "parents", the destination's missing parents are made."""
+    destination = resolve(params, "dst")
+    if get_bool(params, "parents", False):
+        os.makedirs(os.path.dirname(destination) or "/", exist_ok=True)
+    os.rename(resolve(params, "src"), destination)
+    return {"entry": fileinfo.describe(destination, fileinfo.Names())}
 
 
 def files_chmod(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:

@@ -285,7 +285,7 @@ class Process:
         with self.stdin_lock:
             if self.master_fd is None:
                 if not self.pty:
-                    raise GuestError("invalid_argument", "the process has no PTY")
+                    raise GuestError("not_a_terminal", "the process was started without a PTY")
                 raise GuestError("no_such_process", "the process's terminal is gone")
             set_winsize(self.master_fd, rows, cols)
 

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from space.guest.channel import Call, Cancelled
-from space.guest.files import resolve
+from space.guest.fileinfo import resolve
 from space.guest.params import get_bool
 from space.guest.settings import SETTINGS
 from space.protocol import methods as m

@@ -68,6 +68,23 @@ Details and extensions fixed by the daemon (spaced, space.guest); hosts ignore f
   batches first; the RESULT holds the last batch (the host concatenates, in order; sorted by name).
 - files.watch sends EVENT {"type": "watching", "backend": "inotify"|"poll"} once the watch is in place,
   before any "changes" event.
+- stat entries (files.stat, files.list) also carry "permissions" ("-rw-r--r--"), "modified" (ISO 8601,
+  UTC), "owner" and "group" (names from the sandbox's passwd/group, None for an id without one),
+  "symlink_target" (= "target": a symlink's text, never resolved) and, for a name that is not UTF-8,
+  "path_b64" (the exact bytes; "name"/"path" then show U+FFFD). files.stat {"follow": bool = false}
+  describes a symlink's destination ("is_symlink": true, "symlink_resolved") or, when it cannot be
+  followed, the link with "broken": true; {"xattrs": bool = false} adds "xattrs": {name: value_b64}.
+- files.list {"depth": 1..16 = 1, "limit": 1..50000 = 50000, "xattrs": bool = false}: entries below the
+  path up to depth levels, pre-order with each directory's children by name, never through a symlink;
+  the RESULT also carries "truncated" (the limit cut the walk).
+- files.mkdir RESULT is {"created": bool (false: it was there, with parents), "entry": stat}.
+- files.rename {"parents": bool = false} makes the destination's parents; RESULT {"entry": stat of dst}.
+- files.xattr_list {"path"} -> {"xattrs": {name: value_b64}}; files.xattr_get {"path", "name"} ->
+  {"name", "value_b64"}; files.xattr_set {"path", "name", "value_b64"} -> {}; files.xattr_remove
+  {"path", "name"} -> {}. Names are "user.*" only (<= 255 bytes), values <= 65536 bytes; a filesystem
+  without user attributes answers "not_supported", a missing attribute "not_found".
+- process.resize of a process without a terminal answers "not_a_terminal" (older daemons:
+  "invalid_argument").
 - files.write through a symlink writes the symlink's target; an overwrite keeps the target's mode (and
   owner, when root) unless "mode" is given; files.remove refuses "/" (permission_denied).
 """
@@ -96,6 +113,10 @@ FILES_REMOVE = "files.remove"
 FILES_RENAME = "files.rename"
 FILES_CHMOD = "files.chmod"
 FILES_WATCH = "files.watch"
+FILES_XATTR_LIST = "files.xattr_list"
+FILES_XATTR_GET = "files.xattr_get"
+FILES_XATTR_SET = "files.xattr_set"
+FILES_XATTR_REMOVE = "files.xattr_remove"
 
 #: Every method spaced answers; any other name is answered with ERROR "unknown_method".
 METHODS = frozenset(
@@ -120,6 +141,10 @@ METHODS = frozenset(
         FILES_RENAME,
         FILES_CHMOD,
         FILES_WATCH,
+        FILES_XATTR_LIST,
+        FILES_XATTR_GET,
+        FILES_XATTR_SET,
+        FILES_XATTR_REMOVE,
     }
 )
 
@@ -149,6 +174,8 @@ GUEST_ERROR_CODES = frozenset(
         "permission_denied",
         "invalid_argument",
         "no_such_process",
+        "not_a_terminal",
+        "not_supported",
         "unknown_method",
         "no_space",
         "cancelled",
