@@ -34,6 +34,7 @@ from space.controlplane.api import (
     limits,
     node_routes,
     projects,
+    sandbox_metrics,
     sandboxes,
     snapshots,
 )
@@ -88,6 +89,7 @@ def create_app(
     app.add_api_route("/metrics", _metrics_route, methods=["GET"], include_in_schema=False)
     for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
         app.include_router(public, prefix="/v1")
+    app.include_router(sandbox_metrics.router, prefix="/v1")  # ADR 0053
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):
         app.include_router(router)

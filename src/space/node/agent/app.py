@@ -9,8 +9,9 @@ Invariants:
   line, `{"type": "error", "error": {...}}` (space.node.agent.streams).
 - Kill points (crash injection) around every route exist only in a process armed by SPACE_FAILPOINTS
   (space.node.agent.killpoints, inside BearerAuth); production apps have no such middleware.
-- The app's state holds the service (`app.state.service`, which the routes use) and the node token
-  (`app.state.rpc_token`, the key of the sandbox capabilities).
+- The app's state holds the service (`app.state.service`, which the routes use), the node token
+  (`app.state.rpc_token`, the key of the sandbox capabilities) and the metrics history (`app.state.metrics`,
+  space.node.agent.metrics: its owner starts and closes it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from fastapi import FastAPI
 from space.faults import failpoints
 from space.node.agent.agent import NodeAgent
 from space.node.agent.killpoints import KillPointMiddleware
-from space.node.agent.routes import files, node, processes, pty, sandboxes, snapshots
+from space.node.agent.metrics import MetricsSampler
+from space.node.agent.routes import files, metrics, node, processes, pty, sandboxes, snapshots
 from space.node.agent.rpc_auth import BearerAuth
 from space.node.agent.rpc_models import API_PREFIX
 from space.node.agent.service import NodeService
@@ -30,7 +32,10 @@ from space.node.agent.settings import NodeAgentSettings
 from space.rest import errors as rest_errors
 
 #: The routers in the order their routes are matched and listed.
-ROUTERS = (node.router, sandboxes.router, snapshots.router, processes.router, files.router, pty.router)
+ROUTERS = (
+    node.router, sandboxes.router, metrics.router, snapshots.router, processes.router, files.router,
+    pty.router,
+)  # fmt: skip
 
 
 def create_app(
@@ -51,6 +56,11 @@ def create_app(
     )
     app.state.service = svc
     app.state.rpc_token = token  # the key of the sandbox capabilities (require_capability)
+    # The metrics history (ADR 0053): answered from here; sampling starts with `app.state.metrics.start()`
+    # (space.node.agent.launch, once the agent has adopted its sandboxes).
+    app.state.metrics = MetricsSampler(
+        agent, interval_s=svc.settings.metrics_interval_s, keep_s=svc.settings.metrics_keep_s
+    )
     for router in ROUTERS:
         app.include_router(router)
 

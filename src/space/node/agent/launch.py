@@ -200,6 +200,7 @@ async def serve(
         if adopted:
             log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
         start_pools(agent, service, pools, settings)
+        app.state.metrics.start()  # the metrics history (ADR 0053) of the sandboxes just adopted onwards
         server = _Server(
             uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
@@ -219,6 +220,7 @@ async def serve(
                 await reporting
         if reporter is not None:
             await reporter.deregister()  # offline, then the lease released: the next start adopts
+        await app.state.metrics.close()
         await fence.close()
         await agent.close()
 

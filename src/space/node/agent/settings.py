@@ -116,6 +116,16 @@ class NodeAgentSettings(BaseSettings):
         description="Idempotency-Keys of snapshot and fork requests remembered.",
     )
 
+    # -- the metrics history (space.node.agent.metrics, ADR 0053) --------------------------------------------
+    metrics_interval_s: float = Field(
+        validation_alias=_node("metrics_interval_s"), default=5.0, ge=0.1, le=3600.0,
+        description="Seconds between two samples of every running sandbox's CPU, memory and disk.",
+    )  # fmt: skip
+    metrics_keep_s: float = Field(
+        validation_alias=_node("metrics_keep_s"), default=3600.0, ge=1.0, le=7 * 86400.0,
+        description="How much history each sandbox keeps (at most 8192 samples, whatever this says).",
+    )  # fmt: skip
+
     # -- registration and heartbeat (space.node.agent.registration) ------------------------------------------
     heartbeat_interval_s: float = Field(
         validation_alias=_node("heartbeat_interval_s"),

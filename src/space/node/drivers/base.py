@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,13 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     async def usage(self, sandbox_id: str) -> dict[str, Any]: ...
+
+    async def metrics(self, sandbox_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """One reading of running sandboxes for the metrics history (space.node.agent.metrics), in one pass:
+        {sandbox_id: {"cpu_ns" (cumulative), "memory_bytes", "memory_cache_bytes", "disk_bytes", "source"
+        (names the runtime the counters belong to)}}, unknown values None; ids it cannot read are left
+        out. Default: none (a driver without counters keeps no history)."""
+        return {}
 
     def state_file(self, name: str) -> pathlib.Path | None:
         """A file of the agent's own state (e.g. its sandboxes' incarnations), in a directory only the agent

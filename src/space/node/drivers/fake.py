@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tarfile
+from collections.abc import Sequence
 from typing import Any
 
 from space.core import errors
@@ -217,6 +218,29 @@ class FakeDriver(Driver):
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return {"memory_bytes": None, "disk_exclusive_bytes": None}
 
+    async def metrics(self, sandbox_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The daemon's process tree as the host sees it: CPU time (its own and its reaped children's) and
+        resident memory, from one scan of /proc; disk as storage_usage counts it."""
+        tree = _process_tree()
+        readings: dict[str, dict[str, Any]] = {}
+        for sandbox_id in sandbox_ids:
+            proc = self.processes.get(sandbox_id)
+            if proc is None or proc.returncode is not None:
+                continue
+            cpu_ticks, resident_pages = 0, 0
+            for pid in _below(tree, proc.pid):
+                counters = tree.get(pid)
+                if counters is not None:
+                    cpu_ticks += counters[1]
+                    resident_pages += counters[2]
+            usage = await self.storage_usage(sandbox_id)
+            readings[sandbox_id] = {
+                "source": str(proc.pid), "cpu_ns": cpu_ticks * 1_000_000_000 // _CLOCK_TICKS,
+                "memory_bytes": resident_pages * _PAGE_BYTES, "memory_cache_bytes": None,
+                "disk_bytes": usage["used_bytes"] if usage else None,
+            }  # fmt: skip
+        return readings
+
     async def storage_usage(self, sandbox_id: str, *, fresh: bool = True) -> dict[str, Any] | None:
         """The fake keeps full copies: a sandbox's storage is its directory plus every snapshot copy."""
         snapshots = self.base_dir / "snapshots" / sandbox_id
@@ -316,3 +340,35 @@ def _signal_tree(root: int, sig: signal.Signals) -> None:
     for pid in seen:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _process_tree() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, CPU ticks of it and its reaped children, resident pages) of every process."""
+    found: dict[int, tuple[int, int, int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15) ... rss(22)
+        ticks = sum(int(value) for value in fields[11:15])
+        found[int(entry.name)] = (int(fields[1]), ticks, int(fields[21]))
+    return found
+
+
+def _below(tree: dict[int, tuple[int, int, int]], root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _ticks, _pages) in tree.items():
+        children.setdefault(ppid, []).append(pid)
+    pending, seen = [root], []
+    while pending:
+        pid = pending.pop()
+        seen.append(pid)
+        pending.extend(children.get(pid, []))
+    return seen

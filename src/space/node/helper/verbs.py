@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from space.node.helper import (
     fence_verbs,
+    metrics_verbs,
     network_verbs,
     node_verbs,
     sandbox_verbs,
@@ -80,6 +81,8 @@ VERBS: dict[str, Verb] = {
         Verb("sandbox.destroy", SandboxParams, sandbox_verbs.sandbox_destroy, sandbox_scoped=True),
         Verb("sandbox.state", SandboxParams, sandbox_verbs.sandbox_state),
         Verb("sandbox.usage", SandboxParams, sandbox_verbs.sandbox_usage),
+        # one read of many running sandboxes' counters per tick of the metrics history (ADR 0053)
+        Verb("sandbox.metrics", metrics_verbs.MetricsParams, metrics_verbs.sandbox_metrics),
         # disk budgets (space.node.helper.storage, docs/adr/0027-disk-budgets.md)
         Verb("sandbox.storage", StorageParams, storage.sandbox_storage),
         Verb("node.disk", DiskParams, storage.node_disk),
