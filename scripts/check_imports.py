@@ -26,9 +26,21 @@ ALLOWED_SPACE_DEPS = {
     "node": {"faults", "core", "protocol", "node", "objectstore", "crypto", "rest"},
     "objectstore": {"faults", "core", "objectstore", "crypto"},
     "crypto": {"core", "crypto"},
-    "controlplane": {"faults", "core", "protocol", "controlplane", "objectstore", "crypto", "node", "rest"},
+    # mcp: the /mcp endpoint serves the MCP tools (over an SDK client of the caller's key, in process)
+    "controlplane": {
+        "faults",
+        "core",
+        "protocol",
+        "controlplane",
+        "objectstore",
+        "crypto",
+        "node",
+        "rest",
+        "mcp",
+    },
     "sdk": {"core", "protocol", "sdk"},  # protocol: the standard-library wire descriptions (commands)
-    "cli": {"core", "sdk", "cli", "controlplane", "node"},
+    "mcp": {"core", "sdk", "mcp"},  # the MCP tools, over the SDK only (ADR 0049)
+    "cli": {"core", "sdk", "cli", "controlplane", "node", "mcp"},
 }
 
 

@@ -39,6 +39,7 @@ from space.controlplane.api import (
     snapshots,
 )
 from space.controlplane.api.deps import Services, authenticate_key
+from space.controlplane.api.mcp_endpoint import McpEndpoint
 from space.controlplane.credentials.service import CredentialService
 from space.controlplane.keys import DataKeys, OrgDataKeys
 from space.controlplane.node_pools import PoolSettings
@@ -75,13 +76,16 @@ def create_app(
         if run_reconciler:
             services.reconciler.start()
             background.append(asyncio.create_task(jobs.housekeeping(services), name="housekeeping"))
-        yield
+        async with mcp.running():  # the MCP SDK's session manager (ADR 0049)
+            yield
         for task in background:
             task.cancel()
         await services.reconciler.stop()
         await services.nodes.aclose()
 
+    mcp = McpEndpoint(services)
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
+    mcp.mount(app)  # /mcp: SPACE's tools over streamable HTTP, acting with the caller's key (ADR 0049)
     app.state.services = services
     rest_errors.install(app, surface="control plane API")
     app.add_middleware(_Metrics, services=services)

@@ -1,0 +1,18 @@
+"""`space mcp`: SPACE's sandboxes as MCP tools over stdio, for an agent that starts it as its MCP server
+(configured like every other command: --url/--api-key, SPACE_URL/SPACE_API_KEY, or `space up`'s config
+file). The same tools are served over streamable HTTP at the control plane's /mcp."""
+
+from __future__ import annotations
+
+import anyio
+
+from space.cli._common import handles_errors, state
+from space.mcp.stdio import serve_stdio
+from space.sdk import resolve_config
+
+
+@handles_errors
+def mcp_command() -> None:
+    """Serve SPACE's sandboxes as MCP tools over stdin/stdout (an agent starts this as its MCP server)."""
+    config = resolve_config(state.url, state.api_key)  # no server configured: exit 2 before serving
+    anyio.run(serve_stdio, config.url, config.api_key)

@@ -1,0 +1,90 @@
+"""The control plane's MCP endpoint: `/mcp`, streamable HTTP (stateless, JSON answers), serving the tools
+of space.mcp.tools to agents that hold a SPACE API key. docs/adr/0049-mcp-server.md.
+
+Invariants:
+- A request is authenticated from its headers (`Authorization: Bearer <key>`, `X-Space-Project` for an
+  org key) before MCP reads a byte of it: no key, an unknown or revoked key is a 401 with the API's
+  error body, like /v1. Its body is bounded like any JSON route's (the limits middleware, and the MCP
+  SDK's own bound set to the same size).
+- The tools act through an SDK client whose transport is this same API app, in process, carrying the
+  caller's own Authorization and X-Space-Project headers: every tool call is a /v1 request of the
+  caller's key, with its role, its project, its rate and stream limits. Nothing here reads the store or
+  calls a node for a tool; there is no privileged shortcut.
+- Stateless: each POST is one JSON-RPC exchange; no MCP session outlives its request, so any replica
+  answers any request and nothing accumulates per client.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from fastapi import FastAPI
+from mcp.server.transport_security import TransportSecuritySettings
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from space.controlplane.api.deps import Services, authenticate
+from space.core import errors
+from space.mcp.in_process import caller_clients
+from space.mcp.tools import build_server
+from space.rest import errors as rest_errors
+
+__all__ = ["MCP_PATH", "McpEndpoint"]
+
+MCP_PATH = "/mcp"
+
+
+class McpEndpoint:
+    """The ASGI endpoint at MCP_PATH; `running()` belongs in the app's lifespan (it runs the MCP SDK's
+    session manager, which answers 500 without it)."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.app: ASGIApp | None = None
+        self.server = build_server(caller_clients(self._app))
+        # The SDK's protection against DNS rebinding checks Host and Origin for browsers' sake; a browser
+        # cannot send the bearer key this endpoint requires without the key's owner, so it is off (and
+        # would refuse every host name but localhost).
+        self.server.streamable_http_app(
+            stateless_http=True,
+            json_response=True,
+            max_request_body_size=services.settings.api_json_body_bytes,
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        )
+        self.manager = self.server.session_manager
+
+    def mount(self, app: FastAPI) -> None:
+        """Serve at MCP_PATH of `app`; the tools' requests go through `app` whole (middleware included)."""
+        self.app = app
+        # A plain route (not in /openapi.json: MCP is JSON-RPC, described by tools/list) to an ASGI app.
+        app.router.routes.append(
+            Route(MCP_PATH, endpoint=self, methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        )
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The mounted app (the tools' transport), known once mount() ran."""
+        if self.app is None:
+            raise errors.Unavailable("the MCP endpoint is not mounted")
+        await self.app(scope, receive, send)
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        return self.manager.run()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = _headers(scope)
+        try:
+            await authenticate(self.services, headers.get("authorization"), headers.get("x-space-project"))
+        except errors.SpaceError as exc:
+            # The body is never read: the connection closes after the refusal.
+            response = rest_errors.error_response(exc, {"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        await self.manager.handle_request(scope, receive, send)
+
+
+def _headers(scope: Scope) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, value in scope.get("headers", []):
+        found.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return found
