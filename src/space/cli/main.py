@@ -13,6 +13,7 @@ import typer
 from space.cli._common import EXIT_USAGE, state
 from space.cli.admin import bench, credential_app, key_app, project_app
 from space.cli.data import exec_command, files_app
+from space.cli.mcp_server import mcp_command
 from space.cli.sandbox import sandbox_app, snapshot_app
 from space.cli.status import status
 
@@ -52,6 +53,7 @@ app.command(
 )(exec_command)
 app.command("bench")(bench)
 app.command("status")(status)
+app.command("mcp")(mcp_command)
 
 
 def _register_up(target: typer.Typer) -> None:
