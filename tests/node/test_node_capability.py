@@ -228,6 +228,8 @@ BODIES: dict[str, Any] = {
     "POST /node/v1/sandboxes/{sandbox_id}/processes/{process_id}/resize": {"rows": 5, "cols": 5},
     "POST /node/v1/sandboxes/{sandbox_id}/files/mkdir": {"path": "pwned"},
     "POST /node/v1/sandboxes/{sandbox_id}/files/rename": {"src": "owner.txt", "dst": "pwned.txt"},
+    "PUT /node/v1/sandboxes/{sandbox_id}/files/xattrs": {"path": "owner.txt", "attribute": "user.pwned",
+                                                         "value_b64": "cHduZWQ="},
 }  # fmt: skip
 
 

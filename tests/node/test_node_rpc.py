@@ -294,6 +294,66 @@ def test_files_round_trip_and_directory_operations(rpc: Rpc) -> None:
     )
 
 
+def test_file_fidelity_depth_mkdir_move_and_xattrs(rpc: Rpc) -> None:
+    sandbox_id = rpc.new()
+    c = rpc.client
+    rpc.run(c.write_file(sandbox_id, "tree/a/deep/f.txt", b"12345"))
+    rpc.run(c.write_file(sandbox_id, "tree/b.txt", b""))
+    listing = rpc.run(c.list_dir(sandbox_id, "tree", depth=3))
+    paths = [e["path"].split("/tree/", 1)[1] for e in listing.entries]
+    assert paths == ["a", "a/deep", "a/deep/f.txt", "b.txt"] and not listing.truncated
+    cut = rpc.run(c.list_dir(sandbox_id, "tree", depth=3, limit=2))
+    assert len(cut.entries) == 2 and cut.truncated
+    for bad in ({"depth": 0}, {"depth": 17}, {"limit": 0}, {"limit": 50_001}):
+        answer = rpc.http.get(f"/node/v1/sandboxes/{sandbox_id}/files/list", params={"path": "tree", **bad})
+        assert answer.status_code == 422, (bad, answer.text)
+    entry = rpc.run(c.stat(sandbox_id, "tree/b.txt"))
+    assert entry["permissions"] == "-rw-r--r--" and entry["owner"] and entry["group"]
+    made = rpc.run(c.mkdir(sandbox_id, "tree/new"))
+    assert made.created and made.entry["type"] == "dir"
+    assert not rpc.run(c.mkdir(sandbox_id, "tree/new")).created
+    with pytest.raises(errors.AlreadyExists):
+        rpc.run(c.mkdir(sandbox_id, "tree/new", parents=False))
+    moved = rpc.run(c.rename(sandbox_id, "tree/b.txt", "elsewhere/x/b.txt", parents=True))
+    assert moved["path"].endswith("/elsewhere/x/b.txt") and moved["type"] == "file"
+    try:
+        rpc.run(c.set_xattr(sandbox_id, "tree/a/deep/f.txt", "user.e2b.k", b"v\x00"))
+    except errors.InvalidArgument as exc:  # the host's test directory cannot hold user attributes
+        assert exc.details["reason"] == "xattrs_not_supported"
+    else:
+        assert rpc.run(c.get_xattr(sandbox_id, "tree/a/deep/f.txt", "user.e2b.k")) == b"v\x00"
+        assert rpc.run(c.xattrs(sandbox_id, "tree/a/deep/f.txt")) == {"user.e2b.k": b"v\x00"}
+        rpc.run(c.remove_xattr(sandbox_id, "tree/a/deep/f.txt", "user.e2b.k"))
+        with pytest.raises(errors.NotFound):
+            rpc.run(c.get_xattr(sandbox_id, "tree/a/deep/f.txt", "user.e2b.k"))
+    for name in ("trusted.x", "security.capability", "user.", "user." + "n" * 300):
+        with pytest.raises(errors.InvalidArgument):
+            rpc.run(c.get_xattr(sandbox_id, "tree/a/deep/f.txt", name))
+        with pytest.raises(errors.InvalidArgument):
+            rpc.run(c.set_xattr(sandbox_id, "tree/a/deep/f.txt", name, b"v"))
+    with pytest.raises(errors.InvalidArgument):  # 64 KiB is the most a value may hold
+        rpc.run(c.set_xattr(sandbox_id, "tree/a/deep/f.txt", "user.big", b"v" * 65537))
+
+
+def test_resize_by_process_id(rpc: Rpc) -> None:
+    sandbox_id = rpc.new()
+    c = rpc.client
+    terminal = rpc.run(c.start_process(sandbox_id, "sleep 30", pty=(24, 80)))
+    plain = rpc.run(c.start_process(sandbox_id, "sleep 30"))
+    rpc.run(c.resize(sandbox_id, terminal.process_id, 50, 132))
+    with pytest.raises(errors.InvalidState) as refused:  # no terminal: 409 naming the state
+        rpc.run(c.resize(sandbox_id, plain.process_id, 50, 132))
+    assert refused.value.state == "no_terminal"
+    with pytest.raises(errors.NotFound):
+        rpc.run(c.resize(sandbox_id, "0123456789abcdef", 50, 132))
+    url = f"/node/v1/sandboxes/{sandbox_id}/processes/{terminal.process_id}/resize"
+    for rows, cols in ((0, 80), (24, 0), (1001, 80), (24, 10**9), (-1, -1), ("24", 80), (True, 80)):
+        answer = rpc.http.post(url, json={"rows": rows, "cols": cols})
+        assert answer.status_code == 422, (rows, cols, answer.text)
+    for process in (terminal, plain):
+        rpc.run(c.signal(sandbox_id, process.process_id, "KILL"))
+
+
 def test_watch_streams_changes(rpc: Rpc) -> None:
     sandbox_id = rpc.new()
     rpc.run(rpc.client.mkdir(sandbox_id, "watched"))

@@ -1,4 +1,4 @@
-"""The data plane's files over RPC: streamed bodies both ways, listings, metadata, watches.
+"""The data plane's files over RPC: streamed bodies both ways, listings, metadata, watches, user.* xattrs.
 
 Invariants:
 - File bodies are never buffered whole by a stream call: `write_file` sends from bytes or an async iterable,
@@ -8,10 +8,11 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
-from space.node.agent import rpc_models as rm
+from space.node.agent import file_models as fm
 from space.node.rpc.transport import (
     STREAM_TIMEOUT,
     Body,
@@ -61,30 +62,71 @@ class FileCalls(NodeTransport):
         return bytes(buf)
 
     async def list_files(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
-        answer = await self._request(
-            "GET", sandbox_path(sandbox_id, "files", "list"), params={"path": path}, sandbox_id=sandbox_id
-        )
-        return rm.FileList.model_validate(answer).entries
+        return (await self.list_dir(sandbox_id, path)).entries
 
-    async def stat(self, sandbox_id: str, path: str) -> dict[str, Any]:
+    async def list_dir(
+        self, sandbox_id: str, path: str, *, depth: int = 1, limit: int | None = None, xattrs: bool = False
+    ) -> fm.FileListing:
+        """Entries below `path` up to `depth` levels (pre-order, by name); `truncated` when `limit` cut it."""
+        params: dict[str, Any] = {"path": path, "depth": depth, "xattrs": xattrs}
+        if limit is not None:
+            params["limit"] = limit
+        answer = await self._request(
+            "GET", sandbox_path(sandbox_id, "files", "list"), params=params, sandbox_id=sandbox_id
+        )
+        return fm.FileListing.model_validate(answer)
+
+    async def stat(
+        self, sandbox_id: str, path: str, *, follow: bool = False, xattrs: bool = False
+    ) -> dict[str, Any]:
+        params = {"path": path, "follow": follow, "xattrs": xattrs}
         answer: dict[str, Any] = await self._request(
-            "GET", sandbox_path(sandbox_id, "files", "stat"), params={"path": path}, sandbox_id=sandbox_id
+            "GET", sandbox_path(sandbox_id, "files", "stat"), params=params, sandbox_id=sandbox_id
         )
         return answer
 
-    async def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
+    async def mkdir(
+        self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755
+    ) -> fm.MkdirAnswer:
+        """`created` is False when the directory was already there (only with `parents`)."""
         body = {"path": path, "parents": parents, "mode": mode}
         path_ = sandbox_path(sandbox_id, "files", "mkdir")
-        await self._request("POST", path_, json_body=body, sandbox_id=sandbox_id)
+        answer = await self._request("POST", path_, json_body=body, sandbox_id=sandbox_id)
+        return fm.MkdirAnswer.model_validate(answer)
 
     async def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         params = {"path": path, "recursive": recursive}
         await self._request("DELETE", sandbox_path(sandbox_id, "files"), params=params, sandbox_id=sandbox_id)
 
-    async def rename(self, sandbox_id: str, src: str, dst: str) -> None:
-        body = {"src": src, "dst": dst}
+    async def rename(self, sandbox_id: str, src: str, dst: str, *, parents: bool = False) -> dict[str, Any]:
+        """The destination's entry; with `parents`, its missing parent directories are made."""
+        body = {"src": src, "dst": dst, "parents": parents}
         path = sandbox_path(sandbox_id, "files", "rename")
-        await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
+        answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
+        return fm.EntryAnswer.model_validate(answer).entry
+
+    async def xattrs(self, sandbox_id: str, path: str) -> dict[str, bytes]:
+        """The user.* extended attributes of `path`: name -> value."""
+        url = sandbox_path(sandbox_id, "files", "xattrs")
+        answer = await self._request("GET", url, params={"path": path}, sandbox_id=sandbox_id)
+        listed = fm.XattrList.model_validate(answer).xattrs
+        return {name: base64.b64decode(value) for name, value in listed.items()}
+
+    async def get_xattr(self, sandbox_id: str, path: str, name: str) -> bytes:
+        url = sandbox_path(sandbox_id, "files", "xattrs", "value")
+        answer = await self._request(
+            "GET", url, params={"path": path, "attribute": name}, sandbox_id=sandbox_id
+        )
+        return base64.b64decode(fm.XattrValue.model_validate(answer).value_b64)
+
+    async def set_xattr(self, sandbox_id: str, path: str, name: str, value: bytes) -> None:
+        body = {"path": path, "attribute": name, "value_b64": base64.b64encode(value).decode()}
+        url = sandbox_path(sandbox_id, "files", "xattrs")
+        await self._request("PUT", url, json_body=body, sandbox_id=sandbox_id)
+
+    async def remove_xattr(self, sandbox_id: str, path: str, name: str) -> None:
+        url = sandbox_path(sandbox_id, "files", "xattrs")
+        await self._request("DELETE", url, params={"path": path, "attribute": name}, sandbox_id=sandbox_id)
 
     async def watch(
         self, sandbox_id: str, path: str, *, recursive: bool = False

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from fastapi import Query, Request, Response
 
+from space.core import errors
 from space.node.agent import rpc_models as rm
 from space.node.agent import streams
 from space.node.agent.routes.deps import Service, json_answer
@@ -116,6 +117,12 @@ async def process_signal(
 async def process_resize(
     svc: Service, sandbox_id: str, process_id: str, body: rm.ResizeRequest
 ) -> dict[str, Any]:
+    """A process started without a PTY has no terminal to resize: 409 (state "no_terminal")."""
     _, session = await svc.session(sandbox_id)
-    await session.resize(process_id, body.rows, body.cols)
+    try:
+        await session.resize(process_id, body.rows, body.cols)
+    except errors.GuestError as exc:
+        if exc.guest_code != "not_a_terminal":
+            raise
+        raise errors.InvalidState(exc.message, state="no_terminal", event="resize") from exc
     return {}
