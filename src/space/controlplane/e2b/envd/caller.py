@@ -1,0 +1,140 @@
+"""Who calls the in-sandbox (envd) front, and which sandbox the call is for.
+
+Invariants:
+- The sandbox is named by the `E2b-Sandbox-Id` header (E2B's SDK sends it on every envd request when
+  `E2B_SANDBOX_URL` is set); a request without it, or with a malformed id, is refused before any lookup.
+- Credentials, in this order: `X-Access-Token` (the sandbox's envd access token, `e2b.access`, or a SPACE
+  API key), `X-API-Key`, `Authorization: Bearer` (SPACE API keys, checked by `deps.authenticate`). An
+  `Authorization: Basic` header names the in-sandbox user (E2B's convention), never a credential.
+- An envd access token acts for exactly the sandbox it was derived from, with a member's rights in that
+  sandbox's project; it is worth nothing for any other id (constant-time check, no storage).
+- A sandbox of another project, a deleted one and a missing one are the same "not found".
+- The sandbox is brought to running the way SPACE's own data plane does (`deps.running_sandbox`: a paused
+  sandbox is resumed), and every call counts as the sandbox's activity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from space.controlplane.api.deps import (
+    Principal,
+    Services,
+    authenticate,
+    node_of,
+    running_sandbox,
+)
+from space.controlplane.e2b.access import token_matches
+from space.controlplane.store.records import ApiKeyRecord, SandboxRecord
+from space.core import errors
+from space.core.ids import parse_sandbox_id
+from space.core.lifecycle import State
+from space.node.rpc_client import NodeClient
+
+SANDBOX_HEADER = "e2b-sandbox-id"
+#: Longest `Authorization: Basic` value read for the user name (anything longer is junk).
+_BASIC_MAX = 512
+
+
+@dataclass(frozen=True)
+class Target:
+    """The caller, its running sandbox and the node client that reaches it."""
+
+    who: Principal
+    sandbox: SandboxRecord
+    node: NodeClient
+    user: str | None
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.sandbox.id
+
+
+def sandbox_id_of(headers: Mapping[str, str]) -> str:
+    value = headers.get(SANDBOX_HEADER)
+    if not value:
+        raise errors.InvalidArgument("missing E2b-Sandbox-Id header", field="E2b-Sandbox-Id")
+    return parse_sandbox_id(value.strip(), field="E2b-Sandbox-Id")
+
+
+def user_of(headers: Mapping[str, str], query_user: str | None = None) -> str | None:
+    """The in-sandbox user: `username` query parameter, else `Authorization: Basic base64(user:)`."""
+    if query_user:
+        return _valid_user(query_user)
+    value = headers.get("authorization", "")
+    if not value.lower().startswith("basic ") or len(value) > _BASIC_MAX:
+        return None
+    try:
+        decoded = base64.b64decode(value[6:].strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError) as exc:
+        raise errors.InvalidArgument("malformed Basic authorization", field="Authorization") from exc
+    name = decoded.split(":", 1)[0]
+    return _valid_user(name) if name else None
+
+
+def _valid_user(name: str) -> str:
+    if len(name) > 64 or not all(c.isalnum() or c in "._-" for c in name):
+        raise errors.InvalidArgument(f"invalid user name {name[:64]!r}", field="username")
+    return name
+
+
+async def _token_principal(services: Services, sandbox_id: str) -> Principal | None:
+    """A member principal in the sandbox's own project (the token has been checked against the id)."""
+    sb = await asyncio.to_thread(services.store.load_sandbox, sandbox_id)
+    if sb is None or sb.state == State.DELETED:
+        return None
+    project = await asyncio.to_thread(services.store.get_project, sb.project_id)
+    if project is None:
+        return None
+    key = ApiKeyRecord(
+        id=f"envd-token:{sandbox_id}", project_id=project.id, org_id=project.org_id, role="member",
+        prefix="", created_at=datetime.fromtimestamp(0, UTC), revoked_at=None,
+    )  # fmt: skip
+    return Principal(key, project.id)
+
+
+def _bearer(headers: Mapping[str, str]) -> str | None:
+    for name in ("x-access-token", "x-api-key"):
+        value = headers.get(name, "").strip()
+        if value:
+            return "Bearer " + value
+    value = headers.get("authorization", "")
+    return value if value.startswith("Bearer ") else None
+
+
+async def principal_for(services: Services, headers: Mapping[str, str], sandbox_id: str) -> Principal:
+    """The caller of a request for `sandbox_id` (Unauthenticated without a valid credential)."""
+    token = headers.get("x-access-token", "").strip()
+    if token and token_matches(services.node_token, sandbox_id, token):
+        found = await _token_principal(services, sandbox_id)
+        if found is None:
+            raise errors.NotFound(f"sandbox {sandbox_id} not found")
+        return found
+    return await authenticate(services, _bearer(headers), headers.get("x-space-project"))
+
+
+async def target_of(
+    services: Services, headers: Mapping[str, str], *, mutating: bool, query_user: str | None = None
+) -> Target:
+    """The caller's running sandbox named by the request's headers, and its node."""
+    sandbox_id = sandbox_id_of(headers)
+    who = await principal_for(services, headers, sandbox_id)
+    who.require("member" if mutating else "read-only")
+    user = user_of(headers, query_user)
+    sb = await running_sandbox(services, who, sandbox_id)
+    await note_activity(services, sb.id)
+    return Target(who, sb, services.nodes.client(node_of(sb)), user)
+
+
+async def note_activity(services: Services, sandbox_id: str) -> None:
+    """Like the data plane's relay: the sandbox was used now (written at most once per debounce)."""
+    now = time.monotonic()
+    if now - services.activity.get(sandbox_id, 0.0) > services.settings.activity_debounce_s:
+        services.activity[sandbox_id] = now
+        await asyncio.to_thread(services.store.record_activity, sandbox_id)
