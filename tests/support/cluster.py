@@ -51,6 +51,8 @@ T = TypeVar("T")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 60.0
+#: How often fake nodes sample their sandboxes' metrics (NodeAgentSettings.metrics_interval_s), seconds.
+METRICS_INTERVAL_S = "1"
 #: Small limits so that many sandboxes fit on a fake node (the scheduler overcommits CPUs 4x only).
 SMALL = {"cpus": 0.1, "memory_mb": 64}
 
@@ -229,6 +231,8 @@ class FakeNode(Service):
         if store_url is not None:
             argv += ["--store-url", store_url]
         super().__init__(name, argv, data_dir / "node.log")
+        # Metrics every second (default 5): the tests of the metrics history wait for samples (ADR 0053).
+        self.extra_env["SPACE_NODE_METRICS_INTERVAL_S"] = METRICS_INTERVAL_S
 
     @property
     def url(self) -> str:

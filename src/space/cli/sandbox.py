@@ -1,5 +1,6 @@
 """`space sandbox ...` and `space snapshot ...`."""
 
+import time
 from typing import Annotated, Any
 
 import typer
@@ -147,6 +148,37 @@ def events(
         print_json([e.data for e in found])
         return
     table([[e.id, e.data.get("at"), e.kind, e.message] for e in found], ["ID", "AT", "KIND", "MESSAGE"])
+
+
+@sandbox_app.command("metrics")
+@handles_errors
+def metrics(
+    sandbox_id: SandboxId,
+    since: Annotated[
+        float | None, typer.Option("--since", min=0, help="Only the last this many seconds.")
+    ] = None,
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, max=1000, help="At most this many (newest).")
+    ] = 1000,
+    as_json: JsonFlag = False,
+) -> None:
+    """A sandbox's CPU, memory and disk every few seconds (the last hour), oldest first."""
+    start = time.time() - since if since is not None else None
+    found = client().sandboxes.ref(sandbox_id).metrics(start=start, limit=limit)
+    if as_json:
+        print_json([m.data for m in found])
+        return
+    rows = [
+        [m.at.strftime("%H:%M:%S"), f"{m.cpu_used_pct:.1f}% of {m.data.get('cpu_count')}",
+         f"{_mib(m.data.get('mem_used_bytes'))} / {_mib(m.data.get('mem_total_bytes'))}",
+         f"{_mib(m.data.get('disk_used_bytes'))} / {_mib(m.data.get('disk_total_bytes'))}"]
+        for m in found
+    ]  # fmt: skip
+    table(rows, ["TIME (UTC)", "CPU", "MEMORY MiB", "DISK MiB"])
+
+
+def _mib(value: Any) -> str:
+    return "?" if value is None else f"{int(value) / (1 << 20):.1f}"
 
 
 def _lifecycle(action: str, doc: str, message: str | None = None) -> None:

@@ -12,7 +12,7 @@ import base64
 import signal as _signal
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -24,6 +24,7 @@ __all__ = [
     "Command",
     "Credential",
     "ExecResult",
+    "MetricSample",
     "ProcessEvent",
     "Project",
     "Record",
@@ -123,6 +124,37 @@ class SandboxEvent(Record):
     @property
     def detail(self) -> dict[str, Any]:
         return dict(self.data.get("detail") or {})
+
+
+class MetricSample(Record):
+    """One sample of a sandbox's metrics history: `timestamp` (Unix seconds), `cpu_count` (its CPU limit),
+    `cpu_used_pct` (of that limit, since the previous sample), `mem_used_bytes` / `mem_total_bytes` (its
+    limit), `mem_cache_bytes`, `disk_used_bytes` / `disk_total_bytes` (its storage budget); a byte count the
+    node cannot tell is None."""
+
+    @property
+    def at(self) -> datetime:
+        """`timestamp` as an aware UTC datetime."""
+        return datetime.fromtimestamp(float(self.data.get("timestamp", 0.0)), tz=UTC)
+
+    @property
+    def cpu_used_pct(self) -> float:
+        return float(self.data.get("cpu_used_pct", 0.0))
+
+    @property
+    def mem_used_bytes(self) -> int:
+        return int(self.data.get("mem_used_bytes", 0))
+
+
+def metrics_params(
+    start: float | datetime | None, end: float | datetime | None, limit: int | None
+) -> dict[str, str | int | float | None]:
+    """The query of GET /v1/sandboxes/{id}/metrics: a datetime goes as its Unix time."""
+
+    def seconds(value: float | datetime | None) -> float | None:
+        return value.timestamp() if isinstance(value, datetime) else value
+
+    return {"start": seconds(start), "end": seconds(end), "limit": limit}
 
 
 def _b64(value: Any) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, overload
 
 from space.core.errors import SpaceError
@@ -21,6 +22,7 @@ from space.sdk._backend import AsyncBackend, AsyncOnData
 from space.sdk.models import (
     Command,
     ExecResult,
+    MetricSample,
     OutputCollector,
     ProcessEvent,
     SandboxEvent,
@@ -28,6 +30,7 @@ from space.sdk.models import (
     create_body,
     egress_body,
     exec_body,
+    metrics_params,
     sandboxes_of,
     seg,
     snapshot_id,
@@ -198,6 +201,22 @@ class AsyncSandbox:
         params: dict[str, str | int | None] = {"after": after, "limit": limit, "kind": kind}
         answer = await self._http.json("GET", f"{self.path}/events", params=params)
         return [SandboxEvent(item) for item in answer.get("events", [])]
+
+    # metrics -----------------------------------------------------------------------------------------
+
+    async def metrics(
+        self,
+        *,
+        start: float | datetime | None = None,
+        end: float | datetime | None = None,
+        limit: int | None = None,
+    ) -> builtins.list[MetricSample]:
+        """The sandbox's CPU, memory and disk every few seconds (the last hour by default), oldest first:
+        samples with start <= timestamp <= end (Unix seconds or datetimes), at most `limit` (1 to 1000)
+        newest ones. Empty while none were taken yet, and for a sandbox on no node (suspended)."""
+        params = metrics_params(start, end, limit)
+        answer = await self._http.json("GET", f"{self.path}/metrics", params=params)
+        return [MetricSample(item) for item in answer.get("samples", [])]
 
     # egress ------------------------------------------------------------------------------------------
 
