@@ -80,6 +80,8 @@ FILLERS: dict[str, Any] = {
     "signal": "SIGKILL",
     "rows": 5,
     "cols": 5,
+    "attribute": "user.pwned",
+    "value_b64": "cHduZWQ=",
     "allowed_private_networks": [],
 }
 #: Optional body fields filled all the same (an exec needs one of cmd/argv, which the schema cannot say).

@@ -31,15 +31,21 @@ from space.controlplane.api.deps import (
     running_sandbox,
     services_of,
 )
-from space.controlplane.api.views import Empty, FileStat
+from space.controlplane.api.views import Empty
 from space.core import errors
 from space.core.ids import parse_process_id, parse_sandbox_id
+from space.node.agent import file_models as fm
 from space.node.agent import rpc_models as rm
 from space.rest import errors as rest_errors
 
 FilePath = Annotated[str, Query(min_length=1, max_length=4096)]
 NonNegative = Annotated[int, Query(ge=0)]
 FileMode = Annotated[int | None, Query(ge=0, le=0o7777)]
+Depth = Annotated[int, Query(ge=1, le=fm.MAX_DEPTH)]
+Limit = Annotated[int, Query(ge=1, le=fm.MAX_LIST_ENTRIES)]
+XattrName = Annotated[
+    str, Query(min_length=1, max_length=fm.MAX_XATTR_NAME_BYTES, description='"user.*" only.')
+]
 
 NDJSON = "application/x-ndjson"
 #: Answers that are streams, not one JSON document (listed by test_controlplane_openapi).
@@ -128,6 +134,7 @@ async def process_signal(
 async def process_resize(
     sandbox_id: str, process_id: str, body: rm.ResizeRequest, request: Request, *, who: Auth, services: Svc
 ) -> Response:
+    """Set a PTY process's terminal size; a process without a PTY is a 409 (state "no_terminal")."""
     return await relay(
         request, services, who, sandbox_id, "processes", _process(process_id), "resize", mutating=True,
         body=body,
@@ -165,30 +172,74 @@ async def remove_file(
     return await relay(request, services, who, sandbox_id, "files", mutating=True, params=params)
 
 
-@router.get("/sandboxes/{sandbox_id}/files/list", response_model=rm.FileList)
-async def list_files(sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc) -> Response:
-    params = {"path": path}
+@router.get("/sandboxes/{sandbox_id}/files/list", response_model=fm.FileListing)
+async def list_files(
+    sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc, *, depth: Depth = 1,
+    limit: Limit = fm.MAX_LIST_ENTRIES, xattrs: bool = False,
+) -> Response:  # fmt: skip
+    """Entries below `path` up to `depth` levels (pre-order, by name; never through a symlink);
+    `truncated` when `limit` cut the listing. With `xattrs`, each entry has its user.* attributes."""
+    params = {"path": path, "depth": depth, "limit": limit, "xattrs": xattrs}
     return await relay(request, services, who, sandbox_id, "files", "list", mutating=False, params=params)
 
 
-@router.get("/sandboxes/{sandbox_id}/files/stat", response_model=FileStat)
-async def stat_file(sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc) -> Response:
-    params = {"path": path}
+@router.get("/sandboxes/{sandbox_id}/files/stat", response_model=fm.FileEntry)
+async def stat_file(
+    sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc, *, follow: bool = False,
+    xattrs: bool = False,
+) -> Response:  # fmt: skip
+    """The path itself (lstat); with `follow`, what a symlink leads to (`broken` when it cannot)."""
+    params = {"path": path, "follow": follow, "xattrs": xattrs}
     return await relay(request, services, who, sandbox_id, "files", "stat", mutating=False, params=params)
 
 
-@router.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=Empty)
+@router.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=fm.MkdirAnswer)
 async def make_dir(
     sandbox_id: str, body: rm.MkdirRequest, request: Request, who: Auth, services: Svc
 ) -> Response:
+    """`created` is false when the directory was already there (with `parents`)."""
     return await relay(request, services, who, sandbox_id, "files", "mkdir", mutating=True, body=body)
 
 
-@router.post("/sandboxes/{sandbox_id}/files/rename", response_model=Empty)
+@router.post("/sandboxes/{sandbox_id}/files/rename", response_model=fm.EntryAnswer)
 async def rename_file(
-    sandbox_id: str, body: rm.RenameRequest, request: Request, who: Auth, services: Svc
+    sandbox_id: str, body: fm.MoveRequest, request: Request, who: Auth, services: Svc
 ) -> Response:
     return await relay(request, services, who, sandbox_id, "files", "rename", mutating=True, body=body)
+
+
+@router.get("/sandboxes/{sandbox_id}/files/xattrs", response_model=fm.XattrList)
+async def list_xattrs(
+    sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc
+) -> Response:
+    """The user.* extended attributes of `path` (values in base64)."""
+    params = {"path": path}
+    return await relay(request, services, who, sandbox_id, "files", "xattrs", mutating=False, params=params)
+
+
+@router.get("/sandboxes/{sandbox_id}/files/xattrs/value", response_model=fm.XattrValue)
+async def get_xattr(
+    sandbox_id: str, path: FilePath, attribute: XattrName, request: Request, *, who: Auth, services: Svc
+) -> Response:
+    params = {"path": path, "attribute": attribute}
+    return await relay(
+        request, services, who, sandbox_id, "files", "xattrs", "value", mutating=False, params=params
+    )
+
+
+@router.put("/sandboxes/{sandbox_id}/files/xattrs", response_model=Empty)
+async def set_xattr(
+    sandbox_id: str, body: fm.XattrSetRequest, request: Request, who: Auth, services: Svc
+) -> Response:
+    return await relay(request, services, who, sandbox_id, "files", "xattrs", mutating=True, body=body)
+
+
+@router.delete("/sandboxes/{sandbox_id}/files/xattrs", response_model=Empty)
+async def remove_xattr(
+    sandbox_id: str, path: FilePath, attribute: XattrName, request: Request, *, who: Auth, services: Svc
+) -> Response:
+    params = {"path": path, "attribute": attribute}
+    return await relay(request, services, who, sandbox_id, "files", "xattrs", mutating=True, params=params)
 
 
 @router.get("/sandboxes/{sandbox_id}/files/watch", response_model=None, responses=NDJSON_ANSWER)
