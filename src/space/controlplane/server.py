@@ -13,6 +13,8 @@ import pathlib
 import uvicorn
 
 from space.controlplane.api.app import create_app
+from space.controlplane.e2b import serve as e2b_serve
+from space.controlplane.e2b.serve import E2bListen, parse_listen
 from space.controlplane.keys import OrgDataKeys
 from space.controlplane.node_pools import parse_sockets
 from space.controlplane.settings import ControlPlaneSettings
@@ -65,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         help="reach the node registered at URL through the unix socket PATH (that agent's --listen-socket, "
         "on this machine; repeatable; added to $SPACE_NODE_POOL_SOCKETS; ADR 0044)",
     )  # fmt: skip
+    parser.add_argument(
+        "--e2b-api-listen", default=settings.e2b_api_listen, metavar="HOST:PORT",
+        help="also serve E2B's control API there (space.controlplane.e2b; docs/e2b.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--e2b-sandbox-listen", default=settings.e2b_sandbox_listen, metavar="HOST:PORT",
+        help="also serve E2B's in-sandbox API at the root of that address (docs/e2b.md)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.node_socket:
@@ -74,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         parse_sockets(settings.pool_sockets)
     except errors.InvalidArgument as exc:
         parser.error(exc.message)
+    listen = E2bListen(api=args.e2b_api_listen or None, sandbox=args.e2b_sandbox_listen or None)
+    for value, flag in ((listen.api, "--e2b-api-listen"), (listen.sandbox, "--e2b-sandbox-listen")):
+        try:
+            if value is not None:
+                parse_listen(value, flag)
+        except errors.InvalidArgument as exc:
+            parser.error(exc.message)
     try:
         disk_s, full_s = (int(part) for part in args.snapshot_min_intervals.split(","))
         retention.set_minimum_intervals(disk_s, full_s)
@@ -94,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         data_keys=OrgDataKeys.local(store, args.keys_dir) if args.keys_dir else None,
         settings=settings,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    if listen.api or listen.sandbox:  # the E2B front beside the API, over the same services
+        e2b_serve.run(app, host=args.host, port=args.port, log_level=args.log_level, listen=listen)
+    else:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 
 

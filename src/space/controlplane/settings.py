@@ -5,9 +5,10 @@ Invariants:
   the `validation_alias` of exactly one field, matched case-sensitively, and documented on that field.
 - Names that existed before this class keep their meaning: `SPACE_API_*` (request limits, ADR 0025),
   `SPACE_NODE_POOL_*` (node connection pools, ADR 0025), `SPACE_RETENTION_*` (ADR 0025), `SPACE_STORE_URL`,
-  `SPACE_KEYS_DIR`, `SPACE_SNAPSHOT_MIN_INTERVALS` (defaults of the server's flags, which still win),
-  `SPACE_KMS_URL` (ADR 0018) and `SPACE_FAILPOINTS` (tests only). A numeric variable that is unset or blank
-  means the default; any other value must be a positive number (else `errors.InvalidArgument`, naming it).
+  `SPACE_KEYS_DIR`, `SPACE_SNAPSHOT_MIN_INTERVALS`, `SPACE_E2B_API_LISTEN`, `SPACE_E2B_SANDBOX_LISTEN`
+  (defaults of the server's flags, which still win), `SPACE_KMS_URL` (ADR 0018) and `SPACE_FAILPOINTS`
+  (tests only). A numeric variable that is unset or blank means the default; any other value must be a
+  positive number (else `errors.InvalidArgument`, naming it).
 - A control plane reads them once, in `create_app` (`from_env`), and hands them to its parts through
   `Services.settings`. Kill points for crash injection are not settings: `space.faults.failpoints` reads its
   own environment variables, in every component alike (ADR 0038).
@@ -74,6 +75,16 @@ class ControlPlaneSettings(BaseSettings):
     kms_url: str | None = Field(
         default=None, validation_alias="SPACE_KMS_URL",
         description="kms://?endpoint=...&region=...: orgs may register KMS keys (BYOK, ADR 0018).",
+    )  # fmt: skip
+    e2b_api_listen: str | None = Field(
+        default=None, validation_alias="SPACE_E2B_API_LISTEN",
+        description="Default of --e2b-api-listen: HOST:PORT of E2B's control API (space.controlplane.e2b; "
+        "None: not served). `space up` turns it on.",
+    )  # fmt: skip
+    e2b_sandbox_listen: str | None = Field(
+        default=None, validation_alias="SPACE_E2B_SANDBOX_LISTEN",
+        description="Default of --e2b-sandbox-listen: HOST:PORT of E2B's in-sandbox API, at the root of its "
+        "own port (None: not served). `space up` turns it on.",
     )  # fmt: skip
 
     # -- request limits of the public API (api/limits.py, ADR 0025) -----------------------------------------

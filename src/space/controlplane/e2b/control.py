@@ -1,0 +1,95 @@
+"""The E2B control API as one ASGI app (`create_control_app`), served on its own port by the control
+plane (space.controlplane.e2b.serve) over the control plane's own Services.
+
+Routes (E2B's paths; the SDK's base URL is E2B_API_URL):
+  POST /sandboxes, POST /v2/sandboxes            create (sandboxes.py)
+  GET /sandboxes/{id}, DELETE /sandboxes/{id}    get_info, kill
+  POST /sandboxes/{id}/timeout|pause|connect     set_timeout, pause, connect (also POST /v2/.../connect)
+  GET /v2/sandboxes, GET /sandboxes              list (listing.py)
+  POST /sandboxes/{id}/fork|snapshots            fork, create_snapshot (snapshots.py)
+  GET /snapshots, DELETE /templates/{id}         list_snapshots, delete_snapshot
+  PUT /sandboxes/{id}/network, GET .../metrics   network rules, metrics (network.py)
+  GET /health                                    liveness (no key)
+
+Invariants:
+- Every route but /health authenticates a SPACE key before it does anything (auth.py), and every body
+  is bounded (SPACE_API_JSON_BODY_BYTES) before it is parsed: a larger Content-Length is a 413 at once, a
+  chunked body is cut at the bound.
+- Every failure is E2B's `{"code", "message"}` (errors.py); there is no OpenAPI document or docs page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from space.controlplane.api.deps import Services
+from space.controlplane.e2b import errors as e2b_errors
+from space.controlplane.e2b import listing, network, sandboxes, snapshots
+
+
+def create_control_app(services: Services) -> FastAPI:
+    app = FastAPI(title="SPACE E2B control API", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.services = services
+    e2b_errors.install(app)
+    for router in (sandboxes.router, listing.router, snapshots.router, network.router):
+        app.include_router(router)
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_middleware(BodyLimit, limit=services.settings.api_json_body_bytes)
+    return app
+
+
+async def _health() -> dict[str, Any]:
+    return {"status": "ok"}
+
+
+class BodyLimit:
+    """Bounds every request body (module invariants), answering E2B's 413."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.limit:
+            await self._too_large(send)
+            return
+        seen = 0
+        started = False
+
+        async def bounded_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracked_send)
+        except _TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = f'{{"code":413,"message":"request body exceeds {self.limit} bytes"}}'.encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    """A chunked body grew past the bound."""

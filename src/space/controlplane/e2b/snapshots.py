@@ -1,0 +1,182 @@
+"""E2B's fork and snapshot routes, and a sandbox created from a snapshot (a snapshot id as `templateID`).
+
+Invariants:
+- A fork is SPACE's fork (one full checkpoint, the children brought up by the reconciler on the
+  parent's node) answered as E2B's `[{"sandbox": Sandbox}]`, 201; each child gets the fork's timeout.
+- An E2B snapshot is a SPACE full snapshot (memory and disk) of the sandbox; its E2B id is the SPACE
+  snapshot id, usable as `templateID`: the new sandbox starts from it like a fork child (on the source
+  sandbox's node, so the source must still exist: SPACE deletes a sandbox's snapshots with it).
+- Only the caller's project's snapshots are seen, listed, used or deleted; any other id is a 404 (or an
+  empty list), exactly like a missing one.
+- Snapshot names are not stored by SPACE: a snapshot's only name is its id, and a create that asks for
+  a name is refused (501) rather than answered with a name nothing remembers.
+- A list page token is opaque to the client and checked on the way in (a token that is not one of ours
+  is a 400); it only says where the last page ended, never grants anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
+
+from space.controlplane.api import snapshots as space_snapshots
+from space.controlplane.api.bodies import ForkBody as SpaceForkBody
+from space.controlplane.api.deps import Principal, Services, Svc, running_sandbox, wait_settled
+from space.controlplane.e2b import options
+from space.controlplane.e2b.auth import E2bAuth
+from space.controlplane.e2b.bodies import ForkBody, NewSandbox, SnapshotBody
+from space.controlplane.e2b.errors import NotSupported
+from space.controlplane.e2b.lookups import shown_sandbox
+from space.controlplane.e2b.views import sandbox_answer, visible
+from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.core import errors
+from space.core.ids import SNAPSHOT, parse_snapshot_id
+
+router = APIRouter()
+
+MAX_PAGE = 100
+
+
+def _info(snap: SnapshotRecord) -> dict[str, Any]:
+    return {"snapshotID": snap.id, "names": [snap.id]}
+
+
+# -- fork ----------------------------------------------------------------------------------------------------
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(sandbox_id: str, body: ForkBody, who: E2bAuth, services: Svc) -> Any:
+    who.require("member")
+    sb = await shown_sandbox(services, who, sandbox_id)
+    answered = await space_snapshots.fork(sb.id, SpaceForkBody(count=body.count), who, services, None)
+    payload = json.loads(bytes(answered.body))
+    results = []
+    for child in payload["sandboxes"]:
+        record = await asyncio.to_thread(services.store.load_sandbox, str(child["id"]))
+        if record is None:
+            raise errors.NotFound(f"fork {child['id']} not found")
+        record = await options.set_deadline(services, who, record, body.timeout, extend_only=False)
+        results.append({"sandbox": sandbox_answer(record, who, services.node_token)})
+    return results
+
+
+# -- snapshots -----------------------------------------------------------------------------------------------
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(
+    sandbox_id: str, who: E2bAuth, services: Svc, body: SnapshotBody | None = None
+) -> Any:
+    who.require("member")
+    if body is not None and body.name is not None:
+        raise NotSupported(
+            "named snapshots are not supported by SPACE: a snapshot's name is its id", field="name"
+        )
+    sb = await shown_sandbox(services, who, sandbox_id)
+    running = await running_sandbox(services, who, sb.id)
+    return _info(await space_snapshots.take_snapshot(services, running, full=True))
+
+
+def _page_token(last: SnapshotRecord) -> str:
+    raw = json.dumps({"after": last.id}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _after(token: str | None) -> str | None:
+    if token is None:
+        return None
+    try:
+        padded = token + "=" * (-len(token) % 4)
+        decoded = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        return parse_snapshot_id(decoded["after"], field="nextToken")
+    except (ValueError, KeyError, TypeError, binascii.Error, errors.InvalidArgument) as exc:
+        raise errors.InvalidArgument("invalid nextToken", field="nextToken") from exc
+
+
+async def _project_snapshots(
+    services: Services, who: Principal, sandbox_id: str | None
+) -> list[SnapshotRecord]:
+    if sandbox_id is not None:
+        try:
+            sandboxes = [await shown_sandbox(services, who, sandbox_id)]
+        except errors.NotFound:
+            return []
+    else:
+        rows = await asyncio.to_thread(services.store.list_sandboxes, who.project_id)
+        sandboxes = [sb for sb in rows if visible(sb)]
+    found: list[SnapshotRecord] = []
+    for sb in sandboxes:
+        snaps = await asyncio.to_thread(services.store.list_snapshots, sb.id)
+        found.extend(s for s in snaps if s.state == "ready" and s.kind == "full")
+    return sorted(found, key=lambda s: (s.created_at, s.id))
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    *,
+    who: E2bAuth,
+    services: Svc,
+    sandbox_id: Annotated[str | None, Query(alias="sandboxID", max_length=128)] = None,
+    name: Annotated[str | None, Query(max_length=512)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    next_token: Annotated[str | None, Query(alias="nextToken", max_length=512)] = None,
+) -> Response:
+    after = _after(next_token)
+    snaps = await _project_snapshots(services, who, sandbox_id)
+    if name is not None:
+        snaps = [s for s in snaps if s.id == name]  # a snapshot's only name is its id
+    if after is not None:
+        ids = [s.id for s in snaps]
+        snaps = snaps[ids.index(after) + 1 :] if after in ids else []
+    page = snaps[:limit]
+    headers = {"X-Next-Token": _page_token(page[-1])} if len(snaps) > limit else {}
+    return JSONResponse([_info(s) for s in page], headers=headers)
+
+
+async def _project_snapshot(services: Services, who: Principal, snapshot_id: str) -> SnapshotRecord:
+    try:
+        parse_snapshot_id(snapshot_id, field="templateID")
+    except errors.InvalidArgument as exc:
+        raise errors.NotFound(f"template {snapshot_id[:80]} not found") from exc
+    snap = await asyncio.to_thread(services.store.get_snapshot, snapshot_id, project_id=who.project_id)
+    if snap is None or snap.state != "ready" or snap.kind != "full":
+        raise errors.NotFound(f"template {snapshot_id} not found")
+    return snap
+
+
+@router.delete("/templates/{template_id:path}", status_code=204)
+async def delete_snapshot(template_id: str, who: E2bAuth, services: Svc) -> Response:
+    """E2B deletes a snapshot as a template; SPACE's templates are not deleted through this API."""
+    who.require("member")
+    snap = await _project_snapshot(services, who, template_id)
+    await asyncio.to_thread(services.store.delete_snapshot, snap.id)
+    return Response(status_code=204)
+
+
+# -- a sandbox from a snapshot -------------------------------------------------------------------------------
+async def snapshot_source(services: Services, who: Principal, template_id: str) -> SnapshotRecord | None:
+    """The caller's snapshot a create's `templateID` names (None: it names a template)."""
+    if not template_id.startswith(SNAPSHOT.prefix):
+        return None
+    return await _project_snapshot(services, who, template_id)
+
+
+async def create_from_snapshot(
+    services: Services, who: Principal, snap: SnapshotRecord, body: NewSandbox
+) -> SandboxRecord:
+    if body.metadata or body.auto_pause or body.network is not None or body.allow_internet_access is False:
+        raise NotSupported(
+            "a sandbox from a snapshot takes only timeout and envVars in SPACE", field="templateID"
+        )
+    source = await asyncio.to_thread(services.store.load_sandbox, snap.sandbox_id)
+    if source is None or not visible(source):
+        raise errors.NotFound(f"template {snap.id} not found (its sandbox is gone)")
+    env = {**source.env, **(body.env_vars or {})}
+    child = await asyncio.to_thread(
+        services.store.create_sandbox, who.project_id, source.template, env, source.limits,
+        idle_timeout_s=source.idle_timeout_s, ttl_s=body.timeout, forked_from=source.id,
+        fork_snapshot_id=snap.id,
+    )  # fmt: skip
+    return await wait_settled(services, child.id)

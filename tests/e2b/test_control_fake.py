@@ -1,0 +1,121 @@
+"""E2B's control API on the fake driver, driven by the `e2b` SDK's own classes with only E2B_API_KEY,
+E2B_API_URL and E2B_SANDBOX_URL set: create, get_info, list (filters, order, pages), set_timeout, pause and
+connect, kill, fork and snapshots; every raw answer round-trips through the SDK's generated models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import e2b
+import httpx
+import pytest
+from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail
+
+from tests.e2b.conftest import E2bCluster
+from tests.support import cluster as c
+
+
+@pytest.fixture
+def project(e2b_fake: E2bCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[c.Project]:
+    made = c.new_project(e2b_fake.cluster)
+    monkeypatch.setenv("E2B_API_KEY", made.key)
+    monkeypatch.setenv("E2B_API_URL", e2b_fake.api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2b_fake.sandbox_url)
+    monkeypatch.setenv("E2B_DOMAIN", "space.invalid")
+    try:
+        yield made
+    finally:
+        c.delete_all(e2b_fake.cluster, made)
+
+
+def _api(e2b_fake: E2bCluster, key: str) -> httpx.Client:
+    return httpx.Client(base_url=e2b_fake.api_url, headers={"X-API-Key": key}, timeout=60)
+
+
+def test_create_get_list_kill_round_trip(e2b_fake: E2bCluster, project: c.Project) -> None:
+    sbx = e2b.Sandbox.create(metadata={"purpose": "test", "n": "1"})
+    info = sbx.get_info()
+    assert info.sandbox_id == sbx.sandbox_id
+    assert info.state.value == "running"
+    assert info.metadata == {"purpose": "test", "n": "1"}
+    api = _api(e2b_fake, project.key)
+    detail = api.get(f"/sandboxes/{sbx.sandbox_id}")
+    assert detail.status_code == 200, detail.text
+    SandboxDetail.from_dict(detail.json())
+    listed = api.get("/v2/sandboxes")
+    assert listed.status_code == 200
+    assert [ListedSandbox.from_dict(item).sandbox_id for item in listed.json()] == [sbx.sandbox_id]
+    assert sbx.kill() is True
+    assert e2b.Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.RUNNING])).next_items() == []
+    assert api.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
+    assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["code"] == 404
+
+
+def test_list_filters_order_and_pages(e2b_fake: E2bCluster, project: c.Project) -> None:
+    made = [e2b.Sandbox.create(metadata={"group": "g1", "odd": "a b&c=d", "i": str(i)}) for i in range(3)]
+    other = e2b.Sandbox.create(metadata={"group": "g2"})
+    ids = [s.sandbox_id for s in made]
+    pages = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"group": "g1"}), limit=2)
+    first = pages.next_items()
+    assert [s.sandbox_id for s in first] == ids[::-1][:2]  # newest first
+    assert pages.has_next
+    assert [s.sandbox_id for s in pages.next_items()] == ids[:1]
+    assert not pages.has_next
+    # Two pairs, one value with the separators E2B's SDK encodes twice: all pairs must match.
+    query = e2b.SandboxQuery(metadata={"odd": "a b&c=d", "i": "1"})
+    assert [s.sandbox_id for s in e2b.Sandbox.list(query=query).next_items()] == [ids[1]]
+    api = _api(e2b_fake, project.key)
+    asc = api.get("/v2/sandboxes", params={"order": "asc", "template": "base"})
+    assert [ListedSandbox.from_dict(s).sandbox_id for s in asc.json()] == [*ids, other.sandbox_id]
+    assert api.get("/v2/sandboxes", params={"template": "no-such-template"}).json() == []
+    started = api.get(f"/sandboxes/{ids[1]}").json()["startedAt"]
+    after = api.get("/v2/sandboxes", params={"startedAfter": started, "order": "asc"}).json()
+    assert [s["sandboxID"] for s in after] == [ids[1], ids[2], other.sandbox_id]  # inclusive, to the µs
+    bad_queries = ({"nextToken": "not-a-token"}, {"state": "running,x"}, {"limit": "0"}, {"limit": "101"})
+    for bad in bad_queries:
+        answer = api.get("/v2/sandboxes", params=bad)
+        assert answer.status_code == 400, (bad, answer.text)
+        assert set(answer.json()) >= {"code", "message"} and answer.json()["code"] == 400
+    # A token made for one order is refused for the other.
+    token = api.get("/v2/sandboxes", params={"limit": 1}).headers["X-Next-Token"]
+    mixed = api.get("/v2/sandboxes", params={"limit": 1, "order": "asc", "nextToken": token})
+    assert mixed.status_code == 400
+
+
+def test_timeout_pause_and_connect(e2b_fake: E2bCluster, project: c.Project) -> None:
+    sbx = e2b.Sandbox.create(timeout=120)
+    before = sbx.get_info().end_at
+    sbx.set_timeout(3600)
+    extended = sbx.get_info().end_at
+    assert (extended - before).total_seconds() > 3000
+    e2b.Sandbox.connect(sbx.sandbox_id, timeout=60)  # running: connect only extends, never shortens
+    assert sbx.get_info().end_at == extended
+    assert sbx.pause() is True
+    assert sbx.pause() is False  # 409: already paused
+    assert sbx.get_info().state.value == "paused"
+    paused = e2b.Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED])).next_items()
+    assert [s.sandbox_id for s in paused] == [sbx.sandbox_id]
+    api = _api(e2b_fake, project.key)
+    resumed = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 600})
+    assert resumed.status_code == 201, resumed.text  # it was paused: resumed
+    Sandbox.from_dict(resumed.json())
+    assert resumed.json()["sandboxID"] == sbx.sandbox_id
+    assert sbx.get_info().state.value == "running"
+    again = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 600})
+    assert again.status_code == 200  # already running
+    # E2B's filesystem-only pause is SPACE's stop; connect starts it again.
+    assert sbx.pause(mode="filesystem") is True
+    record = e2b_fake.cluster.store.load_sandbox(sbx.sandbox_id)
+    assert record is not None and record.state.value == "stopped"
+    e2b.Sandbox.connect(sbx.sandbox_id)
+    assert sbx.get_info().state.value == "running"
+    sbx.set_timeout(0)  # now: the sandbox is deleted (its on_timeout), and gone from E2B's view
+    c.wait_for(lambda: _gone(sbx), timeout=60, what="expired sandbox gone")
+
+
+def _gone(sbx: e2b.Sandbox) -> bool:
+    try:
+        sbx.get_info()
+    except e2b.SandboxNotFoundException:
+        return True
+    return False
