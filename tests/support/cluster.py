@@ -605,6 +605,15 @@ class RealCluster:
     def sdk(self) -> Space:
         return Space(url=self.url, api_key=self.api_key, transport=httpx.HTTPTransport(verify=False))
 
+    @property
+    def e2b_api_url(self) -> str:
+        """E2B's control API of this installation (served as `space up` serves it, docs/e2b.md)."""
+        return str(self.local.e2b_api_url)
+
+    @property
+    def e2b_sandbox_url(self) -> str:
+        return str(self.local.e2b_sandbox_url)
+
 
 def sandbox_ids_in(data_dir: pathlib.Path) -> set[str]:
     """Ids of the sandboxes a node data directory holds (to attribute cgroups: other test sessions may
@@ -638,7 +647,9 @@ def start_real_cluster() -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real_cluster starts the node's root helper: run the tests as root")
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-cluster-", dir="/var/tmp"))
-    local = LocalCluster(data_dir=data_dir, port=free_port())
+    local = LocalCluster(
+        data_dir=data_dir, port=free_port(), e2b_api_port=free_port(), e2b_sandbox_port=free_port()
+    )
     try:
         local.start()
         yield RealCluster(local, data_dir)

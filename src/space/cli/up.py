@@ -1,6 +1,7 @@
 """`space up` / `space down`: the whole installation on this machine, in the foreground or detached.
 
-`space up` prints `SPACE_URL=…` and `SPACE_API_KEY=…` lines and writes the CLI config file, so every other
+`space up` prints `SPACE_URL=…` and `SPACE_API_KEY=…` lines (and `E2B_API_URL=…`, `E2B_SANDBOX_URL=…` for
+the E2B front it serves by default, docs/e2b.md) and writes the CLI config file, so every other
 command works right after it with nothing exported. The key goes to the terminal of whoever ran `space up`
 only: the detached supervisor, whose output is `space.log`, never prints it (ADR 0022), and every file
 `space up` creates is owner-only (umask 077). `space down` stops what `space up` started (sandboxes
@@ -41,6 +42,9 @@ from space.sdk.config import write_config_file
 
 #: Warm pools of a one-machine installation (ADR 0047): two python sandboxes ready, about 70 MB of memory.
 DEFAULT_POOLS = "python=2"
+#: Ports of the E2B front (its control API, its in-sandbox API) beside SPACE's 8470 (docs/e2b.md).
+DEFAULT_E2B_API_PORT = 8471
+DEFAULT_E2B_SANDBOX_PORT = 8472
 #: How often the supervisor looks at its components (a death is noticed within this).
 TICK_S = 0.5
 stderr = Console(stderr=True)
@@ -50,6 +54,9 @@ def _announce(cluster: LocalCluster) -> None:
     config = write_config_file(cluster.url, cluster.api_key)
     typer.echo(f"SPACE_URL={cluster.url}")
     typer.echo(f"SPACE_API_KEY={cluster.api_key}")
+    if cluster.e2b_api_url and cluster.e2b_sandbox_url:  # E2B's SDK: E2B_API_KEY is the same key
+        typer.echo(f"E2B_API_URL={cluster.e2b_api_url}")
+        typer.echo(f"E2B_SANDBOX_URL={cluster.e2b_sandbox_url}")
     stderr.print(f"[dim]config written to {config}; `space down` stops SPACE[/dim]")
 
 
@@ -74,10 +81,14 @@ def _event_log(data_dir: pathlib.Path, *, echo: bool) -> Emit:
     return emit
 
 
-def _supervise(data_dir: pathlib.Path, port: int, pools: str, *, announce: bool = True) -> int:
+def _supervise(
+    data_dir: pathlib.Path, port: int, pools: str, e2b_ports: tuple[int, int], *, announce: bool = True
+) -> int:
     """Run SPACE in this process until SIGTERM/SIGINT, restarting what dies. `announce=False` (the
     detached supervisor, whose output is a log file): say where SPACE listens, never the key."""
-    cluster = LocalCluster(data_dir, port=port, pools=pools)
+    cluster = LocalCluster(
+        data_dir, port=port, pools=pools, e2b_api_port=e2b_ports[0], e2b_sandbox_port=e2b_ports[1]
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -91,7 +102,9 @@ def _supervise(data_dir: pathlib.Path, port: int, pools: str, *, announce: bool 
     emit = _event_log(data_dir, echo=announce)
     supervisor = cluster.supervisor(emit)
     emit({"event": "supervisor.started", "pid": os.getpid(), "url": cluster.url})
-    state_file(data_dir).write_text(json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port}))
+    state_file(data_dir).write_text(
+        json.dumps({"pid": os.getpid(), "url": cluster.url, "port": port, "e2b_ports": list(e2b_ports)})
+    )
     if announce:
         _announce(cluster)
     else:
@@ -115,6 +128,7 @@ def up(
     data_dir: Annotated[
         pathlib.Path, typer.Option("--data-dir", help="where SPACE keeps its state")
     ] = DEFAULT_DATA_DIR,
+    *,
     port: Annotated[int, typer.Option("--port", help="port of the API on 127.0.0.1")] = 8470,
     detach: Annotated[bool, typer.Option("--detach", help="return once SPACE is ready")] = False,
     pools: Annotated[
@@ -125,6 +139,13 @@ def up(
             "(TEMPLATE=N,...; empty: none)",
         ),
     ] = DEFAULT_POOLS,
+    e2b_api_port: Annotated[
+        int, typer.Option("--e2b-api-port", help="port of E2B's control API on 127.0.0.1 (0: not served)")
+    ] = DEFAULT_E2B_API_PORT,
+    e2b_sandbox_port: Annotated[
+        int,
+        typer.Option("--e2b-sandbox-port", help="port of E2B's in-sandbox API on 127.0.0.1 (0: not served)"),
+    ] = DEFAULT_E2B_SANDBOX_PORT,
     supervisor: Annotated[
         bool, typer.Option("--supervisor", hidden=True, help="the detached supervisor: output is a log")
     ] = False,
@@ -142,7 +163,7 @@ def up(
         info = json.loads(state.read_text())
         if alive(int(info.get("pid", 0))):
             stderr.print(f"SPACE is already running from {data_dir} (pid {info['pid']})")
-            cluster = LocalCluster(data_dir, port=int(info["port"]))
+            cluster = _described(data_dir, info)
             cluster.api_key = (data_dir / "admin.key").read_text().strip()
             _announce(cluster)
             return
@@ -150,13 +171,15 @@ def up(
         state.unlink()
     (data_dir / "purge-request").unlink(missing_ok=True)
     if not detach:
-        raise typer.Exit(_supervise(data_dir, port, pools, announce=not supervisor))
+        e2b_ports = (e2b_api_port, e2b_sandbox_port)
+        raise typer.Exit(_supervise(data_dir, port, pools, e2b_ports, announce=not supervisor))
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = filemodes.open_private_log(data_dir / "space.log")
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "space.cli.main", "up", "--data-dir", str(data_dir), "--port", str(port),
-             "--pools", pools, "--supervisor"],
+             "--pools", pools, "--e2b-api-port", str(e2b_api_port), "--e2b-sandbox-port",
+             str(e2b_sandbox_port), "--supervisor"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
     finally:
@@ -167,9 +190,17 @@ def up(
                 stderr.print((data_dir / "space.log").read_text(errors="replace")[-3000:])
                 raise typer.Exit(1)
             time.sleep(0.2)
-    cluster = LocalCluster(data_dir, port=port)
+    cluster = _described(data_dir, json.loads(state.read_text()))
     cluster.api_key = (data_dir / "admin.key").read_text().strip()
     _announce(cluster)
+
+
+def _described(data_dir: pathlib.Path, info: dict[str, Any]) -> LocalCluster:
+    """The running installation as its supervisor's state file describes it (ports)."""
+    api_port, sandbox_port = (int(p) for p in info.get("e2b_ports") or (0, 0))
+    return LocalCluster(
+        data_dir, port=int(info["port"]), e2b_api_port=api_port, e2b_sandbox_port=sandbox_port
+    )
 
 
 def down(

@@ -104,10 +104,22 @@ class LocalCluster:
     cgroup_parent: str = "space"  # several installations on one machine need their own (space.node.local)
     #: The agent's --pools: warm pool sizes per template, "TEMPLATE=N,..." (ADR 0047); empty: none.
     pools: str = ""
+    #: Ports of the E2B front on 127.0.0.1 (docs/e2b.md): its control API and its in-sandbox API, served by
+    #: the control plane beside SPACE's API; 0: not served (`space up` serves both).
+    e2b_api_port: int = 0
+    e2b_sandbox_port: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def e2b_api_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.e2b_api_port}" if self.e2b_api_port else None
+
+    @property
+    def e2b_sandbox_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.e2b_sandbox_port}" if self.e2b_sandbox_port else None
 
     def _agent_uid(self) -> tuple[int, int]:
         try:
@@ -191,14 +203,18 @@ class LocalCluster:
         return path if len(os.fsencode(path)) <= MAX_SOCKET_PATH else None
 
     def spawn_controlplane(self) -> subprocess.Popen[bytes]:
-        socket_args: list[str] = []
+        extra_args: list[str] = []
         if self.rpc_socket is not None and self.node_port:
-            socket_args = ["--node-socket", f"http://127.0.0.1:{self.node_port}={self.rpc_socket}"]
+            extra_args = ["--node-socket", f"http://127.0.0.1:{self.node_port}={self.rpc_socket}"]
+        if self.e2b_api_port:
+            extra_args += ["--e2b-api-listen", f"127.0.0.1:{self.e2b_api_port}"]
+        if self.e2b_sandbox_port:
+            extra_args += ["--e2b-sandbox-listen", f"127.0.0.1:{self.e2b_sandbox_port}"]
         return self._spawn(
             "controlplane",
             [sys.executable, "-m", "space.controlplane.server", "--data-dir", str(self.data_dir),
              "--port", str(self.port), "--node-token-file", str(self.data_dir / "node.token"),
-             "--store-url", self.store_url, *socket_args],
+             "--store-url", self.store_url, *extra_args],
         )  # fmt: skip
 
     def spawn_agent(self) -> subprocess.Popen[bytes]:
