@@ -42,9 +42,10 @@ from space.sdk.config import write_config_file
 
 #: Warm pools of a one-machine installation (ADR 0047): two python sandboxes ready, about 70 MB of memory.
 DEFAULT_POOLS = "python=2"
-#: Ports of the E2B front (its control API, its in-sandbox API) beside SPACE's 8470 (docs/e2b.md).
-DEFAULT_E2B_API_PORT = 8471
-DEFAULT_E2B_SANDBOX_PORT = 8472
+#: Where the E2B front listens by default: the two ports after SPACE's (8471 and 8472 beside 8470), so
+#: that two installations on two ports do not collide (docs/e2b.md).
+E2B_API_PORT_OFFSET = 1
+E2B_SANDBOX_PORT_OFFSET = 2
 #: How often the supervisor looks at its components (a death is noticed within this).
 TICK_S = 0.5
 stderr = Console(stderr=True)
@@ -140,12 +141,13 @@ def up(
         ),
     ] = DEFAULT_POOLS,
     e2b_api_port: Annotated[
-        int, typer.Option("--e2b-api-port", help="port of E2B's control API on 127.0.0.1 (0: not served)")
-    ] = DEFAULT_E2B_API_PORT,
+        int | None,
+        typer.Option("--e2b-api-port", help="port of E2B's control API (default PORT+1; 0: off)"),
+    ] = None,
     e2b_sandbox_port: Annotated[
-        int,
-        typer.Option("--e2b-sandbox-port", help="port of E2B's in-sandbox API on 127.0.0.1 (0: not served)"),
-    ] = DEFAULT_E2B_SANDBOX_PORT,
+        int | None,
+        typer.Option("--e2b-sandbox-port", help="port of E2B's in-sandbox API (default PORT+2; 0: off)"),
+    ] = None,
     supervisor: Annotated[
         bool, typer.Option("--supervisor", hidden=True, help="the detached supervisor: output is a log")
     ] = False,
@@ -157,6 +159,8 @@ def up(
         stderr.print(f"error: --pools: {exc.message}")
         raise typer.Exit(2) from exc
     filemodes.set_owner_only_umask()
+    e2b_api_port = port + E2B_API_PORT_OFFSET if e2b_api_port is None else e2b_api_port
+    e2b_sandbox_port = port + E2B_SANDBOX_PORT_OFFSET if e2b_sandbox_port is None else e2b_sandbox_port
     data_dir = data_dir.resolve()
     state = state_file(data_dir)
     if state.exists():

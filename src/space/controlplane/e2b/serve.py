@@ -6,8 +6,9 @@ Invariants:
   (`envd.app.envd_app`). Both are built over the SAME Services as the SPACE API they sit beside, so they
   share its store, reconciler, node pools, caches and settings.
 - The SPACE API's server owns the signals: SIGTERM/SIGINT stop it, and its end stops the E2B servers
-  (which install no signal handlers of their own). A port the E2B front cannot bind ends the process (a
-  configured front that silently is not there would be worse).
+  (which install no signal handlers of their own). An E2B server that cannot start (its port taken) is
+  logged as an error and SPACE's API goes on without it: the front is an addition, never a reason for
+  the API (and everything `space up` supervises through it) to be down.
 - The E2B servers keep idle connections 330 s: E2B's SDK pools them for 300 s, and a server that closes
   first races the client's next request on that connection.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Literal
@@ -28,6 +30,8 @@ from space.controlplane.api.deps import Services
 from space.controlplane.e2b.control import create_control_app
 from space.controlplane.e2b.envd.app import envd_app
 from space.core import errors
+
+log = logging.getLogger(__name__)
 
 #: Longer than the E2B SDK's 300 s pool idle time (module invariants).
 KEEP_ALIVE_S = 330
@@ -83,13 +87,21 @@ def companions(services: Services, listen: E2bListen, log_level: str) -> list[uv
 
 async def serve_with_e2b(main: uvicorn.Server, extra: list[uvicorn.Server]) -> None:
     """Run `main` and the E2B servers until `main` ends (module invariants)."""
-    tasks = [asyncio.create_task(server.serve(), name="e2b-server") for server in extra]
+    tasks = [asyncio.create_task(_serve_companion(server), name="e2b-server") for server in extra]
     try:
         await main.serve()
     finally:
         for server in extra:
             server.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _serve_companion(server: uvicorn.Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn's answer to a port it cannot bind (it logged why)
+        log.error("the E2B front on %s:%s did not start; SPACE's API goes on without it",
+                  server.config.host, server.config.port)  # fmt: skip
 
 
 def run(app: FastAPI, *, host: str, port: int, log_level: str, listen: E2bListen) -> None:
