@@ -12,10 +12,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from typing import Final
+from typing import Final, Literal
 
 API_KEY_PREFIX: Final = "space_"
 API_KEY_RANDOM_CHARS: Final = 40  # secrets.token_urlsafe(30) is exactly 40 url-safe characters
+#: A key in E2B's shape (`e2b_` + lowercase hex: older E2B SDKs check it client-side): the same 240 random
+#: bits, as 60 hex digits. Otherwise a SPACE key like any other (same store, roles, revocation).
+E2B_API_KEY_PREFIX: Final = "e2b_"
+API_KEY_PREFIXES: Final = (API_KEY_PREFIX, E2B_API_KEY_PREFIX)
+KeyShape = Literal["space", "e2b"]
 API_KEY_DISPLAY_CHARS: Final = 12  # "space_" + 6 random characters: enough to tell keys apart
 MAX_SECRET_LENGTH: Final = 256  # never hash megabytes sent as a bearer token
 
@@ -47,7 +52,9 @@ def matches(stored_hash: str | None, secret: str) -> bool:
     return stored_hash is not None and hmac.compare_digest(stored_hash, hash_secret(secret))
 
 
-def new_api_key_secret() -> str:
+def new_api_key_secret(shape: KeyShape = "space") -> str:
+    if shape == "e2b":
+        return E2B_API_KEY_PREFIX + secrets.token_hex(30)
     return API_KEY_PREFIX + secrets.token_urlsafe(30)
 
 

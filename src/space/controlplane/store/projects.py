@@ -2,8 +2,9 @@
 
 Invariants:
 - Names are 1 to 128 characters, unique per org (projects) and globally (orgs).
-- An API key's secret is answered once, by `create_api_key`, and never stored: only its SHA-256 digest
-  (looked up by a unique index) and a 12-character display prefix (digests.py).
+- An API key is `space_` + 240 random bits, or in E2B's shape `e2b_` + the same bits in hex (digests.py);
+  both shapes are the same kind of key. Its secret is answered once, by `create_api_key`, and never
+  stored: only its SHA-256 digest (looked up by a unique index) and a 12-character display prefix.
 - A project key belongs to a project of its own org; an org key (project_id None) to no project.
 - Revocation is final and idempotent: the first revocation time is kept; a revoked key authenticates
   nothing.
@@ -18,8 +19,9 @@ from sqlalchemy import select
 from space.controlplane.store.database import Repository
 from space.controlplane.store.digests import (
     API_KEY_DISPLAY_CHARS,
-    API_KEY_PREFIX,
+    API_KEY_PREFIXES,
     MAX_SECRET_LENGTH,
+    KeyShape,
     hash_secret,
     matches,
     new_api_key_secret,
@@ -82,11 +84,15 @@ class ProjectRepository(Repository):
 class ApiKeyRepository(Repository):
     """API keys of orgs and projects."""
 
-    def create_api_key(self, project_id: str | None, org_id: str, role: Role) -> tuple[ApiKeyRecord, str]:
-        """A new key and its secret. The secret is returned here once and never stored."""
+    def create_api_key(
+        self, project_id: str | None, org_id: str, role: Role, *, shape: KeyShape = "space"
+    ) -> tuple[ApiKeyRecord, str]:
+        """A new key and its secret (in `shape`). The secret is returned here once and never stored."""
         if role not in _ROLES:
             raise InvalidArgument(f"invalid role {role!r}: expected one of {sorted(_ROLES)}", field="role")
-        secret = new_api_key_secret()
+        if shape not in ("space", "e2b"):
+            raise InvalidArgument(f"invalid key shape {shape!r}: expected space or e2b", field="shape")
+        secret = new_api_key_secret(shape)
         row = ApiKey(
             id=ids.new_api_key_id(),
             project_id=project_id,
@@ -109,7 +115,7 @@ class ApiKeyRepository(Repository):
         """The live key whose secret this is, or None (unknown, malformed or revoked)."""
         if (
             not isinstance(secret, str)
-            or not secret.startswith(API_KEY_PREFIX)
+            or not secret.startswith(API_KEY_PREFIXES)
             or len(secret) > MAX_SECRET_LENGTH
         ):
             return None
