@@ -429,14 +429,59 @@ def test_files_metadata_calls(sp: Space, server: FakeServer) -> None:
     assert server.last().url.params["path"] == "/work"
     assert sb.files.stat("/work/a.txt")["size"] == 4
     assert sb.files.exists("/work/a.txt")
-    sb.files.mkdir("/work/d")
-    assert server.body() == {"path": "/work/d", "parents": True}
+    assert sb.files.mkdir("/work/d") is True  # an older server's {} answer: made
+    assert server.body() == {"path": "/work/d", "parents": True, "mode": 0o755}
     sb.files.remove("/work/d", recursive=True)
     assert dict(server.last().url.params) == {"path": "/work/d", "recursive": "true"}
     sb.files.rename("/work/a", "/work/b")
-    assert server.body() == {"src": "/work/a", "dst": "/work/b"}
+    assert server.body() == {"src": "/work/a", "dst": "/work/b", "parents": False}
     server.on("GET", "/v1/sandboxes/sb-1/files/stat", error_response(404, "not_found", "no such file"))
     assert not sb.files.exists("/work/nope")
+
+
+def test_files_fidelity_calls(sp: Space, server: FakeServer) -> None:
+    sb = make_sandbox(sp, server)
+    entry = {"name": "a", "path": "/work/a", "type": "dir", "size": 0, "mode": 493, "owner": "user"}
+    listed = {"entries": [entry], "truncated": True}
+    server.on("GET", "/v1/sandboxes/sb-1/files/list", httpx.Response(200, json=listed))
+    listing = sb.files.list("/work", depth=3, limit=1, xattrs=True)
+    assert listing == [entry] and listing.truncated
+    assert dict(server.last().url.params) == {"path": "/work", "depth": "3", "limit": "1", "xattrs": "true"}
+    server.on("GET", "/v1/sandboxes/sb-1/files/stat", httpx.Response(200, json=entry))
+    sb.files.stat("/work/a", follow=True)
+    assert server.last().url.params["follow"] == "true"
+    made = {"created": False, "entry": entry}
+    server.on("POST", "/v1/sandboxes/sb-1/files/mkdir", httpx.Response(200, json=made))
+    assert sb.files.mkdir("/work/a", mode=0o700) is False
+    server.on("POST", "/v1/sandboxes/sb-1/files/rename", httpx.Response(200, json={"entry": entry}))
+    assert sb.files.rename("/work/x", "/work/y/z", parents=True) == entry
+    assert server.body() == {"src": "/work/x", "dst": "/work/y/z", "parents": True}
+    server.on("PUT", "/v1/sandboxes/sb-1/files/xattrs", httpx.Response(200, json={}))
+    sb.files.set_xattr("/work/a", "user.k", b"\x00v")
+    assert server.body() == {"path": "/work/a", "attribute": "user.k", "value_b64": "AHY="}
+    value = {"name": "user.k", "value_b64": "AHY="}
+    server.on("GET", "/v1/sandboxes/sb-1/files/xattrs/value", httpx.Response(200, json=value))
+    assert sb.files.get_xattr("/work/a", "user.k") == b"\x00v"
+    assert dict(server.last().url.params) == {"path": "/work/a", "attribute": "user.k"}
+    server.on(
+        "GET", "/v1/sandboxes/sb-1/files/xattrs", httpx.Response(200, json={"xattrs": {"user.k": "AHY="}})
+    )
+    assert sb.files.xattrs("/work/a") == {"user.k": b"\x00v"}
+    server.on("DELETE", "/v1/sandboxes/sb-1/files/xattrs", httpx.Response(200, json={}))
+    sb.files.remove_xattr("/work/a", "user.k")
+    assert dict(server.last().url.params) == {"path": "/work/a", "attribute": "user.k"}
+
+
+def test_process_resize(sp: Space, server: FakeServer) -> None:
+    sb = make_sandbox(sp, server)
+    url = "/v1/sandboxes/sb-1/processes/0123456789abcdef/resize"
+    server.on("POST", url, httpx.Response(200, json={}))
+    sb.processes.resize("0123456789abcdef", 50, 132)
+    assert server.body() == {"rows": 50, "cols": 132}
+    server.on("POST", url, error_response(409, "invalid_state", "no terminal", state="no_terminal"))
+    with pytest.raises(core_errors.InvalidState) as refused:
+        sb.processes.resize("0123456789abcdef", 50, 132)
+    assert refused.value.state == "no_terminal"
 
 
 def test_files_watch(sp: Space, server: FakeServer) -> None:

@@ -1,4 +1,5 @@
-"""A sandbox's files: read, write (streamed from files and iterators), list, stat, rename, watch.
+"""A sandbox's files: read, write (streamed from files and iterators), list (by depth), stat, mkdir, rename,
+watch, user.* extended attributes.
 
 Invariants:
 - Uploads from a file object or an iterator are streamed chunk by chunk (never joined in memory, so never
@@ -9,8 +10,9 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import builtins
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import IO, Any, cast
 
 from space.core.errors import NotFound
@@ -46,6 +48,14 @@ async def _iter_chunks(chunks: AsyncChunks) -> AsyncIterator[bytes]:
     async for chunk in AsyncBackend.iterate(chunks):
         if chunk:
             yield chunk.encode("utf-8") if isinstance(chunk, str) else bytes(chunk)
+
+
+class FileListing(builtins.list[dict[str, Any]]):
+    """A listing's entries (a list), with `truncated`: whether the entry limit cut it short."""
+
+    def __init__(self, entries: Iterable[dict[str, Any]] = (), *, truncated: bool = False) -> None:
+        super().__init__(entries)
+        self.truncated = truncated
 
 
 class AsyncFiles:
@@ -86,12 +96,24 @@ class AsyncFiles:
             async for chunk in self._http.iter_bytes(response, chunk_size):
                 yield chunk
 
-    async def list(self, path: str) -> builtins.list[dict[str, Any]]:
-        answer = await self._http.json("GET", f"{self._base}/list", params={"path": path})
-        return [dict(entry) for entry in answer.get("entries", [])]
+    async def list(
+        self, path: str, *, depth: int = 1, limit: int | None = None, xattrs: bool = False
+    ) -> FileListing:
+        """Entries below `path` up to `depth` levels (1-16; pre-order, each directory's children by name,
+        never through a symlink), at most `limit` (default and most 50 000): `.truncated` says whether the
+        limit cut the listing. With `xattrs`, each entry has its user.* attributes (base64 values)."""
+        params: dict[str, Any] = {"path": path, "depth": depth, "xattrs": xattrs}
+        if limit is not None:
+            params["limit"] = limit
+        answer = await self._http.json("GET", f"{self._base}/list", params=params)
+        entries = [dict(entry) for entry in answer.get("entries", [])]
+        return FileListing(entries, truncated=bool(answer.get("truncated", False)))
 
-    async def stat(self, path: str) -> dict[str, Any]:
-        return dict(await self._http.json("GET", f"{self._base}/stat", params={"path": path}))
+    async def stat(self, path: str, *, follow: bool = False, xattrs: bool = False) -> dict[str, Any]:
+        """The path itself (a symlink is type "symlink" with its `symlink_target`); with `follow`, what a
+        symlink leads to (`broken` when it cannot be followed)."""
+        params = {"path": path, "follow": follow, "xattrs": xattrs}
+        return dict(await self._http.json("GET", f"{self._base}/stat", params=params))
 
     async def exists(self, path: str) -> bool:
         try:
@@ -100,14 +122,41 @@ class AsyncFiles:
             return False
         return True
 
-    async def mkdir(self, path: str, *, parents: bool = True) -> None:
-        await self._http.json("POST", f"{self._base}/mkdir", json_body={"path": path, "parents": parents})
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> bool:
+        """True when the directory was made, False when it was already there (with `parents`)."""
+        body = {"path": path, "parents": parents, "mode": mode}
+        answer = await self._http.json("POST", f"{self._base}/mkdir", json_body=body)
+        return bool(answer.get("created", True)) if isinstance(answer, dict) else True
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
         await self._http.json("DELETE", self._base, params={"path": path, "recursive": recursive})
 
-    async def rename(self, src: str, dst: str) -> None:
-        await self._http.json("POST", f"{self._base}/rename", json_body={"src": src, "dst": dst})
+    async def rename(self, src: str, dst: str, *, parents: bool = False) -> dict[str, Any]:
+        """Move `src` to `dst` (with `parents`, making dst's missing directories); the destination's entry."""
+        body = {"src": src, "dst": dst, "parents": parents}
+        answer = await self._http.json("POST", f"{self._base}/rename", json_body=body)
+        return dict(answer.get("entry") or {}) if isinstance(answer, dict) else {}
+
+    async def xattrs(self, path: str) -> dict[str, bytes]:
+        """The user.* extended attributes of `path`: name -> value."""
+        answer = await self._http.json("GET", f"{self._base}/xattrs", params={"path": path})
+        return {name: base64.b64decode(value) for name, value in answer.get("xattrs", {}).items()}
+
+    async def get_xattr(self, path: str, attribute: str) -> bytes:
+        """One user.* attribute's value (NotFound when the path has none of that name)."""
+        params = {"path": path, "attribute": attribute}
+        answer = await self._http.json("GET", f"{self._base}/xattrs/value", params=params)
+        return base64.b64decode(answer["value_b64"])
+
+    async def set_xattr(self, path: str, attribute: str, value: bytes | str) -> None:
+        """Set a user.* attribute (name at most 255 bytes, value at most 64 KiB)."""
+        raw = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        body = {"path": path, "attribute": attribute, "value_b64": base64.b64encode(raw).decode()}
+        await self._http.json("PUT", f"{self._base}/xattrs", json_body=body)
+
+    async def remove_xattr(self, path: str, attribute: str) -> None:
+        params = {"path": path, "attribute": attribute}
+        await self._http.json("DELETE", f"{self._base}/xattrs", params=params)
 
     async def watch(self, path: str, *, recursive: bool = False) -> AsyncIterator[dict[str, Any]]:
         """Change events as they happen: {"type": "watching", ...} once the watch is set up, then

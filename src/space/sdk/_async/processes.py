@@ -70,6 +70,9 @@ class AsyncProcess:
     async def close_stdin(self) -> None:
         await self._sandbox.processes.write_stdin(self.id, b"", eof=True)
 
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._sandbox.processes.resize(self.id, rows, cols)
+
     async def wait(self) -> ExecResult:
         """Follow the output from the start until the process exits; the output is collected."""
         output = OutputCollector()
@@ -144,3 +147,11 @@ class AsyncProcesses:
             headers={"Content-Type": "application/octet-stream"},
         )
         return int(answer.get("written", 0)) if isinstance(answer, dict) else 0
+
+    async def resize(self, process: AsyncProcess | str | int, rows: int, cols: int) -> None:
+        """Set a PTY process's terminal size (1-1000 each); a process without a PTY is InvalidState."""
+        await self._http.json(
+            "POST",
+            f"{self._base}/{seg(_process_id(process))}/resize",
+            json_body={"rows": rows, "cols": cols},
+        )

@@ -73,6 +73,9 @@ class Process:
     def close_stdin(self) -> None:
         self._sandbox.processes.write_stdin(self.id, b"", eof=True)
 
+    def resize(self, rows: int, cols: int) -> None:
+        self._sandbox.processes.resize(self.id, rows, cols)
+
     def wait(self) -> ExecResult:
         """Follow the output from the start until the process exits; the output is collected."""
         output = OutputCollector()
@@ -147,3 +150,11 @@ class Processes:
             headers={"Content-Type": "application/octet-stream"},
         )
         return int(answer.get("written", 0)) if isinstance(answer, dict) else 0
+
+    def resize(self, process: Process | str | int, rows: int, cols: int) -> None:
+        """Set a PTY process's terminal size (1-1000 each); a process without a PTY is InvalidState."""
+        self._http.json(
+            "POST",
+            f"{self._base}/{seg(_process_id(process))}/resize",
+            json_body={"rows": rows, "cols": cols},
+        )
