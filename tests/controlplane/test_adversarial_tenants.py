@@ -83,6 +83,7 @@ FILLERS: dict[str, Any] = {
     "attribute": "user.pwned",
     "value_b64": "cHduZWQ=",
     "allowed_private_networks": [],
+    "timeout_s": 0,  # the most harmful deadline: now (the victim's sandbox would be deleted)
 }
 #: Optional body fields filled all the same (an exec needs one of cmd/argv, which the schema cannot say).
 ALWAYS_FILLED = {"cmd"}
@@ -181,6 +182,9 @@ def picture(cluster: c.Cluster, tenant: Tenant) -> Picture:
         "limits",
         "snapshot_policy",
         "error",
+        "metadata",
+        "expires_at",
+        "on_timeout",
     )
     names = [
         e["name"]

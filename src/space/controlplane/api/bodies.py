@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from space.controlplane.credentials import spec
 from space.core.retention import SnapshotPolicy
+from space.core.sandbox_options import MAX_TIMEOUT_S, OnTimeout
 from space.core.settings import SandboxLimits
 
 #: Most events one node audit batch may carry.
@@ -40,12 +41,23 @@ class CreateSandbox(_Body):
     env: dict[str, str] = Field(default_factory=dict)
     limits: SandboxLimits | None = None
     idle_timeout_s: int | None = Field(default=None, gt=0)
-    ttl_s: int | None = Field(default=None, gt=0)
+    ttl_s: int | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)
     wait: bool = True
     allow: list[str] = Field(default_factory=list)
     credentials: list[str] = Field(default_factory=list)
     egress: EgressSpec | None = None  # issue 5: {"allow", "deny", "credentials"}; merged with the two above
     snapshot_policy: SnapshotPolicy | None = None  # issue 4: scheduled snapshots + retention
+    # Issue 13 (ADR 0048): labels to filter lists by (bounds: space.core.sandbox_options, checked by the
+    # store: 400 naming `metadata`), and what the deadline (ttl_s, or a timeout set later) does.
+    metadata: dict[str, str] = Field(default_factory=dict)
+    on_timeout: OnTimeout = "delete"
+
+
+class TimeoutBody(_Body):
+    """The sandbox's deadline becomes now + timeout_s (0: now); with extend_only it only moves later."""
+
+    timeout_s: int = Field(ge=0, le=MAX_TIMEOUT_S, strict=True)  # "5", 5.0 or true are no number of seconds
+    extend_only: bool = False
 
 
 class PatchSandbox(_Body):

@@ -13,17 +13,21 @@ Invariants:
   request that died mid-way finds the sandbox that request recorded instead of making a second one.
 - A sandbox with an egress policy or bound credentials has its policy recorded before its row exists, so
   nothing ever runs without it (issue 5).
+- A list is one page, filtered, ordered and cut by the store in SQL (docs/adr/0048-metadata-lists-and-
+  deadlines.md); `next_page_token` is in the answer only when another page follows.
+- A deadline change (`/timeout`) is one conditional UPDATE of the store, never a lifecycle wish: it is
+  allowed in every state but deleted (409 naming it), and the reconciler is woken to act on a passed one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from space.controlplane.api.bodies import CreateSandbox, EgressSpec, PatchSandbox
+from space.controlplane.api.bodies import CreateSandbox, EgressSpec, PatchSandbox, TimeoutBody
 from space.controlplane.api.deps import (
     Auth,
     IdempotencyKey,
@@ -41,9 +45,11 @@ from space.controlplane.api.egress import prepare_create
 from space.controlplane.api.views import Sandbox, Sandboxes, sandbox_view
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.store.records import SandboxRecord
-from space.core import errors
+from space.controlplane.store.sandbox_listing import DEFAULT_PAGE, MAX_PAGE, MAX_TOKEN_LENGTH, SandboxQuery
+from space.core import errors, lifecycle
 from space.core.ids import new_sandbox_id, parse_sandbox_id
 from space.core.lifecycle import Event, State, transition
+from space.core.sandbox_options import MAX_METADATA_KEYS, check_metadata, metadata_filters
 from space.core.settings import SandboxLimits
 
 router = APIRouter()
@@ -54,6 +60,7 @@ async def create_sandbox(
     body: CreateSandbox, who: Auth, services: Svc, idem: IdempotencyKey = None
 ) -> JSONResponse:
     who.require("member")
+    check_metadata(body.metadata)  # before anything is recorded (its egress policy)
     # A disk no node can hold is refused now, not left waiting for a node forever (ADR 0027).
     await asyncio.to_thread(check_admissible, services.store, body.limits or SandboxLimits())
     spec = body.egress or EgressSpec()
@@ -83,7 +90,7 @@ async def _create(
         sb = await asyncio.to_thread(
             services.store.create_sandbox, who.project_id, body.template, env, body.limits,
             idle_timeout_s=body.idle_timeout_s, ttl_s=body.ttl_s, sandbox_id=sandbox_id,
-            snapshot_policy=policy,
+            snapshot_policy=policy, metadata=body.metadata, on_timeout=body.on_timeout,
         )  # fmt: skip
     except errors.AlreadyExists:
         assert sandbox_id is not None
@@ -101,9 +108,28 @@ async def _create(
 
 
 @router.get("/sandboxes", response_model=Sandboxes)
-async def list_sandboxes(who: Auth, services: Svc) -> dict[str, Any]:
-    rows = await asyncio.to_thread(services.store.list_sandboxes, who.project_id)
-    return {"sandboxes": [sandbox_view(sb) for sb in rows]}
+async def list_sandboxes(
+    who: Auth,
+    services: Svc,
+    *,
+    state: Annotated[list[str], Query(max_length=32, description="Repeatable; none: all but deleted.")] = [],  # noqa: B006
+    template: Annotated[str | None, Query(max_length=64)] = None,
+    metadata: Annotated[
+        list[str], Query(max_length=MAX_METADATA_KEYS, description="Repeatable key=value; all must match.")
+    ] = [],  # noqa: B006
+    order: Literal["asc", "desc"] = "desc",
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
+    page_token: Annotated[str | None, Query(max_length=MAX_TOKEN_LENGTH)] = None,
+) -> JSONResponse:
+    query = SandboxQuery(
+        states=tuple(lifecycle.parse_state(s) for s in state), template=template,
+        metadata=metadata_filters(metadata), order=order, limit=limit, page_token=page_token,
+    )  # fmt: skip
+    page = await asyncio.to_thread(services.store.page_sandboxes, who.project_id, query)
+    body: dict[str, Any] = {"sandboxes": [sandbox_view(sb) for sb in page.sandboxes]}
+    if page.next_page_token is not None:
+        body["next_page_token"] = page.next_page_token
+    return JSONResponse(body)
 
 
 @router.get("/sandboxes/{sandbox_id}", response_model=Sandbox)
@@ -119,6 +145,21 @@ async def patch_sandbox(sandbox_id: str, body: PatchSandbox, who: Auth, services
         policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
         sb = await asyncio.to_thread(services.store.update_observed, sb.id, snapshot_policy=policy)
     return sandbox_view(sb)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", response_model=Sandbox)
+async def set_sandbox_timeout(sandbox_id: str, body: TimeoutBody, who: Auth, services: Svc) -> dict[str, Any]:
+    """The deadline becomes now + timeout_s (0: now, which may shorten it); with extend_only it only
+    moves later (and a sandbox without one keeps none). What happens then is the sandbox's on_timeout."""
+    who.require("member")
+    sb = await find_sandbox(services, who, sandbox_id)
+    updated = await asyncio.to_thread(
+        services.store.set_deadline, sb.id, body.timeout_s, extend_only=body.extend_only
+    )
+    services.forget(sb.id)
+    if updated.expires_at is not None and updated.expires_at <= services.store.now():
+        services.reconciler.poke()  # passed already (timeout_s 0): act on it now
+    return sandbox_view(updated)
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=202, response_model=Sandbox)

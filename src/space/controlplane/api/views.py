@@ -61,10 +61,21 @@ class Sandbox(_View):
         "from its template's warm checkpoint: no pooled one was ready) or 'cold' (booted); null for a fork, "
         "or while it is being created.",
     )
+    metadata: dict[str, str] = Field(description="The labels given at create (a fork's: its source's).")
+    expires_at: str | None = Field(
+        description="The deadline: what on_timeout says happens then (null: none)."
+    )
+    on_timeout: Literal["delete", "pause"] = Field(
+        description="'delete' the sandbox at its deadline, or 'pause' it: kept suspended (paused where "
+        "there is no object storage) with no deadline until it comes back."
+    )
 
 
 class Sandboxes(_View):
     sandboxes: list[Sandbox]
+    next_page_token: str | None = Field(
+        default=None, description="Present only when another page follows: pass it as page_token."
+    )
 
 
 def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
@@ -94,6 +105,9 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "suspended_snapshot_id": sb.suspended_snapshot_id if sb.state == State.SUSPENDED else None,
         "snapshot_policy": sb.snapshot_policy,
         "created_from": sb.created_from,
+        "metadata": sb.metadata,
+        "expires_at": _iso(sb.expires_at),
+        "on_timeout": sb.on_timeout,
     }
 
 

@@ -41,6 +41,7 @@ from space.controlplane.nodes import NodePool
 from space.controlplane.reconciler.context import log
 from space.controlplane.reconciler.creation import CreationSteps
 from space.controlplane.reconciler.deletion import DeletionSteps
+from space.controlplane.reconciler.expiry import expire, expired
 from space.controlplane.reconciler.plan import (
     NEXT_STEP,
     NODE_CALLS,
@@ -251,15 +252,16 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         return None
 
     async def _advance(self, sb: SandboxRecord) -> SandboxRecord | None:
-        """One move: a wish to delete first, then an expired lifetime, then the step in progress (re-run),
-        else the next step planned from this stable state."""
+        """One move: a wish to delete first, then a passed deadline (its on_timeout), then the step in
+        progress (re-run), else the next step planned from this stable state."""
         if sb.state == State.DELETED:
             return None
         if sb.desired_state == State.DELETED and sb.state != State.DELETING:
             return await self._transition(sb, Event.DELETE)
-        if sb.state != State.DELETING and sb.expires_at is not None and sb.expires_at <= self.store.now():
-            await asyncio.to_thread(self.store.set_desired, sb.id, State.DELETED)
-            return await asyncio.to_thread(self.store.load_sandbox, sb.id)
+        if expired(sb, self.store.now()):  # deleted, or kept suspended/paused: its on_timeout (expiry.py)
+            moved = await expire(self.store, sb, can_suspend=self.objects is not None)
+            if moved is not None:
+                return moved
         effect = self._in_flight.get(sb.state)
         if effect is not None:
             return await self._guarded(sb, effect)

@@ -56,6 +56,7 @@ org_record = RowMapper(OrgRecord)
 project_record = RowMapper(ProjectRecord)
 api_key_record = RowMapper(ApiKeyRecord)
 node_record = RowMapper(NodeRecord)
-sandbox_record = RowMapper(SandboxRecord)
+# `metadata_`: declarative classes reserve the attribute name `metadata` (models.Sandbox).
+sandbox_record = RowMapper(SandboxRecord, metadata=lambda row: row.metadata_ or {})
 snapshot_record = RowMapper(SnapshotRecord)
 idempotency_record = RowMapper(IdempotencyRecordView)

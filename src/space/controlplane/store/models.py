@@ -59,6 +59,7 @@ NODE_STATUSES = ("ready", "lost", "draining", "offline")
 EVENT_KIND_LENGTH = 32
 SNAPSHOT_KINDS = ("disk", "full")
 SNAPSHOT_STATES = ("creating", "ready", "deleting")
+ON_TIMEOUT = ("delete", "pause")  # space.core.sandbox_options.ON_TIMEOUT
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -159,6 +160,7 @@ class Sandbox(Base):
         # TTL sweep and per-node listings (node lost -> its sandboxes).
         Index("ix_sandboxes_expires_at", "expires_at"),
         Index("ix_sandboxes_node_id", "node_id"),
+        CheckConstraint(_one_of("on_timeout", ON_TIMEOUT), name="on_timeout"),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -207,6 +209,13 @@ class Sandbox(Base):
     # Issue 12 (migration 0009): how the node made it: 'pool', 'warm' or 'cold' (NULL: not created by a
     # create request, or before 0009).
     created_from: Mapped[str | None] = mapped_column(String(8))
+    # Issue 13 (migration 0010, ADR 0048). The user's labels, {key: value} (space.core.sandbox_options has
+    # the bounds); list filters match them in SQL. The attribute is `metadata_` because declarative
+    # classes reserve `metadata`; the column and the record field are `metadata`.
+    metadata_: Mapped[dict[str, str]] = mapped_column("metadata", JSON, server_default=text("'{}'"))
+    # What the deadline (expires_at) does: 'delete' the sandbox, or 'pause' it (kept suspended, or
+    # paused where there is no object storage) and clear the deadline until it runs again.
+    on_timeout: Mapped[str] = mapped_column(String(8), server_default=text("'delete'"))
 
 
 class Snapshot(Base):

@@ -11,11 +11,12 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
 from space.core.lifecycle import State
+from space.core.sandbox_options import OnTimeout
 from space.core.settings import SandboxLimits
 
 Role = Literal["admin", "member", "read-only"]
@@ -112,6 +113,9 @@ class SandboxRecord:
     error_code: str | None = None
     incarnation: int | None = None  # the generation at which the copy on node_id was made
     created_from: CreatedFrom | None = None  # how the node made it (None: not by a create request)
+    # Issue 13 (ADR 0048): the user's labels, and what the deadline (expires_at) does.
+    metadata: dict[str, str] = field(default_factory=dict)
+    on_timeout: OnTimeout = "delete"
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,18 @@ Invariants:
 - `node_lost` (a step re-planned because its node is gone) also frees the sandbox's lease.
 - `incarnation` (docs/adr/0032-lost-nodes-and-incarnations.md) is the generation at which the copy on
   `node_id` was made; callers set it together with the node the copy is placed on, before the node call.
+- Deadlines (docs/adr/0048-metadata-lists-and-deadlines.md): `set_deadline` moves `expires_at` to now + N
+  (with extend_only only later, and never off "no deadline"), on any sandbox not deleted or being deleted;
+  `expire_sandbox` acts on a deadline only while it is still passed (a deadline moved meanwhile wins), in
+  the same UPDATE; a sandbox that comes back (`resumed`, `restored`) with a timeout (`ttl_s`) gets a
+  deadline of at least now + that timeout, in the transaction of its transition.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from sqlalchemy import ColumnElement, update
@@ -41,6 +46,7 @@ from space.controlplane.store.values import aware, seconds, settable
 from space.core import lifecycle
 from space.core.errors import Conflict, InvalidState, NotFound
 from space.core.lifecycle import Event, State
+from space.core.sandbox_options import timeout_seconds
 from space.faults import failpoints
 
 # Columns a caller may set alongside a state change / as an observation. Everything else (ids, project,
@@ -92,6 +98,8 @@ OBSERVED_FIELDS: Final = frozenset(
     }
 )
 _TIME_FIELDS: Final = ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at")
+# Completions that bring a sandbox back to running on a user's behalf: its deadline starts again.
+_FRESH_DEADLINE: Final = frozenset({Event.RESUMED, Event.RESTORED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,9 +160,12 @@ class SandboxStateRepository(Repository):
         values: dict[str, Any],
         what: str,
         note: Note | None = None,
+        *,
+        fresh_deadline: bool = False,
     ) -> SandboxRecord:
         """UPDATE one sandbox where `conditions` still hold (the compare of compare-and-swap) and return
-        it; Conflict (or NotFound) naming what the row is now if someone else changed it first."""
+        it; Conflict (or NotFound) naming what the row is now if someone else changed it first. With
+        `fresh_deadline`, a sandbox with a timeout gets a deadline of at least now + that timeout."""
         statement = (
             update(Sandbox)
             .where(Sandbox.id == sandbox_id, *conditions)
@@ -173,7 +184,16 @@ class SandboxStateRepository(Repository):
                         message=(note.message or note.kind)[:MESSAGE_LENGTH], detail=dict(note.detail),
                     )
                 )  # fmt: skip
-            return sandbox_record(row)
+            record = sandbox_record(row)
+            if fresh_deadline and record.ttl_s and "expires_at" not in values:
+                fresh = record.updated_at + timedelta(seconds=record.ttl_s)  # the transition's "now"
+                if record.expires_at is None or record.expires_at < fresh:
+                    session.execute(
+                        update(Sandbox).where(Sandbox.id == sandbox_id).values(expires_at=fresh)
+                        .execution_options(synchronize_session=False)
+                    )  # fmt: skip
+                    record = replace(record, expires_at=fresh)
+            return record
 
     def transition(
         self,
@@ -213,7 +233,14 @@ class SandboxStateRepository(Repository):
         conditions = [Sandbox.state == current.value, Sandbox.generation == expected_generation]
         step = lifecycle.parse_event(event)
         failpoints.hit(failpoints.transition_point(current.value, step.value, "before"))
-        record = self._update_sandbox(sandbox_id, conditions, values, f"{step} on sandbox {sandbox_id}", note)
+        record = self._update_sandbox(
+            sandbox_id,
+            conditions,
+            values,
+            f"{step} on sandbox {sandbox_id}",
+            note,
+            fresh_deadline=step in _FRESH_DEADLINE,
+        )
         failpoints.hit(failpoints.transition_point(current.value, step.value, "after"))
         return record
 
@@ -254,6 +281,69 @@ class SandboxStateRepository(Repository):
                 return sandbox_record(row)
             refusal = _deleted_refusal(session.get(Sandbox, sandbox_id), desired)
             raise refusal if refusal is not None else _conflict(session, sandbox_id, what)
+
+    def set_deadline(self, sandbox_id: str, timeout_s: int, *, extend_only: bool = False) -> SandboxRecord:
+        """The sandbox's deadline becomes now + timeout_s (0: now; it may shorten it), and a positive
+        timeout_s becomes its timeout for later resumes (ttl_s). With extend_only the deadline only moves
+        later: an earlier or equal one, or none at all (no deadline is later than any), is left as it is.
+        InvalidState if the sandbox is deleted or being deleted; NotFound if it does not exist."""
+        timeout_s = timeout_seconds(timeout_s)
+        now = self.now()
+        deadline = now + timedelta(seconds=timeout_s)
+        deleted = State.DELETED.value
+        conditions: list[ColumnElement[bool]] = [
+            Sandbox.id == sandbox_id, Sandbox.state != deleted, Sandbox.desired_state != deleted
+        ]  # fmt: skip
+        if extend_only:
+            conditions += [Sandbox.expires_at.is_not(None), Sandbox.expires_at < deadline]
+        values: dict[str, Any] = {"expires_at": deadline, "updated_at": now}
+        if timeout_s > 0:
+            values["ttl_s"] = timeout_s
+        statement = (
+            update(Sandbox).where(*conditions).values(values).returning(Sandbox)
+            .execution_options(synchronize_session=False)
+        )  # fmt: skip
+        with self._tx(f"setting the deadline of sandbox {sandbox_id}") as session:
+            row = session.scalars(statement).one_or_none()
+            if row is None:
+                row = session.get(Sandbox, sandbox_id)
+                if row is None:
+                    raise NotFound(f"sandbox {sandbox_id} not found")
+                if deleted in (row.state, row.desired_state):
+                    gone = "deleted" if row.state == deleted else "being deleted"
+                    raise InvalidState(
+                        f"sandbox {sandbox_id} is {gone} (state '{row.state}')", state=row.state
+                    )
+            return sandbox_record(row)  # extend_only and not later: as it was
+
+    def expire_sandbox(
+        self, sandbox_id: str, desired: State | None, *, clear_deadline: bool
+    ) -> SandboxRecord | None:
+        """Act on a passed deadline: ask for `desired` (None: leave the wish as it is) and, with
+        clear_deadline, drop the deadline (a sandbox kept instead of deleted has none until it comes
+        back). Only while the deadline is still passed and the sandbox not deleted or being deleted;
+        None if that no longer holds (moved meanwhile). Writes a `sandbox.expired` event with it."""
+        now = self.now()
+        deleted = State.DELETED.value
+        conditions: list[ColumnElement[bool]] = [
+            Sandbox.expires_at.is_not(None), Sandbox.expires_at <= now,
+            Sandbox.state != deleted, Sandbox.desired_state != deleted,
+        ]  # fmt: skip
+        values: dict[str, Any] = {"updated_at": now}
+        if desired is not None:
+            values.update(
+                desired_state=desirable(desired).value, attempts=0, error_permanent=False, next_attempt_at=now
+            )
+        if clear_deadline:
+            values["expires_at"] = None
+        outcome = "deleted" if desired is State.DELETED else f"kept ({desired or 'as it is'})"
+        note = Note("sandbox.expired", f"its deadline passed: {outcome}", {"desired_state": desired})
+        try:
+            return self._update_sandbox(
+                sandbox_id, conditions, values, f"expiring sandbox {sandbox_id}", note
+            )
+        except (Conflict, NotFound):
+            return None
 
     def update_observed(
         self, sandbox_id: str, expected_generation: int | None = None, **fields: Any

@@ -9,6 +9,10 @@ Invariants:
   an absent one. `load_sandbox` (by id alone) is for the reconciler and node reports only.
 - Rows are never deleted: a deleted sandbox is a tombstone in state `deleted`; listings leave tombstones
   out unless asked.
+- Metadata obeys space.core.sandbox_options (checked here, whoever calls); a fork that is given no
+  metadata or on_timeout of its own takes its source's, read in the transaction that creates it.
+- A tenant's page of sandboxes (`page_sandboxes`) is filtered, ordered and cut in SQL
+  (sandbox_listing.py), never by loading the project's rows.
 """
 
 from __future__ import annotations
@@ -23,9 +27,17 @@ from space.controlplane.store.database import Repository
 from space.controlplane.store.mapping import sandbox_record
 from space.controlplane.store.models import Sandbox
 from space.controlplane.store.records import SandboxRecord
+from space.controlplane.store.sandbox_listing import (
+    SandboxPage,
+    SandboxQuery,
+    checked_query,
+    encode_token,
+    page_statement,
+)
 from space.core import ids, lifecycle
 from space.core.errors import InvalidArgument, NotFound
 from space.core.lifecycle import State
+from space.core.sandbox_options import OnTimeout, check_metadata, parse_on_timeout, timeout_seconds
 from space.core.settings import SandboxLimits
 
 # The states a user may ask for; in-progress states and one-shot operations (checkpoint, rollback) are
@@ -46,9 +58,12 @@ def desirable(value: State | str) -> State:
 def _check_env_and_timeouts(env: Mapping[str, str], idle_timeout_s: int | None, ttl_s: int | None) -> None:
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise InvalidArgument("env must map strings to strings", field="env")
-    for value, field in ((idle_timeout_s, "idle_timeout_s"), (ttl_s, "ttl_s")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise InvalidArgument(f"{field} must be a positive integer", field=field)
+    if idle_timeout_s is not None and (
+        isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, int) or idle_timeout_s <= 0
+    ):
+        raise InvalidArgument("idle_timeout_s must be a positive integer", field="idle_timeout_s")
+    if ttl_s is not None:
+        timeout_seconds(ttl_s, "ttl_s", allow_zero=False)
 
 
 class SandboxRepository(Repository):
@@ -68,14 +83,19 @@ class SandboxRepository(Repository):
         desired_state: State = State.RUNNING,
         sandbox_id: str | None = None,
         snapshot_policy: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, str] | None = None,
+        on_timeout: OnTimeout | None = None,
     ) -> SandboxRecord:
         """A new sandbox record in state `pending` (generation 0); the reconciler creates it.
 
         A fork names its source (`forked_from`, which must be in the same project) and optionally the
-        checkpoint to start from; the reconciler then uses the `fork` event instead of `create`."""
+        checkpoint to start from; the reconciler then uses the `fork` event instead of `create`. Its
+        metadata and on_timeout are its source's unless given (None)."""
         ids.parse_template_name(template)
         env_map = dict(env or {})
         _check_env_and_timeouts(env_map, idle_timeout_s, ttl_s)
+        labels = check_metadata(metadata) if metadata is not None else None
+        when_expired = parse_on_timeout(on_timeout) if on_timeout is not None else None
         desired = desirable(desired_state)
         now = self.now()
         row = Sandbox(
@@ -105,12 +125,18 @@ class SandboxRepository(Repository):
             deleted_at=None,
             snapshot_policy=dict(snapshot_policy) if snapshot_policy is not None else None,
             crash_count=0,
+            metadata_=labels or {},
+            on_timeout=when_expired or "delete",
         )
         with self._tx("creating a sandbox") as session:
             if forked_from is not None:
                 source = session.get(Sandbox, forked_from)
                 if source is None or source.project_id != project_id:
                     raise NotFound(f"sandbox {forked_from} not found")
+                if labels is None:
+                    row.metadata_ = dict(source.metadata_ or {})
+                if when_expired is None:
+                    row.on_timeout = source.on_timeout
             session.add(row)
         return sandbox_record(row)
 
@@ -135,6 +161,19 @@ class SandboxRepository(Repository):
         with self._tx("listing sandboxes") as session:
             rows = session.scalars(query.order_by(Sandbox.created_at, Sandbox.id))
             return [sandbox_record(row) for row in rows]
+
+    def page_sandboxes(self, project_id: str, query: SandboxQuery) -> SandboxPage:
+        """One page of `project_id`'s sandboxes that match `query` (sandbox_listing.py): at most
+        query.limit, with a token for the next page when there is one. InvalidArgument (naming the
+        field) for a bad filter, limit or page token."""
+        query = checked_query(query)
+        statement = page_statement(project_id, query)
+        with self._tx("listing sandboxes") as session:
+            rows = [sandbox_record(row) for row in session.scalars(statement)]
+        if len(rows) <= query.limit:
+            return SandboxPage(sandboxes=rows, next_page_token=None)
+        page = rows[: query.limit]
+        return SandboxPage(sandboxes=page, next_page_token=encode_token(project_id, query, page[-1]))
 
     def list_sandboxes_on_node(self, node_id: str) -> list[SandboxRecord]:
         query = select(Sandbox).where(Sandbox.node_id == node_id, Sandbox.state != State.DELETED.value)
