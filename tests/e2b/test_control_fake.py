@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import e2b
 import httpx
 import pytest
-from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail
+from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail, SandboxMetric
 
 from tests.e2b.conftest import E2bCluster
 from tests.support import cluster as c
@@ -119,3 +119,38 @@ def _gone(sbx: e2b.Sandbox) -> bool:
     except e2b.SandboxNotFoundException:
         return True
     return False
+
+
+def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Project) -> None:
+    sbx = e2b.Sandbox.create()
+    forks = sbx.fork(count=2, timeout=900)
+    assert len(forks) == 2 and all(isinstance(f, e2b.Sandbox) for f in forks)
+    for child in forks:
+        info = child.get_info()
+        assert info.state.value == "running" and child.sandbox_id != sbx.sandbox_id
+        assert 800 < (info.end_at - info.started_at).total_seconds() < 1000
+    snapshot = sbx.create_snapshot()
+    assert snapshot.names == [snapshot.snapshot_id]
+    listed = [s.snapshot_id for s in e2b.Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()]
+    assert snapshot.snapshot_id in listed and len(listed) == 2  # the fork's checkpoint is one too
+    assert e2b.Sandbox.list_snapshots(sandbox_id=forks[0].sandbox_id).next_items() == []
+    assert e2b.Sandbox.list_snapshots(name="no-such-name").next_items() == []
+    from_snapshot = e2b.Sandbox.create(template=snapshot.snapshot_id)
+    record = e2b_fake.cluster.store.load_sandbox(from_snapshot.sandbox_id)
+    assert record is not None and record.forked_from == sbx.sandbox_id
+    assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is True
+    assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is False
+    api = _api(e2b_fake, project.key)
+    named = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "team/x:default"})
+    assert named.status_code == 501 and named.json()["code"] == 501
+    # Network rules are SPACE's egress policy.
+    sbx.update_network({"allow_out": ["example.com"], "deny_out": ["10.0.0.0/8"]})
+    policy = project.http().get(f"/v1/sandboxes/{sbx.sandbox_id}/egress").json()
+    assert policy["allow"] == ["example.com"] and policy["deny"] == ["10.0.0.0/8"]
+    # Metrics: the fake node samples every second.
+    samples = c.wait_for(sbx.get_metrics, timeout=30, interval=0.5, what="metrics")
+    assert samples[0].cpu_count >= 1 and samples[0].mem_total > 0
+    raw = api.get(f"/sandboxes/{sbx.sandbox_id}/metrics").json()
+    for item in raw:
+        SandboxMetric.from_dict(item)
+    assert api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 1, "end": 2}).json() == []

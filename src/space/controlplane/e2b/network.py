@@ -2,8 +2,9 @@
 
 Invariants:
 - Network rules are SPACE's egress policy (`PUT /v1/sandboxes/{id}/egress`, the same code): E2B's
-  `allowOut`/`denyOut` are its allow/deny lists, `allow_internet_access: false` denies every address, a
-  list left out is kept. What SPACE's gateway cannot do (DNS servers, an egress proxy, per-host rules) is
+  `allowOut`/`denyOut` are its allow/deny lists, `allow_internet_access: false` denies every address, and the
+  update replaces the whole configuration as E2B's does (a list left out is cleared). What SPACE's
+  gateway cannot do (DNS servers, an egress proxy, per-host rules) is
   refused with 400 naming it.
 - Metrics are SPACE's per-sandbox metrics history (`GET /v1/sandboxes/{id}/metrics`, the same code: a
   read-only key suffices, reading is passive), each sample as E2B's `SandboxMetric` (every field set: a
@@ -43,12 +44,11 @@ async def update_network(sandbox_id: str, body: NetworkUpdate, who: E2bAuth, ser
     body.refuse_unsupported()
     refuse_set({"dnsServers": body.dns_servers}, None)
     sb = await shown_sandbox(services, who, sandbox_id)
-    deny = body.deny_out
+    deny = list(body.deny_out or [])
     if body.allow_internet_access is False:
-        deny = [*(deny or []), *(cidr for cidr in NO_INTERNET if cidr not in (deny or []))]
-    elif body.allow_internet_access is True and deny is None:
-        deny = []  # internet allowed again: the whole-internet deny goes
-    await space_egress.put_egress(sb.id, EgressBody(allow=body.allow_out, deny=deny), who, services)
+        deny += [cidr for cidr in NO_INTERNET if cidr not in deny]
+    # E2B replaces the whole configuration (a list left out is cleared); bound credentials are SPACE's.
+    await space_egress.put_egress(sb.id, EgressBody(allow=body.allow_out or [], deny=deny), who, services)
     return Response(status_code=204)
 
 
