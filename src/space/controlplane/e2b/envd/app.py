@@ -16,6 +16,7 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services
+from space.controlplane.e2b.envd.codecs import envd_codecs
 from space.controlplane.e2b.envd.files_rest import rest_app
 from space.controlplane.e2b.envd.filesystem_service import FilesystemService
 from space.controlplane.e2b.envd.process_service import ProcessService
@@ -27,9 +28,11 @@ RPC_READ_MAX_BYTES = 4 << 20
 def envd_app(services: Services) -> ASGIApp:
     """E2B's in-sandbox API over `services` (the control plane's own)."""
     watchers = Watchers()
-    process = ProcessASGIApplication(ProcessService(services), read_max_bytes=RPC_READ_MAX_BYTES)
+    process = ProcessASGIApplication(
+        ProcessService(services), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
+    )
     filesystem = FilesystemASGIApplication(
-        FilesystemService(services, watchers), read_max_bytes=RPC_READ_MAX_BYTES
+        FilesystemService(services, watchers), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
     )
     rest = rest_app(services)
     routes: tuple[tuple[str, ASGIApp], ...] = (

@@ -47,7 +47,10 @@ MAX_PATH = 4096
 
 def error_response(exc: errors.SpaceError) -> JSONResponse:
     status = rest_status(exc)
-    return JSONResponse({"code": status, "message": exc.message}, status_code=status)
+    # A refused body may still be arriving (an endless upload): the connection ends with the answer, so
+    # the server does not go on reading and discarding it.
+    headers = {"Connection": "close"} if isinstance(exc, errors.TooLarge) else None
+    return JSONResponse({"code": status, "message": exc.message}, status_code=status, headers=headers)
 
 
 def _path(value: str | None, field: str = "path") -> str:
