@@ -6,13 +6,16 @@ sampler's clock."""
 from __future__ import annotations
 
 import math
+import pathlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from space.core import errors
+from space.core.ids import new_sandbox_id
 from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
 from space.node.agent.agent import NodeAgent
@@ -20,6 +23,7 @@ from space.node.agent.metrics import MAX_CAPACITY, MetricsRing, MetricsSampler
 from space.node.agent.metrics_models import MAX_TIMESTAMP, check_window
 from space.node.agent.sandbox_handle import SandboxHandle
 from space.node.drivers.base import SandboxSpec
+from space.node.helper.metrics_verbs import MetricsParams, cgroup_counters
 from tests.support import fake_agent
 from tests.support.loop import BackgroundLoop
 
@@ -185,3 +189,49 @@ def test_the_sampler_runs_on_its_own_and_stops(loop: BackgroundLoop, agent: Node
     ticks = sampler.ticks
     time.sleep(0.5)
     assert sampler.ticks == ticks and sampler.tick_cpu_s > 0
+
+
+# -- the helper verb's input and its cgroup reading --------------------------------------------------------
+SB = new_sandbox_id()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"sandbox_ids": []}, {"sandbox_ids": ["sb-../../etc"]}, {"sandbox_ids": ["/sys/fs/cgroup"]},
+     {"sandbox_ids": [SB] * 257}, {"sandbox_ids": SB}, {"sandbox_ids": [SB], "cgroup": "space/x"},
+     {"sandbox_ids": [SB + "\n"]}, {"sandbox_ids": [SB + "/.."]}],
+)  # fmt: skip
+def test_the_metrics_verb_takes_only_a_bounded_list_of_sandbox_ids(args: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        MetricsParams.model_validate(args)
+    assert MetricsParams.model_validate({"sandbox_ids": [SB] * 256})
+
+
+def test_cgroup_counters_of_v1_and_v2_trees(tmp_path: pathlib.Path) -> None:
+    v1 = tmp_path / "v1"
+    (v1 / "memory/space/c-1").mkdir(parents=True)
+    (v1 / "cpuacct/space/c-1").mkdir(parents=True)
+    (v1 / "cpuacct/space/c-1/cpuacct.usage").write_text("123456789\n")
+    (v1 / "memory/space/c-1/memory.usage_in_bytes").write_text("4096\n")
+    (v1 / "memory/space/c-1/memory.stat").write_text("cache 100\nrss 5\ntotal_cache 300\n")
+    assert cgroup_counters("space/c-1", v1) == {
+        "cpu_ns": 123456789,
+        "memory_bytes": 4096,
+        "memory_cache_bytes": 300,
+    }
+    v2 = tmp_path / "v2"
+    (v2 / "space/c-1").mkdir(parents=True)
+    (v2 / "space/c-1/cpu.stat").write_text("usage_usec 42\nuser_usec 40\n")
+    (v2 / "space/c-1/memory.current").write_text("8192\n")
+    (v2 / "space/c-1/memory.stat").write_text("anon 1\nfile 77\n")
+    assert cgroup_counters("space/c-1", v2) == {
+        "cpu_ns": 42000,
+        "memory_bytes": 8192,
+        "memory_cache_bytes": 77,
+    }
+    # a cgroup gone between two reads: unknown, not an error
+    assert cgroup_counters("space/gone", v2) == {
+        "cpu_ns": None,
+        "memory_bytes": None,
+        "memory_cache_bytes": None,
+    }
