@@ -130,19 +130,39 @@ def files_read(sandbox_id: SandboxId, path: PathArg) -> None:
 
 @files_app.command("ls")
 @handles_errors
-def files_ls(sandbox_id: SandboxId, path: PathArg, as_json: JsonFlag = False) -> None:
-    """List a directory in the sandbox."""
-    entries = client().sandboxes.ref(sandbox_id).files.list(path)
+def files_ls(
+    sandbox_id: SandboxId, path: PathArg, as_json: JsonFlag = False,
+    depth: Annotated[int, typer.Option("--depth", min=1, max=16, help="Levels to list (1-16).")] = 1,
+    long: Annotated[bool, typer.Option("--long", "-l", help="Show permissions, owner and group.")] = False,
+) -> None:  # fmt: skip
+    """List a directory in the sandbox (with --depth, its subdirectories too: paths below PATH)."""
+    entries = client().sandboxes.ref(sandbox_id).files.list(path, depth=depth)
     if as_json:
         print_json(entries)
         return
-    rows = [
-        [
-            entry.get("type"),
-            oct(entry["mode"])[2:].rjust(4, "0") if isinstance(entry.get("mode"), int) else entry.get("mode"),
-            entry.get("size"),
-            entry.get("name") if entry.get("target") is None else f"{entry.get('name')} -> {entry['target']}",
-        ]
-        for entry in entries
+    rows = [_ls_row(entry, path, depth=depth, long=long) for entry in entries]
+    extra = ["PERMISSIONS", "OWNER", "GROUP"] if long else []
+    table(rows, ["TYPE", "MODE", *extra, "SIZE", "NAME"])
+    if getattr(entries, "truncated", False):
+        typer.echo("(listing truncated: more entries than the limit)", err=True)
+
+
+def _ls_row(entry: dict[str, Any], base: str, *, depth: int, long: bool) -> list[Any]:
+    mode = entry.get("mode")
+    name = entry.get("name")
+    if depth > 1 and isinstance(entry.get("path"), str):
+        name = entry["path"].removeprefix(base.rstrip("/") + "/")
+    if entry.get("target") is not None:
+        name = f"{name} -> {entry['target']}"
+    extra = [
+        entry.get("permissions"),
+        entry.get("owner") or entry.get("uid"),
+        entry.get("group") or entry.get("gid"),
     ]
-    table(rows, ["TYPE", "MODE", "SIZE", "NAME"])
+    return [
+        entry.get("type"),
+        oct(mode)[2:].rjust(4, "0") if isinstance(mode, int) else mode,
+        *(extra if long else []),
+        entry.get("size"),
+        name,
+    ]
