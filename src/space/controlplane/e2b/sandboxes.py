@@ -133,7 +133,7 @@ async def kill_sandbox(sandbox_id: str, who: E2bAuth, services: Svc) -> Response
 async def set_timeout(sandbox_id: str, body: TimeoutBody, who: E2bAuth, services: Svc) -> Response:
     who.require("member")
     sb = await shown_sandbox(services, who, sandbox_id)
-    await options.set_deadline(services, who, sb, body.timeout, extend_only=False)
+    await options.set_deadline(services, sb, body.timeout, extend_only=False)
     return Response(status_code=204)
 
 
@@ -178,7 +178,7 @@ async def connect(sandbox_id: str, body: ConnectBody, who: Principal, services: 
     if sb.state in _RESUME:
         event, target = _RESUME[sb.state]
         sb = await _wish(services, sb, event, target)
-    sb = await options.set_deadline(services, who, sb, body.timeout, extend_only=not resumed)
+    sb = await options.set_deadline(services, sb, body.timeout, extend_only=not resumed)
     return JSONResponse(sandbox_answer(sb, who, services.node_token), status_code=201 if resumed else 200)
 
 

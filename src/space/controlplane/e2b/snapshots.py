@@ -5,7 +5,8 @@ Invariants:
   parent's node) answered as E2B's `[{"sandbox": Sandbox}]`, 201; each child gets the fork's timeout.
 - An E2B snapshot is a SPACE full snapshot (memory and disk) of the sandbox; its E2B id is the SPACE
   snapshot id, usable as `templateID`: the new sandbox starts from it like a fork child (on the source
-  sandbox's node, so the source must still exist: SPACE deletes a sandbox's snapshots with it).
+  sandbox's node, so the source must still exist: SPACE deletes a sandbox's snapshots with it); it
+  takes the given metadata (else its source's), and runs under its source's egress policy.
 - Only the caller's project's snapshots are seen, listed, used or deleted; any other id is a 404 (or an
   empty list), exactly like a missing one.
 - Snapshot names are not stored by SPACE: a snapshot's only name is its id, and a create that asks for
@@ -59,7 +60,7 @@ async def fork(sandbox_id: str, body: ForkBody, who: E2bAuth, services: Svc) -> 
         record = await asyncio.to_thread(services.store.load_sandbox, str(child["id"]))
         if record is None:
             raise errors.NotFound(f"fork {child['id']} not found")
-        record = await options.set_deadline(services, who, record, body.timeout, extend_only=False)
+        record = await options.set_deadline(services, record, body.timeout, extend_only=False)
         results.append({"sandbox": sandbox_answer(record, who, services.node_token)})
     return results
 
@@ -166,10 +167,9 @@ async def snapshot_source(services: Services, who: Principal, template_id: str) 
 async def create_from_snapshot(
     services: Services, who: Principal, snap: SnapshotRecord, body: NewSandbox
 ) -> SandboxRecord:
-    if body.metadata or body.auto_pause or body.network is not None or body.allow_internet_access is False:
-        raise NotSupported(
-            "a sandbox from a snapshot takes only timeout and envVars in SPACE", field="templateID"
-        )
+    if body.network is not None or body.allow_internet_access is False:
+        # A fork child runs under its source's egress policy (SPACE's rule for forks).
+        raise NotSupported("a sandbox from a snapshot has its source's network settings", field="network")
     source = await asyncio.to_thread(services.store.load_sandbox, snap.sandbox_id)
     if source is None or not visible(source):
         raise errors.NotFound(f"template {snap.id} not found (its sandbox is gone)")
@@ -177,6 +177,6 @@ async def create_from_snapshot(
     child = await asyncio.to_thread(
         services.store.create_sandbox, who.project_id, source.template, env, source.limits,
         idle_timeout_s=source.idle_timeout_s, ttl_s=body.timeout, forked_from=source.id,
-        fork_snapshot_id=snap.id,
+        fork_snapshot_id=snap.id, metadata=body.metadata, on_timeout=options.on_timeout(body),
     )  # fmt: skip
     return await wait_settled(services, child.id)
