@@ -47,12 +47,15 @@ def project_list(as_json: JsonFlag = False) -> None:
 def key_create(
     project: Annotated[str, typer.Option("--project", metavar="NAME", help="Project name or id.")],
     role: Annotated[str, typer.Option("--role", help="admin, member or read-only.")] = "member",
+    e2b: Annotated[
+        bool, typer.Option("--e2b", help="in E2B's key shape (e2b_ + hex), for E2B SDKs that check it")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Create an API key; prints the key (shown only this once)."""
     if role not in {"admin", "member", "read-only"}:
         raise typer.BadParameter("must be admin, member or read-only", param_hint="--role")
-    key = client().keys.create(project=project, role=role)
+    key = client().keys.create(project=project, role=role, e2b=e2b)
     if as_json:
         print_json(key.data)
     else:

@@ -93,6 +93,8 @@ class ProjectBody(_Body):
 class KeyBody(_Body):
     project: str
     role: Literal["admin", "member", "read-only"] = "member"
+    # "e2b": the secret in E2B's shape (`e2b_` + hex) for E2B SDKs that check it; otherwise the same key.
+    shape: Literal["space", "e2b"] = "space"
 
 
 # -- credentials, egress, private networks, tenant keys ------------------------------------------------------

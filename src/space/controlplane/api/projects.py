@@ -49,7 +49,9 @@ async def create_key(body: KeyBody, who: Auth, services: Svc) -> dict[str, Any]:
         project = await asyncio.to_thread(store.get_project, body.project)
     if project is None or project.org_id != who.key.org_id or who.key.project_id not in (None, project.id):
         raise errors.NotFound(f"project {body.project!r} not found")
-    record, secret = await asyncio.to_thread(store.create_api_key, project.id, who.key.org_id, body.role)
+    record, secret = await asyncio.to_thread(
+        store.create_api_key, project.id, who.key.org_id, body.role, shape=body.shape
+    )
     return {"id": record.id, "key": secret, "project_id": project.id, "role": record.role}
 
 

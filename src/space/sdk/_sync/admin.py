@@ -40,9 +40,12 @@ class Keys:
     def __init__(self, http: SyncHTTP) -> None:
         self._http = http
 
-    def create(self, *, project: str, role: str = "member", idempotency_key: str | None = None) -> ApiKey:
-        """A new API key for `project` (name or id); its secret `.key` is shown only in this answer."""
-        body = {"project": project, "role": role}
+    def create(
+        self, *, project: str, role: str = "member", e2b: bool = False, idempotency_key: str | None = None
+    ) -> ApiKey:
+        """A new API key for `project` (name or id); its secret `.key` is shown only in this answer. With
+        `e2b`, the secret is in E2B's shape (`e2b_` + hex) for E2B SDKs that check it (docs/e2b.md)."""
+        body = {"project": project, "role": role, "shape": "e2b" if e2b else "space"}
         answer = self._http.json("POST", "/v1/keys", json_body=body, idempotency_key=idempotency_key)
         return ApiKey(answer)
 
