@@ -187,3 +187,27 @@ def test_pause_on_timeout_keeps_the_sandbox_and_it_comes_back_on_use(
     assert back["state"] == "running"
     fresh = datetime.fromisoformat(back["expires_at"]) - datetime.fromisoformat(back["updated_at"])
     assert fresh == timedelta(seconds=600)  # a fresh deadline of its timeout, from its return
+
+
+def test_the_sdk_labels_lists_pages_and_sets_timeouts(project: c.Project) -> None:
+    with project.sdk() as sp:
+        made = [
+            sp.sandboxes.create(limits=c.SMALL, metadata={"run": "sdk", "i": str(i)}, wait=False)
+            for i in range(3)
+        ]
+        assert [sb.metadata for sb in made] == [{"run": "sdk", "i": str(i)} for i in range(3)]
+        assert [sb.id for sb in sp.sandboxes.list(metadata={"run": "sdk"}, order="asc")] == [
+            sb.id for sb in made
+        ]
+        assert [sb.id for sb in sp.sandboxes.list(metadata={"run": "sdk", "i": "1"})] == [made[1].id]
+        page = sp.sandboxes.list_page(metadata={"run": "sdk"}, limit=2)
+        assert [sb.id for sb in page.sandboxes] == [made[2].id, made[1].id] and page.next_page_token
+        rest = sp.sandboxes.list_page(metadata={"run": "sdk"}, limit=2, page_token=page.next_page_token)
+        assert [sb.id for sb in rest.sandboxes] == [made[0].id] and rest.next_page_token is None
+        sb = made[0]
+        assert sb.expires_at is None
+        assert sb.set_timeout(60, extend_only=True).expires_at is None  # no deadline is later than any
+        deadline = sb.set_timeout(60).expires_at
+        assert deadline is not None and sb.data["ttl_s"] == 60
+        assert sb.set_timeout(5, extend_only=True).expires_at == deadline
+        assert sp.sandboxes.get(sb.id).expires_at == deadline

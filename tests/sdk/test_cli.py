@@ -74,7 +74,7 @@ def test_sandbox_list(server: FakeServer) -> None:
     result = invoke("sandbox", "list")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["ID", "STATE", "TEMPLATE", "NODE", "CREATED"]
+    assert lines[0].split() == ["ID", "STATE", "TEMPLATE", "NODE", "CREATED", "EXPIRES"]
     assert lines[1].split()[:2] == ["sb-a", "running"] and lines[2].split()[:2] == ["sb-b", "paused"]
     as_json = invoke("sandbox", "list", "--json")
     assert [s["id"] for s in json.loads(as_json.stdout)] == ["sb-a", "sb-b"]

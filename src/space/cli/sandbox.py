@@ -58,7 +58,18 @@ def create(  # noqa: PLR0917
     idle_timeout_s: Annotated[
         int | None, typer.Option("--idle-timeout", help="Pause after this many idle seconds.")
     ] = None,
-    ttl_s: Annotated[int | None, typer.Option("--ttl", help="Delete after this many seconds.")] = None,
+    ttl_s: Annotated[
+        int | None, typer.Option("--ttl", help="Deadline in seconds (then --on-timeout; reset: `timeout`).")
+    ] = None,
+    on_timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--on-timeout", metavar="delete|pause", help="At the deadline: delete, or pause (kept)."
+        ),
+    ] = None,
+    metadata: Annotated[
+        list[str] | None, typer.Option("--metadata", "-m", metavar="K=V", help="A label to list by (repeat).")
+    ] = None,
     disk_snapshot_every: Annotated[
         int | None, typer.Option("--disk-snapshot-every", metavar="S", help="Scheduled disk snapshots.")
     ] = None,
@@ -94,6 +105,8 @@ def create(  # noqa: PLR0917
             credentials=credential,
             deny=deny,
             snapshot_policy=_policy(disk_snapshot_every, checkpoint_every, upload_checkpoints),
+            metadata=parse_pairs(metadata, "--metadata") if metadata else None,
+            on_timeout=on_timeout,
         )
     if as_json:
         print_json(sb.data)
@@ -111,13 +124,46 @@ def _policy(disk_every_s: int | None, full_every_s: int | None, upload: bool) ->
 
 @sandbox_app.command("list")
 @handles_errors
-def list_(as_json: JsonFlag = False) -> None:
-    """List the sandboxes of the key's project."""
-    sandboxes = client().sandboxes.list()
+def list_(
+    state: Annotated[list[str] | None, typer.Option("--state", help="Only in this state (repeat).")] = None,
+    template: Annotated[str | None, typer.Option("--template", "-t", help="Only of this template.")] = None,
+    metadata: Annotated[
+        list[str] | None,
+        typer.Option("--metadata", "-m", metavar="K=V", help="Only with this label (repeat)."),
+    ] = None,
+    oldest_first: Annotated[
+        bool, typer.Option("--oldest-first", help="Oldest first (default newest).")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """List the sandboxes of the key's project (every page), newest first."""
+    sandboxes = client().sandboxes.list(
+        state=state, template=template, metadata=parse_pairs(metadata, "--metadata") if metadata else None,
+        order="asc" if oldest_first else "desc",
+    )  # fmt: skip
     if as_json:
         print_json([sb.data for sb in sandboxes])
         return
-    table(_summary_rows(sandboxes), ["ID", "STATE", "TEMPLATE", "NODE", "CREATED"])
+    rows = [[*row, sb.expires_at] for row, sb in zip(_summary_rows(sandboxes), sandboxes, strict=True)]
+    table(rows, ["ID", "STATE", "TEMPLATE", "NODE", "CREATED", "EXPIRES"])
+
+
+@sandbox_app.command("timeout")
+@handles_errors
+def timeout(
+    sandbox_id: SandboxId,
+    seconds: Annotated[int, typer.Argument(min=0, help="The deadline, in seconds from now (0: now).")],
+    extend_only: Annotated[
+        bool, typer.Option("--extend-only", help="Only move the deadline later, never earlier.")
+    ] = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Set a sandbox's deadline (what happens then is its on_timeout); prints the new deadline."""
+    sb = client().sandboxes.ref(sandbox_id).set_timeout(seconds, extend_only=extend_only)
+    if as_json:
+        print_json(sb.data)
+    else:
+        typer.echo(f"{sb.id} expires {sb.expires_at or 'never'} ({sb.data.get('on_timeout', 'delete')})")
 
 
 @sandbox_app.command("get")

@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 RETRY_STATUSES = frozenset({503})
 MAX_RETRY_AFTER_S = 30.0
 MAX_BACKOFF_S = 8.0
-Params = Mapping[str, str | int | float | bool | None]
+#: A list value is a repeated parameter (`state=running&state=paused`).
+Params = Mapping[str, str | int | float | bool | list[str] | None]
 
 
 class RequestPolicy:
@@ -108,14 +109,16 @@ class RequestPolicy:
         return self.transport_error(exc, response.request.method, response.request.url.path)
 
 
-def query(params: Params | None) -> dict[str, str | int | float]:
-    """Query parameters as sent: None left out, booleans spelled "true"/"false"."""
+def query(params: Params | None) -> dict[str, str | int | float | list[str]]:
+    """Query parameters as sent: None left out, booleans spelled "true"/"false", a list repeated."""
     return {key: _query_value(value) for key, value in (params or {}).items() if value is not None}
 
 
-def _query_value(value: str | int | float | bool) -> str | int | float:
+def _query_value(value: str | int | float | bool | list[str]) -> str | int | float | list[str]:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return [str(item) for item in value]
     return value
 
 

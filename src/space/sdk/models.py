@@ -361,6 +361,8 @@ def create_body(
     wait: bool,
     deny: Sequence[str] | None = None,
     snapshot_policy: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+    on_timeout: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"template": template, "env": dict(env or {})}
     if limits is not None:
@@ -377,8 +379,33 @@ def create_body(
         body["egress"] = {"deny": list(deny)}
     if snapshot_policy is not None:
         body["snapshot_policy"] = dict(snapshot_policy)
+    if metadata is not None:
+        body["metadata"] = dict(metadata)
+    if on_timeout is not None:
+        body["on_timeout"] = on_timeout
     body["wait"] = wait
     return body
+
+
+def list_params(
+    *,
+    state: str | Sequence[str] | None,
+    template: str | None,
+    metadata: Mapping[str, str] | None,
+    order: str,
+    limit: int | None,
+    page_token: str | None,
+) -> dict[str, str | int | list[str] | None]:
+    """The query of GET /v1/sandboxes: `state` and `metadata` (as key=value) repeated."""
+    states = [state] if isinstance(state, str) else list(state or [])
+    return {
+        "state": states or None,
+        "template": template,
+        "metadata": [f"{key}={value}" for key, value in (metadata or {}).items()] or None,
+        "order": order,
+        "limit": limit,
+        "page_token": page_token,
+    }
 
 
 def credential_body(

@@ -10,7 +10,7 @@ from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
 from space.sdk._async.client import AsyncSpace
 from space.sdk._async.files import AsyncFiles
 from space.sdk._async.processes import AsyncProcess, AsyncProcesses
-from space.sdk._async.sandboxes import AsyncSandbox, AsyncSandboxes, AsyncSnapshots
+from space.sdk._async.sandboxes import AsyncSandbox, AsyncSandboxes, AsyncSandboxPage, AsyncSnapshots
 
 __all__ = [
     "AsyncCredentials",
@@ -20,6 +20,7 @@ __all__ = [
     "AsyncProcesses",
     "AsyncProjects",
     "AsyncSandbox",
+    "AsyncSandboxPage",
     "AsyncSandboxes",
     "AsyncSnapshots",
     "AsyncSpace",

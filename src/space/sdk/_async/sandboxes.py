@@ -30,13 +30,14 @@ from space.sdk.models import (
     create_body,
     egress_body,
     exec_body,
+    list_params,
     metrics_params,
     sandboxes_of,
     seg,
     snapshot_id,
 )
 
-__all__ = ["AsyncSandbox", "AsyncSandboxes", "AsyncSnapshots"]
+__all__ = ["AsyncSandbox", "AsyncSandboxPage", "AsyncSandboxes", "AsyncSnapshots"]
 
 
 class AsyncSandboxes:
@@ -57,7 +58,12 @@ class AsyncSandboxes:
         snapshot_policy: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
+        metadata: Mapping[str, str] | None = None,
+        on_timeout: str | None = None,
     ) -> AsyncSandbox:
+        """A new sandbox. `ttl_s` is its deadline in seconds (reset with `set_timeout`); at the deadline
+        `on_timeout` "delete" (the default) deletes it, "pause" keeps it suspended (paused without object
+        storage) until it is used again. `metadata` labels it for `list(metadata=...)`."""
         body = create_body(
             template=template,
             env=env,
@@ -69,6 +75,8 @@ class AsyncSandboxes:
             wait=wait,
             deny=deny,
             snapshot_policy=snapshot_policy,
+            metadata=metadata,
+            on_timeout=on_timeout,
         )
         data = await self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
         return AsyncSandbox(self._http, data)
@@ -76,14 +84,63 @@ class AsyncSandboxes:
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         return AsyncSandbox(self._http, await self._http.json("GET", f"/v1/sandboxes/{seg(sandbox_id)}"))
 
-    async def list(self) -> builtins.list[AsyncSandbox]:
-        answer = await self._http.json("GET", "/v1/sandboxes")
-        return [AsyncSandbox(self._http, item) for item in sandboxes_of(answer)]
+    async def list(
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        order: str = "desc",
+    ) -> builtins.list[AsyncSandbox]:
+        """Every sandbox of the project that matches (all pages; newest first unless order="asc"):
+        `state` one or more states (none: all but deleted), `metadata` pairs that must all match."""
+        found: builtins.list[AsyncSandbox] = []
+        token: str | None = None
+        while True:
+            page = await self.list_page(
+                state=state, template=template, metadata=metadata, order=order, page_token=token
+            )
+            found += page.sandboxes
+            if page.next_page_token is None:
+                return found
+            token = page.next_page_token
+
+    async def list_page(
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        order: str = "desc",
+        limit: int | None = None,
+        page_token: str | None = None,
+    ) -> AsyncSandboxPage:
+        """One page of `list` (at most `limit`, 1 to 1000, default 100); pass its `next_page_token` with
+        the same filters for the next one (None: this was the last)."""
+        params = list_params(
+            state=state, template=template, metadata=metadata, order=order, limit=limit, page_token=page_token
+        )
+        answer = await self._http.json("GET", "/v1/sandboxes", params=params)
+        sandboxes = [AsyncSandbox(self._http, item) for item in sandboxes_of(answer)]
+        token = answer.get("next_page_token") if isinstance(answer, dict) else None
+        return AsyncSandboxPage(sandboxes, str(token) if token else None)
 
     def ref(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on a sandbox by id, without asking the server (state unknown until refresh())."""
         seg(sandbox_id)
         return AsyncSandbox(self._http, {"id": sandbox_id})
+
+
+class AsyncSandboxPage:
+    """One page of a sandbox list and the token of the next (None: the last page)."""
+
+    def __init__(self, sandboxes: builtins.list[AsyncSandbox], next_page_token: str | None) -> None:
+        self.sandboxes = sandboxes
+        self.next_page_token = next_page_token
+
+    def __repr__(self) -> str:
+        count = len(self.sandboxes)
+        return f"{type(self).__name__}({count} sandboxes, next_page_token={self.next_page_token!r})"
 
 
 class AsyncSandbox:
@@ -109,6 +166,17 @@ class AsyncSandbox:
         """How its node made it: "pool", "warm" (no pooled sandbox was ready) or "cold"; None for a fork,
         while it is being created, or from an older server."""
         value = self.data.get("created_from")
+        return None if value is None else str(value)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """Its labels (as of the last answer)."""
+        return dict(self.data.get("metadata") or {})
+
+    @property
+    def expires_at(self) -> str | None:
+        """Its deadline, ISO 8601 (None: none), as of the last answer; what happens then is on_timeout."""
+        value = self.data.get("expires_at")
         return None if value is None else str(value)
 
     @property
@@ -151,6 +219,12 @@ class AsyncSandbox:
 
     async def restore(self, *, wait: bool = True, idempotency_key: str | None = None) -> AsyncSandbox:
         return await self._action("restore", wait, idempotency_key)
+
+    async def set_timeout(self, timeout_s: int, *, extend_only: bool = False) -> AsyncSandbox:
+        """Its deadline becomes now + timeout_s seconds (0: now; it may shorten it), and timeout_s its
+        timeout for later resumes; with extend_only the deadline only moves later."""
+        body = {"timeout_s": timeout_s, "extend_only": extend_only}
+        return self._update(await self._http.json("POST", f"{self.path}/timeout", json_body=body))
 
     async def set_snapshot_policy(self, policy: Mapping[str, Any] | None) -> AsyncSandbox:
         """Scheduled snapshots and retention: {"disk_every_s", "full_every_s", "upload_full", "tiers":

@@ -13,7 +13,7 @@ from space.sdk._sync.admin import Credentials, Keys, Projects
 from space.sdk._sync.client import Space
 from space.sdk._sync.files import Files
 from space.sdk._sync.processes import Process, Processes
-from space.sdk._sync.sandboxes import Sandbox, Sandboxes, Snapshots
+from space.sdk._sync.sandboxes import Sandbox, Sandboxes, SandboxPage, Snapshots
 
 __all__ = [
     "Credentials",
@@ -23,6 +23,7 @@ __all__ = [
     "Processes",
     "Projects",
     "Sandbox",
+    "SandboxPage",
     "Sandboxes",
     "Snapshots",
     "Space",

@@ -33,13 +33,14 @@ from space.sdk.models import (
     create_body,
     egress_body,
     exec_body,
+    list_params,
     metrics_params,
     sandboxes_of,
     seg,
     snapshot_id,
 )
 
-__all__ = ["Sandbox", "Sandboxes", "Snapshots"]
+__all__ = ["Sandbox", "SandboxPage", "Sandboxes", "Snapshots"]
 
 
 class Sandboxes:
@@ -60,7 +61,12 @@ class Sandboxes:
         snapshot_policy: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
+        metadata: Mapping[str, str] | None = None,
+        on_timeout: str | None = None,
     ) -> Sandbox:
+        """A new sandbox. `ttl_s` is its deadline in seconds (reset with `set_timeout`); at the deadline
+        `on_timeout` "delete" (the default) deletes it, "pause" keeps it suspended (paused without object
+        storage) until it is used again. `metadata` labels it for `list(metadata=...)`."""
         body = create_body(
             template=template,
             env=env,
@@ -72,6 +78,8 @@ class Sandboxes:
             wait=wait,
             deny=deny,
             snapshot_policy=snapshot_policy,
+            metadata=metadata,
+            on_timeout=on_timeout,
         )
         data = self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
         return Sandbox(self._http, data)
@@ -79,14 +87,63 @@ class Sandboxes:
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self._http, self._http.json("GET", f"/v1/sandboxes/{seg(sandbox_id)}"))
 
-    def list(self) -> builtins.list[Sandbox]:
-        answer = self._http.json("GET", "/v1/sandboxes")
-        return [Sandbox(self._http, item) for item in sandboxes_of(answer)]
+    def list(
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        order: str = "desc",
+    ) -> builtins.list[Sandbox]:
+        """Every sandbox of the project that matches (all pages; newest first unless order="asc"):
+        `state` one or more states (none: all but deleted), `metadata` pairs that must all match."""
+        found: builtins.list[Sandbox] = []
+        token: str | None = None
+        while True:
+            page = self.list_page(
+                state=state, template=template, metadata=metadata, order=order, page_token=token
+            )
+            found += page.sandboxes
+            if page.next_page_token is None:
+                return found
+            token = page.next_page_token
+
+    def list_page(
+        self,
+        *,
+        state: str | Sequence[str] | None = None,
+        template: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        order: str = "desc",
+        limit: int | None = None,
+        page_token: str | None = None,
+    ) -> SandboxPage:
+        """One page of `list` (at most `limit`, 1 to 1000, default 100); pass its `next_page_token` with
+        the same filters for the next one (None: this was the last)."""
+        params = list_params(
+            state=state, template=template, metadata=metadata, order=order, limit=limit, page_token=page_token
+        )
+        answer = self._http.json("GET", "/v1/sandboxes", params=params)
+        sandboxes = [Sandbox(self._http, item) for item in sandboxes_of(answer)]
+        token = answer.get("next_page_token") if isinstance(answer, dict) else None
+        return SandboxPage(sandboxes, str(token) if token else None)
 
     def ref(self, sandbox_id: str) -> Sandbox:
         """A handle on a sandbox by id, without asking the server (state unknown until refresh())."""
         seg(sandbox_id)
         return Sandbox(self._http, {"id": sandbox_id})
+
+
+class SandboxPage:
+    """One page of a sandbox list and the token of the next (None: the last page)."""
+
+    def __init__(self, sandboxes: builtins.list[Sandbox], next_page_token: str | None) -> None:
+        self.sandboxes = sandboxes
+        self.next_page_token = next_page_token
+
+    def __repr__(self) -> str:
+        count = len(self.sandboxes)
+        return f"{type(self).__name__}({count} sandboxes, next_page_token={self.next_page_token!r})"
 
 
 class Sandbox:
@@ -112,6 +169,17 @@ class Sandbox:
         """How its node made it: "pool", "warm" (no pooled sandbox was ready) or "cold"; None for a fork,
         while it is being created, or from an older server."""
         value = self.data.get("created_from")
+        return None if value is None else str(value)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """Its labels (as of the last answer)."""
+        return dict(self.data.get("metadata") or {})
+
+    @property
+    def expires_at(self) -> str | None:
+        """Its deadline, ISO 8601 (None: none), as of the last answer; what happens then is on_timeout."""
+        value = self.data.get("expires_at")
         return None if value is None else str(value)
 
     @property
@@ -154,6 +222,12 @@ class Sandbox:
 
     def restore(self, *, wait: bool = True, idempotency_key: str | None = None) -> Sandbox:
         return self._action("restore", wait, idempotency_key)
+
+    def set_timeout(self, timeout_s: int, *, extend_only: bool = False) -> Sandbox:
+        """Its deadline becomes now + timeout_s seconds (0: now; it may shorten it), and timeout_s its
+        timeout for later resumes; with extend_only the deadline only moves later."""
+        body = {"timeout_s": timeout_s, "extend_only": extend_only}
+        return self._update(self._http.json("POST", f"{self.path}/timeout", json_body=body))
 
     def set_snapshot_policy(self, policy: Mapping[str, Any] | None) -> Sandbox:
         """Scheduled snapshots and retention: {"disk_every_s", "full_every_s", "upload_full", "tiers":
