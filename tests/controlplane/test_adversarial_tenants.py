@@ -13,6 +13,7 @@ A new operation in the OpenAPI document that the generator cannot classify fails
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -31,6 +32,7 @@ from websockets.sync.client import connect
 
 from space.core.ids import new_api_key_id, new_sandbox_id, new_snapshot_id
 from tests.support import cluster as c
+from tests.support.mcp_clients import over_http
 
 fake_cluster = c.fake_cluster
 real_cluster = c.real_cluster
@@ -689,6 +691,69 @@ def test_an_org_keys_idempotency_keys_are_per_project(
             f"/v1/sandboxes/{created[tenant.project.id]['id']}",
             headers={"X-Space-Project": tenant.project.name},
         )
+
+
+# -- the MCP endpoint (JSON-RPC, not in /openapi.json: its tools are classified here) -----------------------
+#: The arguments besides `id` of every MCP tool that takes a sandbox id (`{snapshot}`: A's snapshot id, or a
+#: missing one). A new tool with an `id` that is not here fails the test, so it gets attacked too.
+MCP_TOOL_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "delete_sandbox": {},
+    "execute_command": {"command": "cat a.txt > pwned.txt"},
+    "run_code": {"code": "print(open('a.txt').read())"},
+    "read_file": {"path": "a.txt"},
+    "write_file": {"path": "a.txt", "content": "overwritten"},
+    "list_files": {"path": "."},
+    "pause_sandbox": {},
+    "resume_sandbox": {},
+    "snapshot": {"kind": "full"},
+    "list_snapshots": {},
+    "rollback": {"snapshot_id": "{snapshot}"},
+    "fork": {"count": 2},
+    "set_egress_policy": {"allow": ["*.example.com"], "deny": []},
+}
+
+
+@pytest.mark.parametrize("role", ["member", "admin"])
+def test_the_mcp_tools_answer_for_the_other_tenants_ids_as_for_missing_ones(
+    fake_cluster: c.Cluster, tenants: tuple[Tenant, Tenant], role: str
+) -> None:
+    victim, attacker = tenants
+    key = attacker.project.key if role == "member" else attacker.admin_key
+    before = picture(fake_cluster, victim)
+    activity = node_activity(fake_cluster, victim.sandbox_id)
+
+    async def attack() -> list[str]:
+        problems: list[str] = []
+        async with over_http(fake_cluster.url, key) as mcp:
+            listed = await mcp.client.list_tools()
+            with_id = {t.name for t in listed.tools if "id" in (t.input_schema.get("properties") or {})}
+            assert with_id == set(MCP_TOOL_ARGUMENTS), "classify the MCP tools that take a sandbox id"
+            for name, arguments in MCP_TOOL_ARGUMENTS.items():
+                answers = []
+                for sandbox, snapshot in (
+                    (victim.sandbox_id, victim.snapshot_id),
+                    (new_sandbox_id(), new_snapshot_id()),
+                ):
+                    filled = {
+                        k: v.replace("{snapshot}", snapshot) if isinstance(v, str) else v
+                        for k, v in arguments.items()
+                    }
+                    is_error, text = await mcp.call(name, {"id": sandbox, **filled})
+                    answers.append((is_error, text.replace(sandbox, "<id>").replace(snapshot, "<snap>")))
+                if answers[0] != answers[1]:
+                    problems.append(
+                        f"{name} as B's {role}: {answers[0]} for A's ids, {answers[1]} for missing ones"
+                    )
+                elif not answers[0][0] or "not_found" not in answers[0][1]:
+                    problems.append(f"{name} as B's {role}: not a not_found tool error: {answers[0]}")
+                if SECRET.decode() in answers[0][1]:
+                    problems.append(f"{name} as B's {role}: A's file content in the answer")
+            assert victim.sandbox_id not in await mcp.ok("list_sandboxes")
+        return problems
+
+    assert asyncio.run(attack()) == []
+    assert node_activity(fake_cluster, victim.sandbox_id) == activity, "a tool call reached A's sandbox"
+    assert picture(fake_cluster, victim) == before
 
 
 def test_lists_show_only_ones_own(fake_cluster: c.Cluster, tenants: tuple[Tenant, Tenant]) -> None:
