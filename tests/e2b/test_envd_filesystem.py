@@ -98,11 +98,39 @@ def test_make_dir_stat_move_list_remove(envd_front: ef.EnvdFront, sandbox: Sandb
 def test_stat_follows_a_symlink(envd_front: ef.EnvdFront, sandbox: Sandbox, base: str) -> None:
     _upload(envd_front, sandbox.id, f"{base}/target.txt", b"12345")
     sandbox.exec(["ln", "-s", "target.txt", f"{base}/link"])
-    entry = envd_front.filesystem(sandbox.id).stat(fpb.StatRequest(path=f"{base}/link")).entry
-    assert entry is not None
-    assert (entry.type, entry.size, entry.symlink_target, entry.is_symlink) == (
-        fpb.FileType.FILE, 5, f"{base}/target.txt", True,
-    )  # fmt: skip
+    sandbox.exec(["ln", "-s", f"{base}/link", f"{base}/chain"])
+    fs = envd_front.filesystem(sandbox.id)
+    for name in ("link", "chain"):
+        entry = fs.stat(fpb.StatRequest(path=f"{base}/{name}")).entry
+        assert entry is not None
+        assert (entry.type, entry.size, entry.symlink_target, entry.is_symlink) == (
+            fpb.FileType.FILE, 5, f"{base}/target.txt", True,
+        )  # fmt: skip
+    listed = {e.name: e for e in fs.list_dir(fpb.ListDirRequest(path=base)).entries}
+    assert (
+        listed["link"].type == fpb.FileType.SYMLINK and listed["link"].symlink_target == f"{base}/target.txt"
+    )
+
+
+def test_upload_metadata_is_replaced(envd_front: ef.EnvdFront, sandbox: Sandbox, base: str) -> None:
+    headers = envd_front.headers(sandbox.id, token=envd_front.token(sandbox.id))
+    fs = envd_front.filesystem(sandbox.id)
+    with envd_front.http() as http:
+        first = http.post(
+            "/files", params={"path": f"{base}/meta.txt"}, content=b"x",
+            headers={**headers, "Content-Type": "application/octet-stream", "X-Metadata-Owner": "alice",
+                     "X-Metadata-Stage": "draft"},
+        )  # fmt: skip
+        assert first.status_code == 200, first.text
+        entry = fs.stat(fpb.StatRequest(path=f"{base}/meta.txt")).entry
+        assert entry is not None and dict(entry.metadata) == {"owner": "alice", "stage": "draft"}
+        again = http.post(
+            "/files", params={"path": f"{base}/meta.txt"}, content=b"y",
+            headers={**headers, "Content-Type": "application/octet-stream", "X-Metadata-Stage": "final"},
+        )  # fmt: skip
+        assert again.status_code == 200, again.text
+        entry = fs.stat(fpb.StatRequest(path=f"{base}/meta.txt")).entry
+        assert entry is not None and dict(entry.metadata) == {"stage": "final"}
 
 
 def test_files_upload_download_gzip_and_multipart(

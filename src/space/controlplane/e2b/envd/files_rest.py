@@ -11,6 +11,8 @@ Invariants:
 - Multipart: every part named `file` is one file, its filename the destination path (relative paths
   resolve in the sandbox's working directory); `path` names the destination only when there is exactly
   one file. Parent directories are created. The answer lists what was written (never empty).
+- `X-Metadata-<Key>` headers become the written files' extended attributes `user.e2b.<key>` (lowercase),
+  replacing the set a file had (an upload without them clears it), as envd does.
 - Downloads stream from the node; with `Accept-Encoding: gzip` they are compressed on the fly. A directory
   is 400, a missing file 404.
 - Errors are envd's JSON `{"code": <status>, "message": ...}`.
@@ -24,7 +26,7 @@ import asyncio
 import mimetypes
 import posixpath
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -36,11 +38,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd.caller import Target, principal_for, sandbox_id_of, target_of
+from space.controlplane.e2b.envd.entries import XATTR_PREFIX, metadata_of
 from space.controlplane.e2b.envd.rpc_errors import rest_status
 from space.core import errors
 from space.core.lifecycle import State
 
 CHUNK = 256 * 1024
+METADATA_HEADER = "x-metadata-"
+MAX_METADATA_KEYS = 64
 MAX_FILES = 1000
 MAX_PATH = 4096
 
@@ -116,13 +121,43 @@ async def _file_chunks(upload: UploadFile) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _write(target: Target, path: str, data: AsyncIterator[bytes]) -> dict[str, Any]:
+def metadata_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """E2B's `X-Metadata-<Key>: <value>` upload headers as {key (lowercase): value}."""
+    found = {
+        name.lower().removeprefix(METADATA_HEADER): value
+        for name, value in headers.items()
+        if name.lower().startswith(METADATA_HEADER)
+    }
+    if len(found) > MAX_METADATA_KEYS or any(not key or len(key) > 200 for key in found):
+        raise errors.InvalidArgument(
+            f"at most {MAX_METADATA_KEYS} metadata headers, keys of 1..200 characters"
+        )
+    return found
+
+
+async def _write(
+    target: Target, path: str, data: AsyncIterator[bytes], metadata: dict[str, str]
+) -> dict[str, Any]:
     parent = posixpath.dirname(path.rstrip("/"))
     if parent and parent not in ("/", "."):
         await target.node.mkdir(target.sandbox_id, parent, parents=True, mode=0o755)
     await target.node.write_file(target.sandbox_id, path, data)
-    entry = await target.node.stat(target.sandbox_id, path)
-    return {"path": str(entry.get("path", path)), "name": posixpath.basename(path), "type": "file"}
+    entry = await target.node.stat(target.sandbox_id, path, xattrs=True)
+    await _replace_metadata(target, str(entry.get("path", path)), metadata_of(entry), metadata)
+    written: dict[str, Any] = {"path": str(entry.get("path", path)), "name": posixpath.basename(path)}
+    written["type"] = "file"
+    if metadata:
+        written["metadata"] = metadata
+    return written
+
+
+async def _replace_metadata(target: Target, path: str, old: dict[str, str], new: dict[str, str]) -> None:
+    """Each upload replaces the file's metadata set (none: cleared), as envd does."""
+    for key in old.keys() - new.keys():
+        await target.node.remove_xattr(target.sandbox_id, path, XATTR_PREFIX + key)
+    for key, value in new.items():
+        if old.get(key) != value:
+            await target.node.set_xattr(target.sandbox_id, path, XATTR_PREFIX + key, value.encode())
 
 
 async def _upload(request: Request, services: Services) -> Response:
@@ -141,11 +176,12 @@ async def _upload(request: Request, services: Services) -> Response:
             body = _guarded_inflate(body, limit)
         elif request.headers.get("content-encoding", "identity").strip().lower() != "identity":
             raise errors.InvalidArgument("only gzip or identity content encodings are accepted")
-        written = [await _write(target, path, body)]
+        written = [await _write(target, path, body, metadata_headers(request.headers))]
     return JSONResponse(written)
 
 
 async def _upload_multipart(request: Request, target: Target, query_path: str | None) -> list[dict[str, Any]]:
+    metadata = metadata_headers(request.headers)
     async with request.form(max_files=MAX_FILES, max_fields=MAX_FILES) as form:
         files = [part for name, part in form.multi_items() if name == "file" and isinstance(part, UploadFile)]
         if not files:
@@ -153,7 +189,8 @@ async def _upload_multipart(request: Request, target: Target, query_path: str | 
         written = []
         for upload in files:
             destination = query_path if query_path and len(files) == 1 else upload.filename
-            written.append(await _write(target, _path(destination, "filename"), _file_chunks(upload)))
+            path = _path(destination, "filename")
+            written.append(await _write(target, path, _file_chunks(upload), metadata))
     return written
 
 

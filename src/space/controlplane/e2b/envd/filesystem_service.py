@@ -7,16 +7,15 @@ Invariants:
   absolute target); MakeDir of an existing directory is `already_exists`, of an existing file
   `invalid_argument`, and creates parents; Move creates the destination's parents and answers the
   destination's entry; Remove removes recursively and succeeds when nothing is there; ListDir lists
-  `depth` levels below the path (0 counts as 1) in lexical walk order, never following symlinks, at most
-  MAX_ENTRIES entries; a missing path is `not_found`, a file where a directory is needed
-  `invalid_argument`.
+  `depth` levels below the path (0 counts as 1, at most MAX_DEPTH) in lexical walk order, never following
+  symlinks; a listing longer than MAX_ENTRIES is refused (`resource_exhausted`), never cut; a missing
+  path is `not_found`, a file where a directory is needed `invalid_argument`.
 - WatchDir answers `start` once the watch is in place, then events (`watchers`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import posixpath
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -27,7 +26,7 @@ from protobuf import Oneof
 
 from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd.caller import Target, target_of
-from space.controlplane.e2b.envd.entries import entry_info, symlink_target
+from space.controlplane.e2b.envd.entries import entry_info
 from space.controlplane.e2b.envd.keepalive import interval_of, with_keepalive
 from space.controlplane.e2b.envd.rpc_errors import translated, translated_stream
 from space.controlplane.e2b.envd.watchers import EntryOf, Watchers, filesystem_events
@@ -37,8 +36,9 @@ _WatchStart = Oneof[Literal["start"], fpb.WatchDirResponse.StartEvent]
 _WatchEvent = Oneof[Literal["filesystem"], fpb.FilesystemEvent]
 _WatchKeepAlive = Oneof[Literal["keepalive"], fpb.WatchDirResponse.KeepAlive]
 
-MAX_DEPTH = 64
-MAX_ENTRIES = 100_000
+#: The daemon's own bounds (space.guest.fileinfo): deeper or longer listings are refused, not cut.
+MAX_DEPTH = 16
+MAX_ENTRIES = 50_000
 MAX_PATH = 4096
 
 
@@ -49,18 +49,8 @@ def _path(value: str, field: str = "path") -> str:
 
 
 async def stat_followed(target: Target, path: str) -> fpb.EntryInfo:
-    """envd's Stat: a symlink reports its target's type and size."""
-    entry = await target.node.stat(target.sandbox_id, path)
-    if entry.get("type") != "symlink":
-        return entry_info(entry)
-    resolved = symlink_target(entry)
-    followed: dict[str, Any] | None = None
-    if resolved is not None:
-        try:
-            followed = await target.node.stat(target.sandbox_id, resolved)
-        except errors.NotFound:
-            followed = None  # a dangling link: reported as the link itself
-    return entry_info(entry, followed=followed)
+    """envd's Stat: a symlink reports its target's type and size (followed inside the sandbox)."""
+    return entry_info(await target.node.stat(target.sandbox_id, path, follow=True, xattrs=True))
 
 
 async def _directory(target: Target, path: str) -> fpb.EntryInfo:
@@ -110,12 +100,8 @@ class FilesystemService(Filesystem):
         source = _path(request.source, "source")
         destination = _path(request.destination, "destination")
         target = await self._target(ctx, mutating=True)
-        await target.node.stat(target.sandbox_id, source)  # a missing source is not_found, before any mkdir
-        parent = posixpath.dirname(destination.rstrip("/"))
-        if parent and parent not in ("/", "."):
-            await target.node.mkdir(target.sandbox_id, parent, parents=True, mode=0o755)
-        await target.node.rename(target.sandbox_id, source, destination)
-        return fpb.MoveResponse(entry=await stat_followed(target, destination))
+        moved = await target.node.rename(target.sandbox_id, source, destination, parents=True)
+        return fpb.MoveResponse(entry=entry_info(moved))
 
     @translated
     async def remove(
@@ -136,19 +122,10 @@ class FilesystemService(Filesystem):
         if depth > MAX_DEPTH:
             raise errors.InvalidArgument(f"depth must be at most {MAX_DEPTH}", field="depth")
         target = await self._target(ctx, mutating=False)
-        root = await _directory(target, path)
-        found: list[fpb.EntryInfo] = []
-        await self._walk(target, root.path, depth, found)
-        return fpb.ListDirResponse(entries=found)
-
-    async def _walk(self, target: Target, directory: str, depth: int, found: list[fpb.EntryInfo]) -> None:
-        entries = await target.node.list_files(target.sandbox_id, directory)
-        for entry in sorted(entries, key=lambda e: str(e.get("name", ""))):
-            if len(found) >= MAX_ENTRIES:
-                raise errors.ResourceExhausted(f"the listing exceeds {MAX_ENTRIES} entries")
-            found.append(entry_info(entry))
-            if depth > 1 and entry.get("type") == "dir":
-                await self._walk(target, str(entry.get("path")), depth - 1, found)
+        listing = await target.node.list_dir(target.sandbox_id, path, depth=depth, limit=MAX_ENTRIES)
+        if listing.truncated:
+            raise errors.ResourceExhausted(f"the listing of {path} exceeds {MAX_ENTRIES} entries")
+        return fpb.ListDirResponse(entries=[entry_info(entry) for entry in listing.entries])
 
     def watch_dir(
         self, request: fpb.WatchDirRequest, ctx: RequestContext[fpb.WatchDirRequest, fpb.WatchDirResponse], /
