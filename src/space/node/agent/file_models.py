@@ -60,14 +60,14 @@ class FileListing(BaseModel):
 class MkdirAnswer(BaseModel):
     model_config = _ANSWER
 
-    created: bool = Field(description="False: the directory was already there.")
-    entry: dict[str, Any]
+    created: bool = Field(default=True, description="False: the directory was already there.")
+    entry: dict[str, Any] | None = Field(default=None, description="None from a daemon older than ADR 0050.")
 
 
 class EntryAnswer(BaseModel):
     model_config = _ANSWER
 
-    entry: dict[str, Any]
+    entry: dict[str, Any] | None = Field(default=None, description="None from a daemon older than ADR 0050.")
 
 
 class MoveRequest(BaseModel):

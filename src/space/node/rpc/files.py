@@ -103,7 +103,7 @@ class FileCalls(NodeTransport):
         body = {"src": src, "dst": dst, "parents": parents}
         path = sandbox_path(sandbox_id, "files", "rename")
         answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
-        return fm.EntryAnswer.model_validate(answer).entry
+        return fm.EntryAnswer.model_validate(answer).entry or {}
 
     async def xattrs(self, sandbox_id: str, path: str) -> dict[str, bytes]:
         """The user.* extended attributes of `path`: name -> value."""
