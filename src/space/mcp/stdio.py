@@ -8,6 +8,8 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,6 +21,9 @@ __all__ = ["serve_stdio"]
 
 async def serve_stdio(url: str | None = None, api_key: str | None = None) -> None:
     """Serve until stdin ends."""
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="space mcp %(levelname)s %(message)s"
+    )
     async with AsyncSpace(url, api_key) as space:
 
         @asynccontextmanager

@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import inspect
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -342,7 +343,16 @@ TOOLS: tuple[tuple[str, ToolAnnotations], ...] = (
 
 def build_server(clients: ClientSource, *, name: str = "space") -> MCPServer[Any]:
     """An MCPServer with SPACE's tools, acting through the clients `clients` hands out."""
-    server: MCPServer[Any] = MCPServer(name, instructions=INSTRUCTIONS, log_level="WARNING")
+    # MCPServer() calls logging.basicConfig, which configures the process's logging if nothing has yet:
+    # the process decides that (the control plane's server, `space mcp`), not a library it builds. A
+    # handler on the root logger for the time of the call makes basicConfig a no-op.
+    root = logging.getLogger()
+    placeholder = logging.NullHandler()
+    root.addHandler(placeholder)
+    try:
+        server: MCPServer[Any] = MCPServer(name, instructions=INSTRUCTIONS)
+    finally:
+        root.removeHandler(placeholder)
     tools = SpaceTools(clients)
     for tool_name, hints in TOOLS:
         method = getattr(tools, tool_name)
