@@ -216,3 +216,25 @@ def test_xattr_attacks(guest: Guest, tmp_path: Path) -> None:
     )
     assert code_of(guest, "files.xattr_list", path=str(tmp_path / "missing")) == "not_found"
     assert stat.S_ISREG(target.lstat().st_mode)
+
+
+def test_attributes_beyond_a_frame_are_refused_and_listings_go_on(guest: Guest) -> None:
+    shm = Path("/dev/shm")  # tmpfs: values of 64 KiB (ext4 keeps one block per inode)
+    directory = shm / f"space-xattr-{os.getpid()}"
+    directory.mkdir()
+    try:
+        heavy = directory / "heavy"
+        heavy.write_bytes(b"")
+        for index in range(5):  # 320 KiB of values, beyond MAX_LISTED_BYTES
+            os.setxattr(heavy, f"user.k{index}", b"v" * xattrs.MAX_VALUE_BYTES)
+        (directory / "light").write_bytes(b"")
+        assert code_of(guest, "files.xattr_list", path=str(heavy)) == "invalid_argument"
+        value = guest.call("files.xattr_get", {"path": str(heavy), "name": "user.k4"}).result["value_b64"]
+        assert base64.b64decode(value) == b"v" * xattrs.MAX_VALUE_BYTES
+        entries, _ = listing(guest, path=str(directory), xattrs=True)
+        assert [(e["name"], e["xattrs"]) for e in entries] == [("heavy", None), ("light", {})]
+        assert guest.call("files.stat", {"path": str(heavy), "xattrs": True}).result["xattrs"] is None
+    finally:
+        for child in directory.iterdir():
+            child.unlink()
+        directory.rmdir()

@@ -4,7 +4,8 @@ Invariants:
 - Only names starting with "user." are read or written (the trusted., security. and system. namespaces
   carry the kernel's and the runtime's own data: capabilities, ACLs, labels); a name is at most
   MAX_NAME_BYTES bytes of UTF-8 without NUL, a value at most MAX_VALUE_BYTES bytes (the kernel's limit),
-  and one path's listing carries at most MAX_LISTED_BYTES bytes of values.
+  and one path's listing carries at most MAX_LISTED_BYTES bytes of values (more: invalid_argument, and
+  an entry of a listing or stat shows "xattrs": null), so an entry always fits in a frame.
 - Values travel as base64 (an attribute value is bytes); names as text.
 - A filesystem that does not support user attributes (ENOTSUP) answers "not_supported", a missing
   attribute (ENODATA) "not_found", an oversized one (E2BIG, ERANGE, ENOSPC) "invalid_argument" or
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 PREFIX = "user."
 MAX_NAME_BYTES = 255
 MAX_VALUE_BYTES = 65536
-MAX_LISTED_BYTES = 1 << 20
+#: Values of one path's listing: with base64 and the entry around it, one entry stays inside a frame.
+MAX_LISTED_BYTES = 256 << 10
 
 _ERRNO_CODES = {
     errno.ENOTSUP: "not_supported",
@@ -99,13 +101,16 @@ def read_all(path: str) -> dict[str, str]:
     return found
 
 
-def attributes_or_empty(path: str) -> dict[str, str]:
-    """read_all for listings: a path whose filesystem has no user attributes simply has none."""
+def attributes_or_empty(path: str) -> dict[str, str] | None:
+    """read_all for entries: a path whose filesystem has no user attributes simply has none; a path whose
+    attributes exceed MAX_LISTED_BYTES has None (the listing goes on; files.xattr_get reads each)."""
     try:
         return read_all(path)
     except GuestError as exc:
         if exc.code == "not_supported":
             return {}
+        if exc.code == "invalid_argument":
+            return None
         raise
     except OSError:
         return {}  # vanished or unreadable meanwhile: the listing goes on
