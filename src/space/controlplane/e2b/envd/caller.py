@@ -9,6 +9,11 @@ Invariants:
 - An envd access token acts for exactly the sandbox it was derived from, with a member's rights in that
   sandbox's project; it is worth nothing for any other id (constant-time check, no storage).
 - A sandbox of another project, a deleted one and a missing one are the same "not found".
+- A signed `/files` URL (E2B's `download_url` / `upload_url`: no headers, `signature` = v1 of
+  sha256(path:operation:user:token[:expiration])) names its sandbox only through the signature: the
+  front finds the one live sandbox whose envd token makes it (at most SIGNED_SCAN sandboxes, constant-time
+  comparisons), refuses it once `signature_expiration` has passed, and then acts with that token's rights.
+  A signature is bound to its path, operation and user: any change is "unauthenticated".
 - The sandbox is brought to running the way SPACE's own data plane does (`deps.running_sandbox`: a paused
   sandbox is resumed), and every call counts as the sandbox's activity.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import hmac
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +37,7 @@ from space.controlplane.api.deps import (
     node_of,
     running_sandbox,
 )
-from space.controlplane.e2b.access import token_matches
+from space.controlplane.e2b.access import envd_access_token, token_matches
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord
 from space.core import errors
 from space.core.ids import parse_sandbox_id
@@ -38,6 +45,9 @@ from space.core.lifecycle import State
 from space.node.rpc_client import NodeClient
 
 SANDBOX_HEADER = "e2b-sandbox-id"
+#: The most live sandboxes a signed URL is matched against (a scan of the store's live sandboxes).
+SIGNED_SCAN = 10_000
+_LIVE = (State.RUNNING, State.PAUSED, State.PAUSING, State.RESUMING, State.SUSPENDED, State.RESTORING)
 #: Longest `Authorization: Basic` value read for the user name (anything longer is junk).
 _BASIC_MAX = 512
 
@@ -138,3 +148,58 @@ async def note_activity(services: Services, sandbox_id: str) -> None:
     if now - services.activity.get(sandbox_id, 0.0) > services.settings.activity_debounce_s:
         services.activity[sandbox_id] = now
         await asyncio.to_thread(services.store.record_activity, sandbox_id)
+
+
+@dataclass(frozen=True)
+class Signed:
+    """A signed /files request's query: what the signature covers."""
+
+    path: str
+    operation: str  # "read" | "write"
+    user: str | None
+    signature: str
+    expiration: str | None
+
+
+def _signature(signed: Signed, token: str) -> str:
+    parts = [signed.path, signed.operation, signed.user or "", token]
+    if signed.expiration is not None:
+        parts.append(signed.expiration)
+    digest = hashlib.sha256(":".join(parts).encode()).digest()
+    return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
+
+
+def _check_expiration(signed: Signed) -> None:
+    if signed.expiration is None:
+        return
+    if not signed.expiration.isdigit() or len(signed.expiration) > 12:
+        raise errors.Unauthenticated("invalid signature_expiration")
+    if int(signed.expiration) < time.time():
+        raise errors.Unauthenticated("the signed URL has expired")
+
+
+async def signed_target(
+    services: Services, headers: Mapping[str, str], signed: Signed, *, mutating: bool
+) -> Target:
+    """The sandbox a signed URL was made for (Unauthenticated if none, expired or altered)."""
+    if not signed.signature.startswith("v1_") or len(signed.signature) > 100:
+        raise errors.Unauthenticated("invalid signature")
+    _check_expiration(signed)
+    if headers.get(SANDBOX_HEADER):
+        candidates = [sandbox_id_of(headers)]
+    else:
+        live = await asyncio.to_thread(services.store.list_sandboxes_in_states, _LIVE, SIGNED_SCAN)
+        candidates = [sb.id for sb in live]
+    match = None
+    for sandbox_id in candidates:
+        expected = _signature(signed, envd_access_token(services.node_token, sandbox_id))
+        if hmac.compare_digest(expected, signed.signature):
+            match = sandbox_id
+    who = await _token_principal(services, match) if match is not None else None
+    if match is None or who is None:
+        raise errors.Unauthenticated("the signature matches no sandbox")
+    who.require("member" if mutating else "read-only")
+    sb = await running_sandbox(services, who, match)
+    await note_activity(services, sb.id)
+    user = _valid_user(signed.user) if signed.user else None
+    return Target(who, sb, services.nodes.client(node_of(sb)), user)

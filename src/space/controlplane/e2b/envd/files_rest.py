@@ -2,7 +2,8 @@
 
 Invariants:
 - Same caller and sandbox resolution as the RPCs (`caller.target_of`): download needs a read-only key,
-  upload a member key or the sandbox's envd token; the in-sandbox user is the `username` parameter.
+  upload a member key or the sandbox's envd token; the in-sandbox user is the `username` parameter. A
+  request without credentials but with a `signature` is a signed URL (`caller.signed_target`).
 - Paths travel to the node as values (SPACE's file calls), never as URL text: `..`, `%2f` or NUL in a path
   reach the daemon as the path they are, inside the sandbox's own root, or are refused (NUL, too long).
 - A request body is cut at the control plane's `max_upload_bytes` whatever its framing (Content-Length or
@@ -37,7 +38,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services
-from space.controlplane.e2b.envd.caller import Target, principal_for, sandbox_id_of, target_of
+from space.controlplane.e2b.envd.caller import (
+    Signed,
+    Target,
+    principal_for,
+    sandbox_id_of,
+    signed_target,
+    target_of,
+)
 from space.controlplane.e2b.envd.entries import XATTR_PREFIX, metadata_of
 from space.controlplane.e2b.envd.rpc_errors import rest_status
 from space.core import errors
@@ -160,11 +168,23 @@ async def _replace_metadata(target: Target, path: str, old: dict[str, str], new:
             await target.node.set_xattr(target.sandbox_id, path, XATTR_PREFIX + key, value.encode())
 
 
+async def _files_target(request: Request, services: Services, *, mutating: bool) -> Target:
+    """The caller's sandbox: by credentials and E2b-Sandbox-Id, or by the signature of a signed URL."""
+    query = request.query_params
+    credentials = ("x-access-token", "x-api-key", "authorization")
+    signature = query.get("signature")
+    if signature is not None and not any(request.headers.get(name) for name in credentials):
+        signed = Signed(
+            path=query.get("path", ""), operation="write" if mutating else "read", user=query.get("username"),
+            signature=signature, expiration=query.get("signature_expiration"),
+        )  # fmt: skip
+        return await signed_target(services, request.headers, signed, mutating=mutating)
+    return await target_of(services, request.headers, mutating=mutating, query_user=query.get("username"))
+
+
 async def _upload(request: Request, services: Services) -> Response:
     query_path = request.query_params.get("path")
-    target = await target_of(
-        services, request.headers, mutating=True, query_user=request.query_params.get("username")
-    )
+    target = await _files_target(request, services, mutating=True)
     content_type = request.headers.get("content-type", "")
     limit = services.settings.max_upload_bytes
     if content_type.startswith("multipart/form-data"):
@@ -217,9 +237,7 @@ async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 async def _download(request: Request, services: Services) -> Response:
     path = _path(request.query_params.get("path"))
-    target = await target_of(
-        services, request.headers, mutating=False, query_user=request.query_params.get("username")
-    )
+    target = await _files_target(request, services, mutating=False)
     entry = await target.node.stat(target.sandbox_id, path)
     if entry.get("type") == "dir":
         raise errors.InvalidArgument(f"{path} is a directory", field="path")
