@@ -60,6 +60,16 @@ def test_tools_listed_and_a_sandbox_driven_through_them(fake_cluster: c.Cluster,
             assert await mcp.tool_names() == [name for name, _hints in TOOLS]
             sb = await new_sandbox(mcp)
             assert sb in await mcp.ok("list_sandboxes")
+            created = await mcp.ok(
+                "create_sandbox", {"limits": SMALL, "metadata": {"task": "t1"}, "ttl_s": 600}
+            )
+            labelled = first_word_after(created, "Created sandbox ")
+            assert "metadata=task=t1" in created and "expires 20" in created, created
+            assert await mcp.ok("list_sandboxes", {"metadata": {"task": "t1"}}) == (
+                f"1 sandbox(es):\n{created.split(': ', 1)[1]}"
+            )
+            assert await mcp.ok("list_sandboxes", {"metadata": {"task": "t2"}}) == "No sandboxes."
+            await mcp.ok("delete_sandbox", {"id": labelled})
             out = await mcp.ok("execute_command", {"id": sb, "command": "echo out; echo err >&2; exit 3"})
             assert out == "exit code 3\n--- stdout ---\nout\n\n--- stderr ---\nerr\n", out
             assert await mcp.ok("write_file", {"id": sb, "path": "notes/a.txt", "content": "héllo\n"}) == (

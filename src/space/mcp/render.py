@@ -74,6 +74,8 @@ def sandbox_line(data: Mapping[str, Any]) -> str:
     metadata = data.get("metadata")
     if isinstance(metadata, Mapping) and metadata:
         parts.append("metadata=" + ",".join(f"{k}={v}" for k, v in sorted(metadata.items())))
+    if data.get("expires_at"):
+        parts.append(f"expires {data['expires_at']}")
     if data.get("forked_from"):
         parts.append(f"forked from {data['forked_from']}")
     if data.get("error"):

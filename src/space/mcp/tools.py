@@ -31,9 +31,10 @@ from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
 
 from space.core.errors import SpaceError
+from space.core.sandbox_options import MAX_METADATA_KEY, MAX_METADATA_KEYS, MAX_METADATA_VALUE
 from space.mcp import render
 from space.mcp.code import run_code_argv
-from space.sdk import AsyncSandbox, AsyncSandboxes, AsyncSpace
+from space.sdk import AsyncSandbox, AsyncSpace
 
 __all__ = ["MAX_ARGUMENT_CHARS", "READ_LIMIT_BYTES", "WRITE_LIMIT_BYTES", "ClientSource", "build_server"]
 
@@ -46,8 +47,6 @@ WRITE_LIMIT_BYTES = 512 * 1024
 #: Commands and code (the API's JSON bodies are 1 MiB at most).
 MAX_ARGUMENT_CHARS = 256 * 1024
 MAX_TIMEOUT_S = 3600
-#: Sandbox metadata comes to SPACE's API with issue 13: passed on once the SDK takes it.
-SDK_KNOWS_METADATA = "metadata" in inspect.signature(AsyncSandboxes.create).parameters
 
 SandboxId = Annotated[str, Field(min_length=1, max_length=64, description="The sandbox's id (sb-...).")]
 Path = Annotated[
@@ -63,6 +62,14 @@ Env = Annotated[
     Field(max_length=256, description="Environment variables."),
 ]
 Encoding = Literal["text", "base64"]
+# The server checks metadata fully (space.core.sandbox_options); the schema only bounds its size.
+Labels = Annotated[
+    dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_METADATA_KEY)],
+        Annotated[str, Field(max_length=MAX_METADATA_VALUE)],
+    ],
+    Field(max_length=MAX_METADATA_KEYS, description="Labels (metadata): string keys and values."),
+]
 # Hints an agent may use to decide what to confirm with its user (they promise nothing).
 READ_ONLY = ToolAnnotations(read_only_hint=True, open_world_hint=False)
 CHANGES = ToolAnnotations(read_only_hint=False, destructive_hint=False, open_world_hint=False)
@@ -108,30 +115,42 @@ class SpaceTools:
         template: Annotated[str, Field(min_length=1, max_length=128)] = "python",
         env: Env | None = None,
         limits: Limits | None = None,
-        metadata: Annotated[dict[str, str] | None, Field(max_length=64)] = None,
-        ttl_s: Annotated[int | None, Field(gt=0, description="Delete it after this many seconds.")] = None,
-        idle_timeout_s: Annotated[
-            int | None, Field(gt=0, description="Pause it when idle this long.")
+        metadata: Labels | None = None,
+        ttl_s: Annotated[int | None, Field(gt=0, description="Its deadline, in seconds from now.")] = None,
+        on_timeout: Annotated[
+            Literal["delete", "pause"] | None,
+            Field(description="At the deadline: delete it (default), or pause it until it is used again."),
         ] = None,
+        idle_timeout_s: Annotated[int | None, Field(gt=0, description="Pause it when idle this long.")] = (
+            None
+        ),
     ) -> str:
         """Create a sandbox and wait until it runs; answers its id."""
-        extra: dict[str, Any] = {}
-        if metadata:
-            if not SDK_KNOWS_METADATA:
-                raise ToolError("invalid_argument: this server's SDK does not know sandbox metadata yet")
-            extra["metadata"] = metadata
         wanted = limits.model_dump(exclude_none=True) if limits is not None else None
         async with self.acting(ctx) as space:
             sb = await space.sandboxes.create(
-                template, env=env, limits=wanted or None, ttl_s=ttl_s, idle_timeout_s=idle_timeout_s, **extra
-            )
+                template, env=env, limits=wanted or None, ttl_s=ttl_s, idle_timeout_s=idle_timeout_s,
+                metadata=metadata, on_timeout=on_timeout,
+            )  # fmt: skip
         return f"Created sandbox {sb.id}: {render.sandbox_line(sb.data)}"
 
-    async def list_sandboxes(self, ctx: ToolContext) -> str:
-        """The sandboxes this key can see: id, state, template."""
+    async def list_sandboxes(
+        self,
+        ctx: ToolContext,
+        *,
+        state: Annotated[str | None, Field(max_length=32, description="Only those in this state.")] = None,
+        template: Annotated[str | None, Field(max_length=128)] = None,
+        metadata: Annotated[Labels | None, Field(description="Only those with all these labels.")] = None,
+    ) -> str:
+        """The sandboxes this key can see, newest first: id, state, template, labels."""
         async with self.acting(ctx) as space:
-            found = await space.sandboxes.list()
-        return render.sandbox_lines(sb.data for sb in found if sb.state != "deleted")
+            page = await space.sandboxes.list_page(
+                state=state, template=template, metadata=metadata, limit=render.LIST_LINES
+            )
+        text = render.sandbox_lines(sb.data for sb in page.sandboxes)
+        if page.next_page_token is not None:
+            text += f"\n(only the newest {render.LIST_LINES}: filter by state, template or metadata)"
+        return text
 
     async def delete_sandbox(self, ctx: ToolContext, *, id: SandboxId) -> str:
         """Delete a sandbox with its files and snapshots (this cannot be undone)."""
