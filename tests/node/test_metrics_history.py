@@ -9,6 +9,7 @@ import math
 import pathlib
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
+from space.node.agent import metrics_store
 from space.node.agent.agent import NodeAgent
 from space.node.agent.metrics import MAX_CAPACITY, MetricsRing, MetricsSampler
 from space.node.agent.metrics_models import MAX_TIMESTAMP, check_window
@@ -80,7 +82,7 @@ def test_no_sample_spans_two_runtimes_or_an_unreadable_counter() -> None:
 
 
 def test_the_sampler_bounds_its_rings() -> None:
-    registry: Any = type("Registry", (), {"sandboxes": {}})()
+    registry: Any = SimpleNamespace(sandboxes={}, driver=SimpleNamespace(state_file=lambda _name: None))
     assert MetricsSampler(registry, interval_s=5.0, keep_s=3600.0).capacity == 720
     assert MetricsSampler(registry, interval_s=0.1, keep_s=7 * 86400.0).capacity == MAX_CAPACITY
     assert MetricsSampler(registry, interval_s=10.0, keep_s=1.0).capacity == 2
@@ -235,3 +237,52 @@ def test_cgroup_counters_of_v1_and_v2_trees(tmp_path: pathlib.Path) -> None:
         "memory_bytes": None,
         "memory_cache_bytes": None,
     }
+
+
+# -- across agent restarts -----------------------------------------------------------------------------------
+def test_the_history_survives_the_sampler_of_a_restarted_agent(
+    loop: BackgroundLoop, agent: NodeAgent
+) -> None:
+    first = MetricsSampler(agent, interval_s=5.0)
+    kept, moved = loop.run(agent.create()), loop.run(agent.create())
+    agent.incarnations.place(moved.sandbox_id, 3, has_copy=True)
+    for _ in range(3):
+        loop.run(first.tick())
+    before = first.answer(kept.sandbox_id).samples
+    assert len(before) == 2 and len(first.answer(moved.sandbox_id).samples) == 2
+
+    async def restart() -> None:
+        first.start()
+        await first.close()  # saves, as the agent does when it stops
+
+    loop.run(restart())
+    assert first.state_file is not None and first.state_file.stat().st_mode & 0o777 == 0o600
+    # Meanwhile `moved` was restored elsewhere and placed here again: its history is not this copy's.
+    agent.incarnations.forget(moved.sandbox_id)
+    agent.incarnations.place(moved.sandbox_id, 4, has_copy=False)
+    second = MetricsSampler(agent, interval_s=5.0)
+    assert second.restore() == 1
+    assert second.answer(kept.sandbox_id).samples == before  # bit for bit
+    assert second.answer(moved.sandbox_id).samples == []
+    assert loop.run(second.tick()) == 0, "the first reading of the new agent only primes"
+    assert loop.run(second.tick()) == 2
+    assert len(second.answer(kept.sandbox_id).samples) == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"not json", b"[]", b'{"format": 99, "columns": 5, "sandboxes": {}}',
+     b'{"format": 1, "columns": 4, "sandboxes": {}}',
+     b'{"format": 1, "columns": 5, "sandboxes": {"SB": {"incarnation": null, "samples": "!!"}}}',
+     b'{"format": 1, "columns": 5, "sandboxes": {"SB": {"incarnation": "1", "samples": ""}}}',
+     b'{"format": 1, "columns": 5, "sandboxes": {"SB": {"incarnation": null, "samples": "AAAA"}}}'],
+)  # fmt: skip
+def test_a_history_file_that_is_not_one_is_ignored(tmp_path: pathlib.Path, body: bytes) -> None:
+    path = tmp_path / "metrics-history.json"
+    path.write_bytes(body)
+    assert metrics_store.load(path, 5) == {}
+    assert metrics_store.load(tmp_path / "absent.json", 5) == {}
+    good = {"SB": metrics_store.SavedHistory(None, [(1.0, 2.0, 3.0, math.nan, 5.0)])}
+    metrics_store.save(path, good, 5)
+    loaded = metrics_store.load(path, 5)
+    assert loaded["SB"].rows[0][:3] == (1.0, 2.0, 3.0) and math.isnan(loaded["SB"].rows[0][3])

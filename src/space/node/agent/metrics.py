@@ -13,7 +13,10 @@ Invariants:
 - CPU use is a delta of the cumulative counter between two readings of the same runtime; the first reading
   after the sandbox (re)started running, or of a new runtime (a restore, a rollback: `source` changed),
   only primes the next one, so no sample ever spans a pause or mixes two runtimes.
-- The history is in memory only: an agent restart starts it afresh (the ADR says why).
+- The history survives an agent restart, not a copy change: it is saved to the agent's state directory
+  every SAVE_EVERY_S and when the sampler closes (space.node.agent.metrics_store), and read back once at
+  start for the sandboxes adopted with the same incarnation. What a SIGKILL cuts off is at most the last
+  SAVE_EVERY_S.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from space.core import disk
 from space.core.lifecycle import State
 from space.core.settings import SandboxLimits
+from space.node.agent import metrics_store
 from space.node.agent.metrics_models import MAX_SAMPLES, MetricSample, MetricsAnswer
 from space.node.agent.sandbox_handle import SandboxHandle
 from space.node.agent.sandbox_registry import SandboxRegistry
@@ -41,6 +45,10 @@ MAX_PER_CALL = 256
 #: The most samples a ring keeps, whatever keep_s / interval_s says (8192 x 5 columns x 8 bytes = 320 KiB).
 MAX_CAPACITY = 8192
 _COLUMNS = ("timestamp", "cpu_used_pct", "mem_used", "mem_cache", "disk_used")
+#: How often the history is saved for the next agent (besides when the sampler closes), seconds.
+SAVE_EVERY_S = 60.0
+#: The file of the agent's state directory the history is saved in (Driver.state_file).
+STATE_FILE = "metrics-history.json"
 
 
 def _number(value: Any) -> float:
@@ -77,13 +85,21 @@ class MetricsRing:
         cores = self.handle.spec.limits.cpus
         percent = (cpu_ns - previous[1]) / ((monotonic - previous[0]) * 1e9 * cores) * 100.0
         row = (now, percent, memory, reading.get("memory_cache_bytes"), reading.get("disk_bytes"))
-        for column, value in zip(self._columns, row, strict=True):
-            column[self._next] = _number(value)
-        self._next = (self._next + 1) % self.capacity
-        self.count = min(self.count + 1, self.capacity)
+        self._append(tuple(_number(value) for value in row))
         return True
 
-    def _rows(self) -> Iterator[tuple[float, ...]]:
+    def _append(self, row: tuple[float, ...]) -> None:
+        for column, value in zip(self._columns, row, strict=True):
+            column[self._next] = value
+        self._next = (self._next + 1) % self.capacity
+        self.count = min(self.count + 1, self.capacity)
+
+    def extend(self, rows: list[tuple[float, ...]]) -> None:
+        """Take back saved rows (space.node.agent.metrics_store), oldest first; the newest `capacity` stay."""
+        for row in rows[-self.capacity :]:
+            self._append(row)
+
+    def rows(self) -> Iterator[tuple[float, ...]]:
         """Every kept sample as a row of column values, oldest first."""
         first = (self._next - self.count) % self.capacity
         for offset in range(self.count):
@@ -104,7 +120,7 @@ class MetricsRing:
         held more."""
         lower = -math.inf if start is None else start
         upper = math.inf if end is None else end
-        rows = [row for row in self._rows() if lower <= row[0] <= upper]
+        rows = [row for row in self.rows() if lower <= row[0] <= upper]
         limits = self.handle.spec.limits
         samples = [self._sample(row, limits) for row in rows[-limit:]]
         return samples, len(rows) > limit
@@ -119,13 +135,17 @@ class MetricsSampler:
         self.capacity = max(2, min(MAX_CAPACITY, math.ceil(keep_s / interval_s)))
         self.rings: dict[str, MetricsRing] = {}
         self._task: asyncio.Task[None] | None = None
+        self.state_file = agent.driver.state_file(STATE_FILE)
+        self._saved_at = time.monotonic()
         #: What sampling cost this process: ticks run and their CPU time (process_time), for the ADR.
         self.ticks = 0
         self.tick_cpu_s = 0.0
 
     # -- the loop ------------------------------------------------------------------------------------------
     def start(self) -> None:
+        """Take back what the previous agent saved, then sample every interval_s."""
         if self._task is None:
+            self.restore()
             self._task = asyncio.create_task(self._run(), name="metrics-sampler")
 
     async def close(self) -> None:
@@ -134,6 +154,7 @@ class MetricsSampler:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            self.save()
 
     async def _run(self) -> None:
         while True:
@@ -142,6 +163,8 @@ class MetricsSampler:
                 await self.tick()
             except Exception:  # a failed tick must not end the history; the next one tries again
                 log.exception("metrics tick failed")
+            if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+                self.save()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - began)))
 
     async def tick(self) -> int:
@@ -172,6 +195,41 @@ class MetricsSampler:
         if ring is None or ring.handle is not handle:
             ring = self.rings[handle.sandbox_id] = MetricsRing(handle, self.capacity)
         return ring
+
+    # -- across agent restarts (space.node.agent.metrics_store) ----------------------------------------------
+    def save(self) -> None:
+        """Save every current history with its copy's incarnation (a failure is logged: it costs only the
+        next agent its history)."""
+        self._saved_at = time.monotonic()
+        if self.state_file is None:
+            return
+        self._forget_gone()
+        histories = {
+            sandbox_id: metrics_store.SavedHistory(self.agent.incarnations.get(sandbox_id), list(ring.rows()))
+            for sandbox_id, ring in self.rings.items()
+        }
+        try:
+            metrics_store.save(self.state_file, histories, len(_COLUMNS))
+        except OSError as exc:
+            log.warning("metrics history not saved to %s: %s", self.state_file, exc)
+
+    def restore(self) -> int:
+        """Take back the saved histories of the sandboxes this agent holds, each only by the copy of the
+        incarnation it was saved with; the number taken back."""
+        if self.state_file is None:
+            return 0
+        taken = 0
+        for sandbox_id, saved in metrics_store.load(self.state_file, len(_COLUMNS)).items():
+            handle = self.agent.sandboxes.get(sandbox_id)
+            if handle is None or saved.incarnation != self.agent.incarnations.get(sandbox_id):
+                continue
+            if any(len(row) != len(_COLUMNS) for row in saved.rows):
+                continue
+            ring = MetricsRing(handle, self.capacity)
+            ring.extend(saved.rows)
+            self.rings[sandbox_id] = ring
+            taken += 1
+        return taken
 
     def _forget_gone(self) -> None:
         for sandbox_id, ring in list(self.rings.items()):
