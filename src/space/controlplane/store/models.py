@@ -152,8 +152,9 @@ class EnrolmentToken(Base):
 class Sandbox(Base):
     __tablename__ = "sandboxes"
     __table_args__ = (
-        # list_sandboxes: one project's sandboxes in creation order.
-        Index("ix_sandboxes_project_id_created_at", "project_id", "created_at"),
+        # Listings: one project's sandboxes in creation order, ties by id (sandbox_listing.py: the order and
+        # the page tokens' position; migration 0010 added `id`, so no sort is left to do).
+        Index("ix_sandboxes_project_id_created_at_id", "project_id", "created_at", "id"),
         # claim_work: rows whose retry time has come, oldest first; the state filter narrows further.
         Index("ix_sandboxes_next_attempt_at", "next_attempt_at"),
         Index("ix_sandboxes_state", "state"),

@@ -8,6 +8,8 @@ Create Date: 2026-12-02
   filters match them in SQL (JSON_EXTRACT on SQLite, ->> on PostgreSQL).
 - sandboxes.on_timeout: what the deadline (expires_at) does, 'delete' (every existing row: what it did
   before) or 'pause'.
+- the listing index gains `id` ((project_id, created_at, id)): pages are ordered by creation with ties
+  broken by id, and read in that order straight from the index.
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ def upgrade() -> None:
             sa.Column("on_timeout", sa.String(length=8), server_default=sa.text("'delete'"), nullable=False)
         )
         batch.create_check_constraint(op.f("ck_sandboxes_on_timeout"), "on_timeout IN ('delete', 'pause')")
+    op.drop_index("ix_sandboxes_project_id_created_at", table_name="sandboxes")
+    op.create_index("ix_sandboxes_project_id_created_at_id", "sandboxes", ["project_id", "created_at", "id"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_sandboxes_project_id_created_at_id", table_name="sandboxes")
+    op.create_index("ix_sandboxes_project_id_created_at", "sandboxes", ["project_id", "created_at"])
     with op.batch_alter_table("sandboxes") as batch:
         batch.drop_constraint(op.f("ck_sandboxes_on_timeout"), type_="check")
         batch.drop_column("on_timeout")
