@@ -5,6 +5,7 @@ it does not (the gofer-backed root and /work), and resize of a PTY, a plain and 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -72,6 +73,14 @@ def test_listing_by_depth_and_mkdir_answer(sandbox: Sandbox) -> None:
     two = files.list("/work/d", depth=2, limit=2)
     assert [e["path"] for e in two] == ["/work/d/top", "/work/d/x"] and two.truncated
     assert files.mkdir("/work/d/new") is True and files.mkdir("/work/d/new") is False
+    with pytest.raises(errors.NotFound):
+        files.list("/work/raw")
+    made = sandbox.exec(
+        ["python3", "-c", "import os; os.mkdir('/work/raw'); open(b'/work/raw/caf\\xe9', 'w')"]
+    )
+    assert made.exit_code == 0, made.stderr  # a name that is not UTF-8
+    (raw,) = files.list("/work/raw")
+    assert raw["name"] == "caf\ufffd" and base64.b64decode(raw["path_b64"]) == b"/work/raw/caf\xe9"
     with refused_at_the_edge():
         files.list("/work/d", depth=17)
 
