@@ -14,7 +14,7 @@ Routes (E2B's paths; the SDK's base URL is E2B_API_URL):
 Invariants:
 - Every route but /health authenticates a SPACE key before it does anything (auth.py), and every body
   is bounded (SPACE_API_JSON_BODY_BYTES) before it is parsed: a larger Content-Length is a 413 at once, a
-  chunked body is cut at the bound.
+  chunked body is read to the bound and refused there (413, the connection closed).
 - Every failure is E2B's `{"code", "message"}` (errors.py); there is no OpenAPI document or docs page.
 """
 
@@ -46,7 +46,9 @@ async def _health() -> dict[str, Any]:
 
 
 class BodyLimit:
-    """Bounds every request body (module invariants), answering E2B's 413."""
+    """Bounds every request body (module invariants), answering E2B's 413. The bodies of this API are
+    small JSON documents, so a body is read whole (up to the bound) before the route sees it; a larger
+    one is refused without being read further."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -61,35 +63,33 @@ class BodyLimit:
         if length.isdigit() and int(length) > self.limit:
             await self._too_large(send)
             return
+        chunks: list[bytes] = []
         seen = 0
-        started = False
-
-        async def bounded_receive() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, bounded_receive, tracked_send)
-        except _TooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
                 await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def whole_body() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: only a disconnect can come
+
+        await self.app(scope, whole_body, send)
 
     async def _too_large(self, send: Send) -> None:
         body = f'{{"code":413,"message":"request body exceeds {self.limit} bytes"}}'.encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    """A chunked body grew past the bound."""

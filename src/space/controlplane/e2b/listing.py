@@ -44,18 +44,15 @@ def parse_metadata(raw: str | None) -> dict[str, str]:
     """E2B's `metadata` filter: `k=v&k2=v2`, decoded as E2B's server decodes it (module invariants)."""
     if not raw:
         return {}
+    parts = [part for part in urllib.parse.unquote_plus(raw).split("&") if part]
+    if len(parts) > MAX_FILTER_PAIRS:
+        raise errors.InvalidArgument(f"metadata filter: at most {MAX_FILTER_PAIRS} pairs", field="metadata")
     pairs: dict[str, str] = {}
-    for part in urllib.parse.unquote_plus(raw).split("&"):
-        if not part:
-            continue
+    for part in parts:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise errors.InvalidArgument("metadata filter: expected key=value pairs", field="metadata")
         pairs[urllib.parse.unquote_plus(key)] = urllib.parse.unquote_plus(value)
-        if len(pairs) > MAX_FILTER_PAIRS:
-            raise errors.InvalidArgument(
-                f"metadata filter: at most {MAX_FILTER_PAIRS} pairs", field="metadata"
-            )
     return pairs
 
 
