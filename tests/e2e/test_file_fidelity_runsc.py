@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from space.core import errors
-from space.sdk import Sandbox
+from space.sdk import Sandbox, Space
 from tests.support.cluster import real_cluster  # noqa: F401 - module-bound session fixture
 
 pytestmark = pytest.mark.root
@@ -125,3 +127,24 @@ def test_resize_by_process_id(sandbox: Sandbox) -> None:
             sandbox.processes.resize(terminal, 0, 10**6)
     finally:
         plain.signal("SIGKILL")
+
+
+def test_another_tenants_process_cannot_be_resized(real_cluster: Any, sandbox: Sandbox) -> None:  # noqa: F811
+    """B's key with A's sandbox and process ids, or A's process id on B's own sandbox: 404 like a missing
+    one, and A's terminal keeps its size."""
+    victim = sandbox.processes.start("read line; stty size", pty=(24, 80))
+    with real_cluster.sdk() as admin:
+        name = f"h3-b-{secrets.token_hex(3)}"
+        admin.projects.create(name)
+        key = admin.keys.create(project=name, role="admin").key
+    with Space(url=real_cluster.url, api_key=key, transport=httpx.HTTPTransport(verify=False)) as other:
+        own = other.sandboxes.create(template="python", limits={"cpus": 0.5, "memory_mb": 256})
+        try:
+            with pytest.raises(errors.NotFound):
+                other.sandboxes.ref(sandbox.id).processes.resize(victim.id, 50, 200)
+            with pytest.raises(errors.NotFound):
+                own.processes.resize(victim.id, 50, 200)
+        finally:
+            own.delete()
+    victim.write_stdin(b"go\n")
+    assert "24 80" in victim.wait().stdout
