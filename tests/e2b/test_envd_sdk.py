@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import CommandExitException, FilesystemEventType, PtySize, Sandbox
+from e2b import CommandExitException, FilesystemEventType, PtySize, Sandbox, SandboxNotRunningException
 
 from tests.support.cluster import RealCluster, real_cluster  # noqa: F401 - module-bound session fixture
 
@@ -126,3 +126,20 @@ def test_is_running_and_signed_urls(sbx: Sandbox) -> None:
         assert expired.status_code == 401
         tampered = sbx.download_url(path).replace("url-", "xrl-")
         assert http.get(tampered).status_code == 401
+
+
+def test_sandbox_killed_mid_command(real_cluster: RealCluster) -> None:  # noqa: F811
+    """A command whose sandbox is killed while it runs ends with the SDK's SandboxNotRunningException (its
+    stream ends unavailable and /health then answers 502), not a hang or an unrelated error."""
+    doomed = Sandbox.create(
+        api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
+        sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
+    )  # fmt: skip
+    try:
+        handle = doomed.commands.run("sleep 300", background=True, timeout=0)
+        assert doomed.kill() is True
+        with pytest.raises(SandboxNotRunningException):
+            handle.wait()
+        assert doomed.is_running() is False
+    finally:
+        doomed.kill()

@@ -198,7 +198,9 @@ class FilesystemService(Filesystem):
         /,
     ) -> fpb.GetWatcherEventsResponse:
         target = await self._target(ctx, mutating=False)
-        return fpb.GetWatcherEventsResponse(events=self.watchers.drain(_owner(target), request.watcher_id))
+        return fpb.GetWatcherEventsResponse(
+            events=await self.watchers.drain(_owner(target), request.watcher_id)
+        )
 
     @translated
     async def remove_watcher(

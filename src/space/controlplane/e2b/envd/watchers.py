@@ -6,9 +6,10 @@ Invariants:
   kinds map created -> CREATE, modified -> WRITE, deleted -> REMOVE, in the daemon's order.
 - A polling watcher is one SPACE watch stream held by this process, buffering at most MAX_EVENTS events
   (older ones are dropped first: a client that never polls costs bounded memory); GetWatcherEvents drains
-  the buffer. A caller holds at most MAX_WATCHERS per sandbox; a watcher is reachable only with its
-  sandbox and project (another tenant's watcher id is "not found"), and ends with RemoveWatcher, with its
-  stream, or after IDLE_S without a poll.
+  the buffer, waiting up to DRAIN_WAIT_S for a first event when it is empty (envd drains inotify before
+  answering, so a poll right after a write sees that write). A caller holds at most MAX_WATCHERS per
+  sandbox; a watcher is reachable only with its sandbox and project (another tenant's watcher id is
+  "not found"), and ends with RemoveWatcher, with its stream, or after IDLE_S without a poll.
 - Watchers live in the process that created them (one control plane; with several replicas behind one
   address a poll may reach another replica, which answers "not found": docs/adr/0051).
 """
@@ -30,6 +31,8 @@ from e2b.envd.filesystem import filesystem_pb as fpb
 from space.core import errors
 
 MAX_EVENTS = 10_000
+DRAIN_WAIT_S = 0.5
+DRAIN_SETTLE_S = 0.1
 MAX_WATCHERS = 16
 IDLE_S = 600.0
 
@@ -84,6 +87,7 @@ class Watcher:
     task: asyncio.Task[None] | None = None
     failure: errors.SpaceError | None = None
     polled_at: float = field(default_factory=time.monotonic)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Watchers:
@@ -111,8 +115,10 @@ class Watchers:
             async for event in stream:
                 if event is not None:
                     watcher.events.append(event)
+                    watcher.arrived.set()
         except errors.SpaceError as exc:
             watcher.failure = exc
+        watcher.arrived.set()
 
     def _get(self, owner: tuple[str, str], watcher_id: str) -> Watcher:
         watcher = self._watchers.get(watcher_id)
@@ -120,9 +126,16 @@ class Watchers:
             raise errors.NotFound(f"watcher {watcher_id[:64]!r} not found")
         return watcher
 
-    def drain(self, owner: tuple[str, str], watcher_id: str) -> list[fpb.FilesystemEvent]:
+    async def drain(self, owner: tuple[str, str], watcher_id: str) -> list[fpb.FilesystemEvent]:
         watcher = self._get(owner, watcher_id)
         watcher.polled_at = time.monotonic()
+        if not watcher.events and watcher.failure is None:
+            # envd drains inotify before it answers, so a poll right after a write sees that write: wait
+            # briefly for what is in flight, then for the rest of its batch.
+            watcher.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(watcher.arrived.wait(), DRAIN_WAIT_S)
+                await asyncio.sleep(DRAIN_SETTLE_S)
         events = list(watcher.events)
         watcher.events.clear()
         if not events and watcher.failure is not None:
