@@ -38,7 +38,9 @@ def caller_clients(app: Any) -> ClientSource:
         project = headers.get("x-space-project")
         if project:
             forwarded["X-Space-Project"] = project
-        transport = httpx.ASGITransport(app=app)
+        # An exception the app lets out is its 500 answer here too (an `internal` tool error), not a crash
+        # of the tool with the exception's text.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with AsyncSpace(IN_PROCESS_URL, headers=forwarded, transport=transport, max_retries=0) as space:
             yield space
 
