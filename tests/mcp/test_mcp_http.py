@@ -86,6 +86,13 @@ def test_tools_listed_and_a_sandbox_driven_through_them(fake_cluster: c.Cluster,
             assert "notes/" in listing and "b.bin" in listing, listing
             assert await mcp.ok("pause_sandbox", {"id": sb}) == f"{sb}  paused  template=python"
             assert await mcp.ok("resume_sandbox", {"id": sb}) == f"{sb}  running  template=python"
+            forked = await mcp.ok("fork", {"id": sb, "count": 2})
+            children = [line.split()[0] for line in forked.splitlines()[1:]]
+            assert forked.startswith(f"Forked {sb} into 2 sandbox(es):") and len(children) == 2, forked
+            assert all(f"forked from {sb}" in line for line in forked.splitlines()[1:]), forked
+            assert await mcp.ok("read_file", {"id": children[1], "path": "notes/a.txt"}) == "héllo\n"
+            for child in children:
+                await mcp.ok("delete_sandbox", {"id": child})
             assert f"Deleted sandbox {sb}" in await mcp.ok("delete_sandbox", {"id": sb})
             assert sb not in await mcp.ok("list_sandboxes")
 
