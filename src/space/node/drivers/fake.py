@@ -222,13 +222,16 @@ class FakeDriver(Driver):
         """The daemon's process tree as the host sees it: CPU time (its own and its reaped children's) and
         resident memory, from one scan of /proc; disk as storage_usage counts it."""
         tree = _process_tree()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _ticks, _pages) in tree.items():
+            children.setdefault(ppid, []).append(pid)
         readings: dict[str, dict[str, Any]] = {}
         for sandbox_id in sandbox_ids:
             proc = self.processes.get(sandbox_id)
             if proc is None or proc.returncode is not None:
                 continue
             cpu_ticks, resident_pages = 0, 0
-            for pid in _below(tree, proc.pid):
+            for pid in _below(children, proc.pid):
                 counters = tree.get(pid)
                 if counters is not None:
                     cpu_ticks += counters[1]
@@ -362,10 +365,7 @@ def _process_tree() -> dict[int, tuple[int, int, int]]:
     return found
 
 
-def _below(tree: dict[int, tuple[int, int, int]], root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _ticks, _pages) in tree.items():
-        children.setdefault(ppid, []).append(pid)
+def _below(children: dict[int, list[int]], root: int) -> list[int]:
     pending, seen = [root], []
     while pending:
         pid = pending.pop()
