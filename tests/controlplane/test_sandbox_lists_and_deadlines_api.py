@@ -5,7 +5,7 @@ tests/e2e keeps one suspended). docs/adr/0048-metadata-lists-and-deadlines.md.""
 from __future__ import annotations
 
 import time
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import httpx
@@ -59,6 +59,13 @@ def test_metadata_filters_order_and_pages(fake_cluster: c.Cluster, project: c.Pr
         running = _ids(_list(client, {"state": "running"}))
         assert second["id"] in running and theirs["id"] not in running
         assert _ids(_list(client, {"template": "no-such-template"})) == []
+        # created_after: inclusive to the microsecond, any offset; a time without one is refused.
+        since = datetime.fromisoformat(second["created_at"])
+        assert _ids(_list(client, {"created_after": since.isoformat()})) == [third["id"], second["id"]]
+        later = (since + timedelta(microseconds=1)).astimezone(timezone(timedelta(hours=2)))
+        assert _ids(_list(client, {"created_after": later.isoformat()})) == [third["id"]]
+        naive = _list(client, {"created_after": "2030-01-01T00:00:00"})
+        assert (naive.status_code, _field_of(naive)) == (400, "created_after"), naive.text
         assert theirs["id"] not in _ids(_list(client, {"metadata": "q=a=b&c d/é"}))  # never another project's
 
         page = _list(client, {"limit": 2})
@@ -200,6 +207,10 @@ def test_the_sdk_labels_lists_pages_and_sets_timeouts(project: c.Project) -> Non
             sb.id for sb in made
         ]
         assert [sb.id for sb in sp.sandboxes.list(metadata={"run": "sdk", "i": "1"})] == [made[1].id]
+        since = datetime.fromisoformat(made[1].data["created_at"])
+        assert [sb.id for sb in sp.sandboxes.list(metadata={"run": "sdk"}, created_after=since)] == [
+            made[2].id, made[1].id,
+        ]  # fmt: skip
         page = sp.sandboxes.list_page(metadata={"run": "sdk"}, limit=2)
         assert [sb.id for sb in page.sandboxes] == [made[2].id, made[1].id] and page.next_page_token
         rest = sp.sandboxes.list_page(metadata={"run": "sdk"}, limit=2, page_token=page.next_page_token)

@@ -7,7 +7,7 @@ import base64
 import json
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -371,3 +371,26 @@ def test_coming_back_gives_a_fresh_deadline_never_a_shorter_one(store: Store, cl
     endless = store.transition(endless.id, State.PAUSING, endless.generation, Event.PAUSED)
     endless = store.transition(endless.id, State.PAUSED, endless.generation, Event.RESUME)
     assert store.transition(endless.id, State.RESUMING, endless.generation, Event.RESUMED).expires_at is None
+
+
+def test_created_after_is_inclusive_to_the_microsecond(store: Store, clock: Clock) -> None:
+    mine, theirs = _projects(store)
+    early = store.create_sandbox(mine, "python")
+    clock.advance(0.000001)
+    late = store.create_sandbox(mine, "python")
+    store.create_sandbox(theirs, "python")
+
+    def after(at: datetime) -> list[str]:
+        return _ids(store.page_sandboxes(mine, SandboxQuery(created_after=at, order="asc")))
+
+    assert after(early.created_at) == [early.id, late.id]  # its own creation time includes it
+    assert after(early.created_at + timedelta(microseconds=1)) == [late.id]
+    assert after(late.created_at.astimezone(timezone(timedelta(hours=-5)))) == [late.id]  # any offset
+    assert after(late.created_at + timedelta(seconds=1)) == []
+    with pytest.raises(InvalidArgument) as caught:
+        store.page_sandboxes(mine, SandboxQuery(created_after=datetime(2030, 1, 1)))  # naive on purpose
+    assert caught.value.details["field"] == "created_after"
+    token = store.page_sandboxes(mine, SandboxQuery(created_after=early.created_at, limit=1)).next_page_token
+    assert token is not None
+    with pytest.raises(InvalidArgument):  # a token is bound to its created_after too
+        store.page_sandboxes(mine, SandboxQuery(created_after=late.created_at, limit=1, page_token=token))

@@ -395,10 +395,14 @@ def list_params(
     order: str,
     limit: int | None,
     page_token: str | None,
+    created_after: datetime | str | None = None,
 ) -> dict[str, str | int | list[str] | None]:
-    """The query of GET /v1/sandboxes: `state` and `metadata` (as key=value) repeated."""
+    """The query of GET /v1/sandboxes: `state` and `metadata` (as key=value) repeated; `created_after` an
+    aware datetime (or its ISO 8601 text), inclusive."""
     states = [state] if isinstance(state, str) else list(state or [])
+    after = created_after.isoformat() if isinstance(created_after, datetime) else created_after
     return {
+        "created_after": after,
         "state": states or None,
         "template": template,
         "metadata": [f"{key}={value}" for key, value in (metadata or {}).items()] or None,

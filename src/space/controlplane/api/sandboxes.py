@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
@@ -120,10 +121,14 @@ async def list_sandboxes(
     order: Literal["asc", "desc"] = "desc",
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
     page_token: Annotated[str | None, Query(max_length=MAX_TOKEN_LENGTH)] = None,
+    created_after: Annotated[
+        datetime | None, Query(description="Only sandboxes created at or after this time (with its offset).")
+    ] = None,
 ) -> JSONResponse:
     query = SandboxQuery(
         states=tuple(lifecycle.parse_state(s) for s in state), template=template,
         metadata=metadata_filters(metadata), order=order, limit=limit, page_token=page_token,
+        created_after=created_after,
     )  # fmt: skip
     page = await asyncio.to_thread(services.store.page_sandboxes, who.project_id, query)
     body: dict[str, Any] = {"sandboxes": [sandbox_view(sb) for sb in page.sandboxes]}

@@ -3,7 +3,8 @@
 Invariants (docs/adr/0048-metadata-lists-and-deadlines.md):
 - Every query is scoped to ONE project first (the index on (project_id, created_at) narrows it), so no
   filter and no token can reach another project's rows.
-- Filters are SQL predicates with bound parameters: states (`IN`), template (`=`), and each metadata pair
+- Filters are SQL predicates with bound parameters: states (`IN`), template (`=`), a creation time
+  (`created_at >= t`, inclusive to the microsecond), and each metadata pair
   as `metadata ->> key = value` (PostgreSQL) / `JSON_EXTRACT(metadata, '$."key"') = value` (SQLite); a
   key is bound, never spliced, and space.core.sandbox_options allows no quote, backslash or `$` in it.
 - The order is (created_at, id), ascending or descending, so it is total: pages never repeat or skip a
@@ -23,7 +24,7 @@ import binascii
 import hashlib
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from sqlalchemy import ColumnElement, Select, and_, or_, select
@@ -53,6 +54,7 @@ class SandboxQuery:
     order: Order = "desc"
     limit: int = DEFAULT_PAGE
     page_token: str | None = None
+    created_after: datetime | None = None  # inclusive, to the microsecond (an aware time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +71,14 @@ def checked_query(query: SandboxQuery) -> SandboxQuery:
         raise InvalidArgument(f"limit must be an integer from 1 to {MAX_PAGE}", field="limit")
     if query.template is not None:
         ids.parse_template_name(query.template, field="template")
+    after = query.created_after
+    if after is not None and (not isinstance(after, datetime) or after.utcoffset() is None):
+        raise InvalidArgument("created_after must be a time with its UTC offset", field="created_after")
     states = tuple(sorted({lifecycle.parse_state(s) for s in query.states}))
     return SandboxQuery(
         states=states, template=query.template, metadata=check_metadata(query.metadata),
         order=query.order, limit=query.limit, page_token=query.page_token,
+        created_after=after.astimezone(UTC) if after is not None else None,
     )  # fmt: skip
 
 
@@ -85,6 +91,7 @@ def fingerprint(project_id: str, query: SandboxQuery) -> str:
             query.template,
             sorted(query.metadata.items()),
             query.order,
+            query.created_after.isoformat() if query.created_after is not None else None,
         ],
         separators=(",", ":"),
     )
@@ -154,6 +161,8 @@ def page_statement(project_id: str, query: SandboxQuery) -> Select[Sandbox]:
         statement = statement.where(Sandbox.state != State.DELETED.value)
     if query.template is not None:
         statement = statement.where(Sandbox.template == query.template)
+    if query.created_after is not None:
+        statement = statement.where(Sandbox.created_at >= query.created_after)
     for key, value in sorted(query.metadata.items()):
         statement = statement.where(Sandbox.metadata_[key].as_string() == value)
     if query.page_token is not None:

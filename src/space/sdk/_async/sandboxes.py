@@ -91,15 +91,18 @@ class AsyncSandboxes:
         template: str | None = None,
         metadata: Mapping[str, str] | None = None,
         order: str = "desc",
+        created_after: datetime | str | None = None,
     ) -> builtins.list[AsyncSandbox]:
         """Every sandbox of the project that matches (all pages; newest first unless order="asc"):
-        `state` one or more states (none: all but deleted), `metadata` pairs that must all match."""
+        `state` one or more states (none: all but deleted), `metadata` pairs that must all match,
+        `created_after` an aware time (inclusive)."""
         found: builtins.list[AsyncSandbox] = []
         token: str | None = None
         while True:
             page = await self.list_page(
-                state=state, template=template, metadata=metadata, order=order, page_token=token
-            )
+                state=state, template=template, metadata=metadata, order=order, page_token=token,
+                created_after=created_after,
+            )  # fmt: skip
             found += page.sandboxes
             if page.next_page_token is None:
                 return found
@@ -114,12 +117,14 @@ class AsyncSandboxes:
         order: str = "desc",
         limit: int | None = None,
         page_token: str | None = None,
+        created_after: datetime | str | None = None,
     ) -> AsyncSandboxPage:
         """One page of `list` (at most `limit`, 1 to 1000, default 100); pass its `next_page_token` with
         the same filters for the next one (None: this was the last)."""
         params = list_params(
-            state=state, template=template, metadata=metadata, order=order, limit=limit, page_token=page_token
-        )
+            state=state, template=template, metadata=metadata, order=order, limit=limit,
+            page_token=page_token, created_after=created_after,
+        )  # fmt: skip
         answer = await self._http.json("GET", "/v1/sandboxes", params=params)
         sandboxes = [AsyncSandbox(self._http, item) for item in sandboxes_of(answer)]
         token = answer.get("next_page_token") if isinstance(answer, dict) else None
