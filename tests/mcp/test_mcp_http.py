@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -31,6 +34,29 @@ INITIALIZE = {
         "clientInfo": {"name": "t", "version": "1"},
     },
 }
+
+
+@pytest.fixture(scope="module")
+def limited(fake_cluster: c.Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[c.ControlPlane]:
+    """A second control plane on the shared cluster's database and node, with a small request rate."""
+    cp = c.ControlPlane(
+        tmp_path_factory.mktemp("mcp-limited-cp"), fake_cluster.token_file,
+        database_url=fake_cluster.database_url, name="mcp-limited",
+    )  # fmt: skip
+    cp.extra_env = {
+        "SPACE_API_REQUESTS_PER_S": str(LIMITED_RATE),
+        "SPACE_API_REQUEST_BURST": str(LIMITED_BURST),
+    }
+    cp.start()
+    try:
+        c.wait_for(cp.healthy, timeout=c.START_TIMEOUT_S, interval=0.1, what="limited control plane healthy")
+        yield cp
+    finally:
+        cp.stop(timeout=5)
+
+
+LIMITED_RATE = 0.5
+LIMITED_BURST = 3
 
 
 def run(scenario: object) -> None:
@@ -215,3 +241,23 @@ def test_oversized_arguments_and_bodies_are_refused(fake_cluster: c.Cluster, pro
         assert answer.status_code == 413, answer.text
 
     run(scenario())
+
+
+def test_mcp_requests_are_rate_limited_per_key(limited: c.ControlPlane, project: c.Project) -> None:
+    headers = {
+        "Authorization": f"Bearer {project.key}",
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+    }
+    statuses: list[int] = []
+    started = time.monotonic()
+    with httpx.Client(base_url=limited.url, headers=headers, timeout=30) as client:
+        while 429 not in statuses and len(statuses) < 30:
+            answer = client.post("/mcp", json=INITIALIZE)
+            statuses.append(answer.status_code)
+        refused = answer
+    allowed = LIMITED_BURST + math.ceil((time.monotonic() - started) * LIMITED_RATE)
+    assert statuses[-1] == 429 and set(statuses[:-1]) == {200}, statuses
+    assert LIMITED_BURST <= len(statuses) - 1 <= allowed, statuses
+    assert refused.json()["error"]["code"] == "resource_exhausted"
+    assert int(refused.headers["retry-after"]) >= 1

@@ -5,7 +5,8 @@ Invariants:
 - A request is authenticated from its headers (`Authorization: Bearer <key>`, `X-Space-Project` for an
   org key) before MCP reads a byte of it: no key, an unknown or revoked key is a 401 with the API's
   error body, like /v1. Its body is bounded like any JSON route's (the limits middleware, and the MCP
-  SDK's own bound set to the same size).
+  SDK's own bound set to the same size); its rate per key like /v1's (429 with Retry-After), in a bucket
+  of its own.
 - The tools act through an SDK client whose transport is this same API app, in process, carrying the
   caller's own Authorization and X-Space-Project headers: every tool call is a /v1 request of the
   caller's key, with its role, its project, its rate and stream limits. Nothing here reads the store or
@@ -16,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -25,6 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services, authenticate
+from space.controlplane.api.limits import LimitSettings, TokenBuckets
 from space.core import errors
 from space.mcp.in_process import caller_clients
 from space.mcp.tools import build_server
@@ -53,6 +56,10 @@ class McpEndpoint:
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         )
         self.manager = self.server.session_manager
+        # The /mcp requests of a key, at the rate and burst of its /v1 requests (a bucket of their own: the
+        # /v1 calls a tool makes take tokens of the key's /v1 bucket as well).
+        limits = LimitSettings.of(services.settings)
+        self.buckets = TokenBuckets(limits.requests_per_s, limits.request_burst, limits.max_tracked_keys)
 
     def mount(self, app: FastAPI) -> None:
         """Serve at MCP_PATH of `app`; the tools' requests go through `app` whole (middleware included)."""
@@ -74,7 +81,17 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _headers(scope)
         try:
-            await authenticate(self.services, headers.get("authorization"), headers.get("x-space-project"))
+            who = await authenticate(
+                self.services, headers.get("authorization"), headers.get("x-space-project")
+            )
+            wait = self.buckets.take(who.key.id)
+            if wait > 0:
+                raise errors.ResourceExhausted(
+                    f"too many MCP requests for this API key (limit {self.buckets.rate:g}/s, burst"
+                    f" {self.buckets.burst:g}): retry after {math.ceil(wait)} s",
+                    limit="requests_per_s",
+                    retry_after_s=math.ceil(wait),
+                )
         except errors.SpaceError as exc:
             # The body is never read: the connection closes after the refusal.
             response = rest_errors.error_response(exc, {"Connection": "close"})
