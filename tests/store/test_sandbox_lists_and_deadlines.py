@@ -150,8 +150,9 @@ def test_filters_match_in_sql_and_never_cross_projects(store: Store, clock: Cloc
     for bad in ("$.env", 'env"', "env') OR 1=1 --", "*"):
         with pytest.raises(InvalidArgument):
             store.page_sandboxes(mine, SandboxQuery(metadata={bad: "prod"}))
+    assert ids(template="../x' OR '1'='1") == set()  # no template name: matches nothing, refuses nothing
     with pytest.raises(InvalidArgument):
-        store.page_sandboxes(mine, SandboxQuery(template="../x"))
+        store.page_sandboxes(mine, SandboxQuery(template="x" * 65))
     with pytest.raises(InvalidArgument):
         store.page_sandboxes(mine, SandboxQuery(states=("sleeping",)))  # type: ignore[arg-type]
 

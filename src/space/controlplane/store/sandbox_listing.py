@@ -69,8 +69,10 @@ def checked_query(query: SandboxQuery) -> SandboxQuery:
         raise InvalidArgument("order must be asc or desc", field="order")
     if isinstance(query.limit, bool) or not isinstance(query.limit, int) or not 1 <= query.limit <= MAX_PAGE:
         raise InvalidArgument(f"limit must be an integer from 1 to {MAX_PAGE}", field="limit")
-    if query.template is not None:
-        ids.parse_template_name(query.template, field="template")
+    if query.template is not None and (not isinstance(query.template, str) or len(query.template) > 64):
+        # Bounded like the column; a value that is no template name simply matches nothing (an unknown
+        # template is an empty list, not an error: E2B's filter takes ids and aliases SPACE never has).
+        raise InvalidArgument("template is at most 64 characters", field="template")
     after = query.created_after
     if after is not None and (not isinstance(after, datetime) or after.utcoffset() is None):
         raise InvalidArgument("created_after must be a time with its UTC offset", field="created_after")
