@@ -226,3 +226,16 @@ def test_the_sdk_labels_lists_pages_and_sets_timeouts(project: c.Project) -> Non
         assert deadline is not None and sb.data["ttl_s"] == 60
         assert sb.set_timeout(5, extend_only=True).expires_at == deadline
         assert sp.sandboxes.get(sb.id).expires_at == deadline
+
+
+def test_a_forks_children_keep_their_sources_metadata_and_on_timeout(project: c.Project) -> None:
+    client = project.http()
+    source = _create(client, metadata={"lineage": "f1"}, on_timeout="pause", ttl_s=600)
+    forked = client.post(f"/v1/sandboxes/{source['id']}/fork", json={"count": 2})
+    assert forked.status_code == 201, forked.text
+    children = forked.json()["sandboxes"]
+    assert [(ch["metadata"], ch["on_timeout"], ch["forked_from"]) for ch in children] == [
+        ({"lineage": "f1"}, "pause", source["id"])
+    ] * 2
+    listed = _ids(_list(client, {"metadata": "lineage=f1", "order": "asc"}))
+    assert listed == [source["id"], *[ch["id"] for ch in children]]
