@@ -125,6 +125,18 @@ def test_tools_listed_and_a_sandbox_driven_through_them(fake_cluster: c.Cluster,
     run(scenario())
 
 
+def test_a_client_of_the_initialize_handshake_era_is_served_too(
+    fake_cluster: c.Cluster, project: c.Project
+) -> None:
+    async def scenario() -> None:
+        async with over_http(fake_cluster.url, project.key, mode="legacy") as mcp:
+            assert mcp.client.protocol_version == "2025-11-25"
+            assert "run_code" in await mcp.tool_names()
+            assert await mcp.ok("list_sandboxes") == "No sandboxes."
+
+    run(scenario())
+
+
 def test_a_read_only_key_lists_but_cannot_create_or_change(
     fake_cluster: c.Cluster, project: c.Project
 ) -> None:
