@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import grp
+import json
 import os
 import pwd
 import stat
@@ -238,3 +239,18 @@ def test_attributes_beyond_a_frame_are_refused_and_listings_go_on(guest: Guest) 
         for child in directory.iterdir():
             child.unlink()
         directory.rmdir()
+
+
+def test_the_batch_size_bound_is_an_upper_bound(tmp_path: Path) -> None:
+    (tmp_path / "plain.txt").write_bytes(b"x")
+    (tmp_path / "link").symlink_to("é" * 50 + "/\U0001f600")
+    with open(os.fsencode(str(tmp_path)) + b"/" + b"\xff\xfe" * 40, "wb"):
+        pass
+    (tmp_path / ("ü" * 120)).mkdir()
+    names = fileinfo.Names()
+    entries = [*fileinfo.walk(str(tmp_path), 2, names)]
+    entries.append(fileinfo.describe(str(tmp_path / "link"), names, follow=True))
+    entries.append(fileinfo.entry("/x", os.stat("/"), names) | {"xattrs": {"user.é": "QUJD" * 100}})
+    assert len(entries) == 6
+    for item in entries:
+        assert fileinfo.json_size_bound(item) >= len(json.dumps(item)), item
