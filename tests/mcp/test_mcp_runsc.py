@@ -88,6 +88,13 @@ def test_the_http_endpoint_acts_in_the_callers_project_on_real_sandboxes(real_cl
                     "execute_command", {"id": sb, "command": "echo $GREETING", "env": {"GREETING": "hi"}}
                 )
                 assert out == "exit code 0\n--- stdout ---\nhi\n"
+                # A full snapshot (memory too) and a rollback to it, through the caller's key.
+                await mcp.ok("write_file", {"id": sb, "path": "state.txt", "content": "checkpointed"})
+                snap = first_word_after(await mcp.ok("snapshot", {"id": sb, "kind": "full"}), "Snapshot ")
+                assert f"{snap}  full  ready" in await mcp.ok("list_snapshots", {"id": sb})
+                await mcp.ok("execute_command", {"id": sb, "command": "echo later > state.txt"})
+                assert "running" in await mcp.ok("rollback", {"id": sb, "snapshot_id": snap})
+                assert await mcp.ok("read_file", {"id": sb, "path": "state.txt"}) == "checkpointed"
             finally:
                 await mcp.ok("delete_sandbox", {"id": sb})
         # The same key in its default project sees none of them.
