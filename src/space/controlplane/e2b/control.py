@@ -15,6 +15,7 @@ Invariants:
 - Every route but /health authenticates a SPACE key before it does anything (auth.py), and every body
   is bounded (SPACE_API_JSON_BODY_BYTES) before it is parsed: a larger Content-Length is a 413 at once, a
   chunked body is read to the bound and refused there (413, the connection closed).
+- Each key's requests are rate-limited as on SPACE's API (auth.py), in buckets of this app's own.
 - Every failure is E2B's `{"code", "message"}` (errors.py); there is no OpenAPI document or docs page.
 """
 
@@ -26,6 +27,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services
+from space.controlplane.api.limits import TokenBuckets
 from space.controlplane.e2b import errors as e2b_errors
 from space.controlplane.e2b import listing, network, sandboxes, snapshots
 
@@ -33,6 +35,10 @@ from space.controlplane.e2b import listing, network, sandboxes, snapshots
 def create_control_app(services: Services) -> FastAPI:
     app = FastAPI(title="SPACE E2B control API", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.services = services
+    settings = services.settings
+    app.state.request_buckets = TokenBuckets(
+        settings.api_requests_per_s, settings.api_request_burst, settings.api_max_tracked_keys
+    )  # auth.py: per key, as on SPACE's API
     e2b_errors.install(app)
     for router in (sandboxes.router, listing.router, snapshots.router, network.router):
         app.include_router(router)
