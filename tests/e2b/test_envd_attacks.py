@@ -225,3 +225,49 @@ def test_client_that_stops_reading(envd_front: ef.EnvdFront, sandbox: Sandbox) -
     while pid in [p.pid for p in client.list(pb.ListRequest()).processes]:
         assert time.monotonic() < deadline, f"process {pid} survived SIGKILL"
         time.sleep(0.1)
+
+
+def test_rate_and_stream_limits(real_cluster: RealCluster, sandbox: Sandbox) -> None:  # noqa: F811
+    """The API's per-key limits hold on the envd front: a request bucket, a cap on open streams, and a cut
+    for a client that keeps a stream open without reading it (which frees its slot)."""
+    with ef.serve_front(
+        real_cluster,
+        api_request_burst=3,
+        api_requests_per_s=0.01,
+        api_streams_per_key=1,
+        api_send_stall_s=2.0,
+    ) as front:
+        for _ in range(3):
+            _stat(front, sandbox.id, api_key=real_cluster.api_key)
+        assert (
+            _code(lambda: _stat(front, sandbox.id, api_key=real_cluster.api_key)) == Code.RESOURCE_EXHAUSTED
+        )
+        # The sandbox's own token is another caller, with its own bucket; one stream at a time.
+        client = front.process(sandbox.id)
+        stream = client.start(
+            pb.StartRequest(process=pb.ProcessConfig(cmd="yes"), stdin=False), timeout_ms=120_000
+        )
+        iterator = iter(stream)
+        pid = next(iterator).event.event.value.pid  # open, and then never read again
+        selector = pb.ProcessSelector(selector=Oneof("pid", pid))
+        start = pb.StartRequest(process=pb.ProcessConfig(cmd="/bin/true"), stdin=False)
+        assert _code(lambda: list(client.start(start))) == Code.RESOURCE_EXHAUSTED
+        client.send_signal(pb.SendSignalRequest(process=selector, signal=pb.Signal.SIGKILL))  # its last token
+        stream.close()
+    with ef.serve_front(real_cluster, api_streams_per_key=1, api_send_stall_s=2.0) as front:
+        client = front.process(sandbox.id)
+        stream = client.start(
+            pb.StartRequest(process=pb.ProcessConfig(cmd="yes"), stdin=False), timeout_ms=120_000
+        )
+        pid = next(iter(stream)).event.event.value.pid
+        selector = pb.ProcessSelector(selector=Oneof("pid", pid))
+        deadline = time.monotonic() + 60
+        while True:  # the unread stream is cut once its sends stall, which frees the key's only slot
+            try:
+                list(client.start(start, timeout_ms=60_000))
+                break
+            except ConnectError as exc:
+                assert exc.code == Code.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+                time.sleep(0.5)
+        client.send_signal(pb.SendSignalRequest(process=selector, signal=pb.Signal.SIGKILL))
+        stream.close()

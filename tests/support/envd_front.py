@@ -83,13 +83,15 @@ class EnvdFront:
         return httpx.Client(base_url=self.url, timeout=60.0)
 
 
-@pytest.fixture(scope="module")
-def envd_front(real_cluster: RealCluster) -> Iterator[EnvdFront]:
-    data_dir = pathlib.Path(real_cluster.data_dir)
+@contextlib.contextmanager
+def serve_front(cluster: RealCluster, **settings: Any) -> Iterator[EnvdFront]:
+    """An envd front over a second replica of `cluster`'s control plane, with these settings changed."""
+    data_dir = pathlib.Path(cluster.data_dir)
     store = Store(sqlite_url(data_dir))
     node_token = (data_dir / "node.token").read_text().strip()
-    settings = ControlPlaneSettings.from_env().model_copy(update={"max_upload_bytes": TEST_MAX_UPLOAD_BYTES})
-    api = create_app(store, node_token=node_token, run_reconciler=False, settings=settings)
+    update = {"max_upload_bytes": TEST_MAX_UPLOAD_BYTES, **settings}
+    chosen = ControlPlaneSettings.from_env().model_copy(update=update)
+    api = create_app(store, node_token=node_token, run_reconciler=False, settings=chosen)
     services: Services = api.state.services
     port = free_port()
     config = uvicorn.Config(
@@ -104,10 +106,16 @@ def envd_front(real_cluster: RealCluster) -> Iterator[EnvdFront]:
         assert thread.is_alive() and time.monotonic() < deadline, "the envd front did not start"
         time.sleep(0.02)
     try:
-        yield EnvdFront(f"http://127.0.0.1:{port}", services, real_cluster)
+        yield EnvdFront(f"http://127.0.0.1:{port}", services, cluster)
     finally:
         server.should_exit = True
         thread.join(30)
         with contextlib.suppress(Exception):  # its connections belonged to the server's (ended) loop
             asyncio.run(services.nodes.aclose())
         store.close()
+
+
+@pytest.fixture(scope="module")
+def envd_front(real_cluster: RealCluster) -> Iterator[EnvdFront]:
+    with serve_front(real_cluster) as front:
+        yield front

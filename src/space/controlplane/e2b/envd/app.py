@@ -6,7 +6,9 @@ Invariants:
   codecs, envelopes and error encoding are the library's, not ours); everything else is `files_rest`.
 - RPC request bodies are bounded by RPC_READ_MAX_BYTES (connectrpc answers `resource_exhausted`
   beyond); uploads by the control plane's `max_upload_bytes`.
-- The app holds no state of its own but the polling watchers, closed at shutdown (lifespan).
+- Every request runs under the front's limits (`limits`: per-key rate and streams, the node pools'
+  tenant-fair data traffic, a cut for a client that stops reading).
+- The app holds no state of its own but the polling watchers (closed at shutdown: lifespan) and the limits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd.codecs import envd_codecs
 from space.controlplane.e2b.envd.files_rest import rest_app
 from space.controlplane.e2b.envd.filesystem_service import FilesystemService
+from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.process_service import ProcessService
 from space.controlplane.e2b.envd.watchers import Watchers
 
@@ -28,13 +31,14 @@ RPC_READ_MAX_BYTES = 4 << 20
 def envd_app(services: Services) -> ASGIApp:
     """E2B's in-sandbox API over `services` (the control plane's own)."""
     watchers = Watchers()
+    limits = EnvdLimits(services)
     process = ProcessASGIApplication(
-        ProcessService(services), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
+        ProcessService(services, limits), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
     )
     filesystem = FilesystemASGIApplication(
-        FilesystemService(services, watchers), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
+        FilesystemService(services, limits, watchers), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
     )
-    rest = rest_app(services)
+    rest = rest_app(services, limits)
     routes: tuple[tuple[str, ASGIApp], ...] = (
         (process.path + "/", process),
         (filesystem.path + "/", filesystem),
@@ -47,6 +51,7 @@ def envd_app(services: Services) -> ASGIApp:
         if scope["type"] != "http":
             return  # no WebSockets here: E2B's PTY is a process RPC
         path = scope["path"]
+        send = limits.stalled_send(send)
         for prefix, rpc in routes:
             if path.startswith(prefix):
                 await rpc(scope, receive, send)

@@ -14,6 +14,7 @@ Invariants:
   front finds the one live sandbox whose envd token makes it (at most SIGNED_SCAN sandboxes, constant-time
   comparisons), refuses it once `signature_expiration` has passed, and then acts with that token's rights.
   A signature is bound to its path, operation and user: any change is "unauthenticated".
+- Every resolved caller passes the front's request limits (`limits.EnvdLimits.admit`) before any node call.
 - The sandbox is brought to running the way SPACE's own data plane does (`deps.running_sandbox`: a paused
   sandbox is resumed), and every call counts as the sandbox's activity.
 """
@@ -38,6 +39,7 @@ from space.controlplane.api.deps import (
     running_sandbox,
 )
 from space.controlplane.e2b.access import envd_access_token, token_matches
+from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.store.records import ApiKeyRecord, SandboxRecord
 from space.core import errors
 from space.core.ids import parse_sandbox_id
@@ -130,12 +132,18 @@ async def principal_for(services: Services, headers: Mapping[str, str], sandbox_
 
 
 async def target_of(
-    services: Services, headers: Mapping[str, str], *, mutating: bool, query_user: str | None = None
+    services: Services,
+    limits: EnvdLimits,
+    headers: Mapping[str, str],
+    *,
+    mutating: bool,
+    query_user: str | None = None,
 ) -> Target:
     """The caller's running sandbox named by the request's headers, and its node."""
     sandbox_id = sandbox_id_of(headers)
     who = await principal_for(services, headers, sandbox_id)
     who.require("member" if mutating else "read-only")
+    limits.admit(who)
     user = user_of(headers, query_user)
     sb = await running_sandbox(services, who, sandbox_id)
     await note_activity(services, sb.id)
@@ -179,7 +187,7 @@ def _check_expiration(signed: Signed) -> None:
 
 
 async def signed_target(
-    services: Services, headers: Mapping[str, str], signed: Signed, *, mutating: bool
+    services: Services, limits: EnvdLimits, headers: Mapping[str, str], signed: Signed, *, mutating: bool
 ) -> Target:
     """The sandbox a signed URL was made for (Unauthenticated if none, expired or altered)."""
     if not signed.signature.startswith("v1_") or len(signed.signature) > 100:
@@ -199,6 +207,7 @@ async def signed_target(
     if match is None or who is None:
         raise errors.Unauthenticated("the signature matches no sandbox")
     who.require("member" if mutating else "read-only")
+    limits.admit(who)
     sb = await running_sandbox(services, who, match)
     await note_activity(services, sb.id)
     user = _valid_user(signed.user) if signed.user else None

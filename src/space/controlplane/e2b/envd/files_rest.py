@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from space.controlplane.api.deps import Services
+from space.controlplane.api.deps import Principal, Services
 from space.controlplane.e2b.envd.caller import (
     Signed,
     Target,
@@ -47,6 +47,7 @@ from space.controlplane.e2b.envd.caller import (
     target_of,
 )
 from space.controlplane.e2b.envd.entries import XATTR_PREFIX, metadata_of
+from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.rpc_errors import rest_status
 from space.core import errors
 from space.core.lifecycle import State
@@ -168,7 +169,9 @@ async def _replace_metadata(target: Target, path: str, old: dict[str, str], new:
             await target.node.set_xattr(target.sandbox_id, path, XATTR_PREFIX + key, value.encode())
 
 
-async def _files_target(request: Request, services: Services, *, mutating: bool) -> Target:
+async def _files_target(
+    request: Request, services: Services, limits: EnvdLimits, *, mutating: bool
+) -> Target:
     """The caller's sandbox: by credentials and E2b-Sandbox-Id, or by the signature of a signed URL."""
     query = request.query_params
     credentials = ("x-access-token", "x-api-key", "authorization")
@@ -178,13 +181,21 @@ async def _files_target(request: Request, services: Services, *, mutating: bool)
             path=query.get("path", ""), operation="write" if mutating else "read", user=query.get("username"),
             signature=signature, expiration=query.get("signature_expiration"),
         )  # fmt: skip
-        return await signed_target(services, request.headers, signed, mutating=mutating)
-    return await target_of(services, request.headers, mutating=mutating, query_user=query.get("username"))
+        return await signed_target(services, limits, request.headers, signed, mutating=mutating)
+    user = query.get("username")
+    return await target_of(services, limits, request.headers, mutating=mutating, query_user=user)
 
 
-async def _upload(request: Request, services: Services) -> Response:
+async def _upload(request: Request, services: Services, limits: EnvdLimits) -> Response:
     query_path = request.query_params.get("path")
-    target = await _files_target(request, services, mutating=True)
+    target = await _files_target(request, services, limits, mutating=True)
+    async with limits.stream(target.who):
+        return await _upload_to(request, services, target, query_path)
+
+
+async def _upload_to(
+    request: Request, services: Services, target: Target, query_path: str | None
+) -> Response:
     content_type = request.headers.get("content-type", "")
     limit = services.settings.max_upload_bytes
     if content_type.startswith("multipart/form-data"):
@@ -235,13 +246,21 @@ async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield deflater.flush()
 
 
-async def _download(request: Request, services: Services) -> Response:
+async def _held(limits: EnvdLimits, who: Principal, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`chunks`, holding one of the caller's stream slots until they end (or the client goes away)."""
+    async with limits.stream(who):
+        async for chunk in chunks:
+            yield chunk
+
+
+async def _download(request: Request, services: Services, limits: EnvdLimits) -> Response:
     path = _path(request.query_params.get("path"))
-    target = await _files_target(request, services, mutating=False)
+    target = await _files_target(request, services, limits, mutating=False)
     entry = await target.node.stat(target.sandbox_id, path)
     if entry.get("type") == "dir":
         raise errors.InvalidArgument(f"{path} is a directory", field="path")
-    _first, body = await _first_and_rest(target.node.read_file_stream(target.sandbox_id, path))
+    chunks = _held(limits, target.who, target.node.read_file_stream(target.sandbox_id, path))
+    _first, body = await _first_and_rest(chunks)
     name = posixpath.basename(str(entry.get("path", path)))
     headers = {"Content-Disposition": f"inline; filename*=UTF-8''{_quoted(name)}"}
     media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
@@ -273,13 +292,13 @@ async def _sandbox_state(services: Services, project_id: str, sandbox_id: str) -
     return sb.state
 
 
-def rest_app(services: Services) -> ASGIApp:
+def rest_app(services: Services, limits: EnvdLimits) -> ASGIApp:
     """`/files` and `/health` (anything else: 404 in envd's shape)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         try:
-            response = await _route(request, services, scope, receive)
+            response = await _route(request, services, limits, scope, receive)
         except errors.SpaceError as exc:
             response = error_response(exc)
         except HTTPException as exc:  # Starlette's multipart parser: a malformed body
@@ -289,19 +308,21 @@ def rest_app(services: Services) -> ASGIApp:
     return app
 
 
-async def _route(request: Request, services: Services, scope: Scope, receive: Receive) -> Response:
+async def _route(
+    request: Request, services: Services, limits: EnvdLimits, scope: Scope, receive: Receive
+) -> Response:
     path, method = scope["path"], scope["method"]
     if path == "/health" and method in ("GET", "HEAD"):
         return await _health(request, services)
     if path == "/files" and method == "GET":
-        return await _download(request, services)
+        return await _download(request, services, limits)
     if path == "/files" and method == "POST":
         limit = services.settings.max_upload_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise errors.TooLarge(f"the upload of {length} bytes exceeds {limit}")
         bounded = Request(scope, limited_receive(receive, limit))
-        return await _upload(bounded, services)
+        return await _upload(bounded, services, limits)
     if path in ("/files", "/health"):
         return JSONResponse({"code": 405, "message": "method not allowed"}, status_code=405)
     return JSONResponse({"code": 404, "message": "not found"}, status_code=404)

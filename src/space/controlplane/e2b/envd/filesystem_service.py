@@ -28,6 +28,7 @@ from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd.caller import Target, target_of
 from space.controlplane.e2b.envd.entries import entry_info
 from space.controlplane.e2b.envd.keepalive import interval_of, with_keepalive
+from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.rpc_errors import translated, translated_stream
 from space.controlplane.e2b.envd.watchers import EntryOf, Watchers, filesystem_events
 from space.core import errors
@@ -61,12 +62,13 @@ async def _directory(target: Target, path: str) -> fpb.EntryInfo:
 
 
 class FilesystemService(Filesystem):
-    def __init__(self, services: Services, watchers: Watchers) -> None:
+    def __init__(self, services: Services, limits: EnvdLimits, watchers: Watchers) -> None:
         self.services = services
+        self.limits = limits
         self.watchers = watchers
 
     async def _target(self, ctx: RequestContext[Any, Any], *, mutating: bool) -> Target:
-        return await target_of(self.services, ctx.request_headers, mutating=mutating)
+        return await target_of(self.services, self.limits, ctx.request_headers, mutating=mutating)
 
     @translated
     async def stat(
@@ -212,6 +214,14 @@ class FilesystemService(Filesystem):
         target = await self._target(ctx, mutating=False)
         self.watchers.remove(_owner(target), request.watcher_id)
         return fpb.RemoveWatcherResponse()
+
+
+def _watch_response(event: fpb.FilesystemEvent | None) -> fpb.WatchDirResponse:
+    if event is _KEEPALIVE:
+        return fpb.WatchDirResponse(event=_WatchKeepAlive("keepalive", fpb.WatchDirResponse.KeepAlive()))
+    if event is None:
+        return fpb.WatchDirResponse(event=_WatchStart("start", fpb.WatchDirResponse.StartEvent()))
+    return fpb.WatchDirResponse(event=_WatchEvent("filesystem", event))
 
 
 #: The keep-alive marker in a watch stream (a FilesystemEvent nobody else produces).

@@ -27,6 +27,7 @@ from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd import process_events as ev
 from space.controlplane.e2b.envd.caller import Target, target_of
 from space.controlplane.e2b.envd.keepalive import interval_of, with_keepalive
+from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.rpc_errors import translated, translated_stream
 from space.core import errors
 
@@ -59,11 +60,12 @@ def _input_bytes(value: pb.ProcessInput | None) -> tuple[str, bytes]:
 
 
 class ProcessService(Process):
-    def __init__(self, services: Services) -> None:
+    def __init__(self, services: Services, limits: EnvdLimits) -> None:
         self.services = services
+        self.limits = limits
 
     async def _target(self, ctx: RequestContext[Any, Any], *, mutating: bool = True) -> Target:
-        return await target_of(self.services, ctx.request_headers, mutating=mutating)
+        return await target_of(self.services, self.limits, ctx.request_headers, mutating=mutating)
 
     def start(
         self, request: pb.StartRequest, ctx: RequestContext[pb.StartRequest, pb.StartResponse], /
@@ -87,10 +89,11 @@ class ProcessService(Process):
         )  # fmt: skip
         if started.pid is None:
             raise errors.Internal("the sandbox's daemon did not report the process's pid")
-        yield pb.StartResponse(event=ev.start_event(started.pid))
-        events = self._follow(target, started.process_id, pty=pty is not None)
-        async for event in with_keepalive(events, interval_of(ctx.request_headers), ev.keepalive_event):
-            yield pb.StartResponse(event=event)
+        async with self.limits.stream(target.who):
+            yield pb.StartResponse(event=ev.start_event(started.pid))
+            events = self._follow(target, started.process_id, pty=pty is not None)
+            async for event in with_keepalive(events, interval_of(ctx.request_headers), ev.keepalive_event):
+                yield pb.StartResponse(event=event)
 
     def connect(
         self, request: pb.ConnectRequest, ctx: RequestContext[pb.ConnectRequest, pb.ConnectResponse], /
@@ -104,10 +107,11 @@ class ProcessService(Process):
         pid = ev.selected_pid(request.process)
         target = await self._target(ctx, mutating=False)
         record = await ev.process_of_pid(target.node, target.sandbox_id, pid)
-        yield pb.ConnectResponse(event=ev.start_event(pid))
-        events = self._follow(target, str(record["process_id"]), pty=bool(record.get("pty")))
-        async for event in with_keepalive(events, interval_of(ctx.request_headers), ev.keepalive_event):
-            yield pb.ConnectResponse(event=event)
+        async with self.limits.stream(target.who):
+            yield pb.ConnectResponse(event=ev.start_event(pid))
+            events = self._follow(target, str(record["process_id"]), pty=bool(record.get("pty")))
+            async for event in with_keepalive(events, interval_of(ctx.request_headers), ev.keepalive_event):
+                yield pb.ConnectResponse(event=event)
 
     def _follow(self, target: Target, process_id: str, *, pty: bool) -> AsyncIterator[pb.ProcessEvent]:
         items = target.node.attach(target.sandbox_id, process_id, offset=0, follow=True)
