@@ -291,10 +291,13 @@ def _opt_str(value: Any) -> str | None:
 
 
 def seg(value: str | int) -> str:
-    """One URL path segment (an id): quoted so it can never add path components."""
+    """One URL path segment (an id): quoted so it can never add path components, and never a dot segment
+    (an HTTP client resolves "." and ".." in a path: /v1/sandboxes/.. would be /v1)."""
     text = str(value)
     if not text:
         raise InvalidArgument("an id must not be empty")
+    if text in {".", ".."}:
+        raise InvalidArgument(f"{text!r} is not an id")
     return quote(text, safe="")
 
 
