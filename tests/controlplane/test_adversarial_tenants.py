@@ -647,6 +647,12 @@ def test_query_and_body_values_are_typed(fake_cluster: c.Cluster, tenants: tuple
         (f"/v1/sandboxes/{sb}/files", {"path": "a" * 5000}),
         (f"/v1/sandboxes/{sb}/files/watch", {"path": ".", "recursive": "maybe"}),
         (f"/v1/sandboxes/{sb}/processes/{attacker.process_id}/output", {"offset": "1e9"}),
+        (f"/v1/sandboxes/{sb}/files/list", {"path": ".", "depth": "17"}),
+        (f"/v1/sandboxes/{sb}/files/list", {"path": ".", "depth": "0"}),
+        (f"/v1/sandboxes/{sb}/files/list", {"path": ".", "limit": "1000000000"}),
+        (f"/v1/sandboxes/{sb}/files/stat", {"path": "a.txt", "follow": "maybe"}),
+        (f"/v1/sandboxes/{sb}/files/xattrs/value", {"path": "a.txt", "attribute": "trusted.overlay"}),
+        (f"/v1/sandboxes/{sb}/files/xattrs/value", {"path": "a.txt", "attribute": "user." + "n" * 300}),
     ):
         assert client.get(path, params=params).status_code == 422, (path, params)
     assert (
@@ -655,6 +661,15 @@ def test_query_and_body_values_are_typed(fake_cluster: c.Cluster, tenants: tuple
         ).status_code
         == 422
     )
+    for body in (
+        {"path": "a.txt", "attribute": "security.capability", "value_b64": "AA=="},
+        {"path": "a.txt", "attribute": "user.k", "value_b64": "A" * 100_000},
+        {"path": "a.txt", "attribute": "user.k", "value_b64": "not base64!"},
+    ):
+        assert client.put(f"/v1/sandboxes/{sb}/files/xattrs", json=body).status_code == 422, body
+    resize = f"/v1/sandboxes/{sb}/processes/{attacker.process_id}/resize"
+    for size in ({"rows": 0, "cols": 80}, {"rows": 24, "cols": 10**9}, {"rows": "24", "cols": 80}):
+        assert client.post(resize, json=size).status_code == 422, size
     # A forged capability header from the client is not relayed (the node would refuse it anyway).
     forged = {"X-Space-Capability": f"{_victim.sandbox_id}.9999999999.{'0' * 64}"}
     answer = client.get(f"/v1/sandboxes/{sb}/files", params={"path": "a.txt"}, headers=forged)

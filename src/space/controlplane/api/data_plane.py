@@ -44,7 +44,13 @@ FileMode = Annotated[int | None, Query(ge=0, le=0o7777)]
 Depth = Annotated[int, Query(ge=1, le=fm.MAX_DEPTH)]
 Limit = Annotated[int, Query(ge=1, le=fm.MAX_LIST_ENTRIES)]
 XattrName = Annotated[
-    str, Query(min_length=1, max_length=fm.MAX_XATTR_NAME_BYTES, description='"user.*" only.')
+    str,
+    Query(
+        min_length=6,
+        max_length=fm.MAX_XATTR_NAME_BYTES,
+        pattern=fm.XATTR_NAME_PATTERN,
+        description='"user.*" only.',
+    ),
 ]
 
 NDJSON = "application/x-ndjson"

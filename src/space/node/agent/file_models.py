@@ -22,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_DEPTH = 16
 MAX_LIST_ENTRIES = 50_000
 XATTR_PREFIX = "user."
+#: What a query's attribute name must look like (the full check, bytes and NUL, is check_xattr_name).
+XATTR_NAME_PATTERN = r"^user\.[^\x00]+$"
 MAX_XATTR_NAME_BYTES = 255
 MAX_XATTR_VALUE_BYTES = 65536
 

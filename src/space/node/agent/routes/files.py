@@ -32,7 +32,9 @@ router = resource_router()
 
 Depth = Annotated[int, Query(ge=1, le=fm.MAX_DEPTH)]
 Limit = Annotated[int, Query(ge=1, le=fm.MAX_LIST_ENTRIES)]
-XattrName = Annotated[str, Query(min_length=1, max_length=fm.MAX_XATTR_NAME_BYTES)]
+XattrName = Annotated[
+    str, Query(min_length=6, max_length=fm.MAX_XATTR_NAME_BYTES, pattern=fm.XATTR_NAME_PATTERN)
+]
 
 
 @router.put("/sandboxes/{sandbox_id}/files", response_model=rm.FileWritten)
