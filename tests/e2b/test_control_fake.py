@@ -154,3 +154,27 @@ def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Pro
     for item in raw:
         SandboxMetric.from_dict(item)
     assert api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 1, "end": 2}).json() == []
+
+
+def test_first_api_shapes_and_idempotent_create(e2b_fake: E2bCluster, project: c.Project) -> None:
+    """What SDK 2.45 sends (v1 create with `secure` and `allow_internet_access`, v1 connect, v1 list) and
+    2.63's Idempotency-Key (up to 255 characters)."""
+    api = _api(e2b_fake, project.key)
+    old_body = {"templateID": "base", "timeout": 300, "metadata": {"sdk": "2.45"}, "envVars": {"A": "1"},
+                "secure": True, "allow_internet_access": True}  # fmt: skip
+    created = api.post("/sandboxes", json=old_body)
+    assert created.status_code == 201, created.text
+    sandbox = Sandbox.from_dict(created.json())
+    assert sandbox.template_id == "python" and sandbox.envd_version >= "0.4.0" and sandbox.envd_access_token
+    connected = api.post(f"/sandboxes/{sandbox.sandbox_id}/connect", json={"timeout": 300})
+    assert connected.status_code == 200
+    assert Sandbox.from_dict(connected.json()).envd_access_token == sandbox.envd_access_token  # stable
+    listed = api.get("/sandboxes", params={"metadata": "sdk=2.45"}).json()
+    assert [ListedSandbox.from_dict(s).sandbox_id for s in listed] == [sandbox.sandbox_id]
+    key = "retry-" + "x" * 240
+    first = api.post("/v2/sandboxes", json={"templateID": "base"}, headers={"Idempotency-Key": key})
+    again = api.post("/v2/sandboxes", json={"templateID": "base"}, headers={"Idempotency-Key": key})
+    assert first.status_code == again.status_code == 201
+    assert first.json()["sandboxID"] == again.json()["sandboxID"]
+    bad = api.post("/v2/sandboxes", json={"templateID": "base"}, headers={"Idempotency-Key": "x" * 256})
+    assert bad.status_code == 400 and bad.json()["code"] == 400
