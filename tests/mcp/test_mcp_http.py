@@ -212,6 +212,13 @@ def test_another_tenants_sandbox_is_a_missing_one_through_every_tool(fake_cluste
         c.delete_all(fake_cluster, attacker)
 
 
+BAD_ID_CALLS = [
+    ("list_files", {"path": "."}),
+    ("delete_sandbox", {}),
+    ("execute_command", {"command": "true"}),
+]
+
+
 def test_oversized_arguments_and_bodies_are_refused(fake_cluster: c.Cluster, project: c.Project) -> None:
     async def scenario() -> None:
         async with over_http(fake_cluster.url, project.key) as mcp:
@@ -229,6 +236,18 @@ def test_oversized_arguments_and_bodies_are_refused(fake_cluster: c.Cluster, pro
                 "execute_command", {"id": sb, "command": "true", "timeout": -1}
             )
             assert "validation error" in await mcp.refused("list_files", {"id": "x" * 65})
+            # Ids that try to leave their path segment: refused as ids, whatever the tool.
+            for bad in (
+                "../../v1/projects",
+                "sb-x/../../../v1/keys",
+                "%2e%2e%2fprojects",
+                "sb-\u0000",
+                ".",
+                "..",
+            ):
+                for name, arguments in BAD_ID_CALLS:
+                    refusal = await mcp.refused(name, {"id": bad, **arguments})
+                    assert "invalid_argument" in refusal or "not_found" in refusal, (bad, name, refusal)
             # A file above the read limit is not read whole: its size and how to read parts instead.
             await mcp.ok(
                 "execute_command", {"id": sb, "command": f"head -c {READ_LIMIT_BYTES + 1} /dev/zero > big"}
