@@ -143,3 +143,23 @@ def test_sandbox_killed_mid_command(real_cluster: RealCluster) -> None:  # noqa:
         assert doomed.is_running() is False
     finally:
         doomed.kill()
+
+
+def test_paused_sandbox_is_not_running_until_used(real_cluster: RealCluster) -> None:  # noqa: F811
+    """/health never wakes a paused sandbox (E2B's is_running is False), while a command resumes it as
+    SPACE's data plane does, with its files and processes kept."""
+    paused = Sandbox.create(
+        api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
+        sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
+    )  # fmt: skip
+    try:
+        paused.files.write("/tmp/kept.txt", "kept")
+        background = paused.commands.run("sleep 600", background=True, timeout=0)
+        assert paused.pause() is True
+        assert paused.is_running() is False
+        assert paused.is_running() is False  # asking did not wake it
+        assert paused.commands.run("cat /tmp/kept.txt").stdout == "kept"
+        assert paused.is_running() is True
+        assert background.pid in [p.pid for p in paused.commands.list()]
+    finally:
+        paused.kill()
