@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import CommandExitException, FilesystemEventType, PtySize, Sandbox, SandboxNotRunningException
+from e2b import (
+    CommandExitException,
+    FilesystemEventType,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxNotRunningException,
+)
 
 from tests.support.cluster import RealCluster, real_cluster  # noqa: F401 - module-bound session fixture
 
@@ -64,6 +71,17 @@ def test_stdin_and_close(sbx: Sandbox) -> None:
     sbx.commands.close_stdin(handle.pid)
     result = handle.wait()
     assert (result.exit_code, result.stdout) == (0, "piped\n")
+
+
+def test_stream_input(sbx: Sandbox) -> None:
+    """StreamInput (a client stream: the request body is a stream of Connect envelopes) keeps its order."""
+    handle = sbx.commands.run("cat", background=True, stdin=True, timeout=0)
+    sbx.commands.stream_input(handle.pid, (f"line {i}\n" for i in range(100)))
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.stdout == "".join(f"line {i}\n" for i in range(100))
+    with pytest.raises(NotFoundException):
+        sbx.commands.stream_input(999_999, ["x"])
 
 
 def test_pty_create_send_resize(sbx: Sandbox) -> None:
