@@ -367,6 +367,13 @@ def test_coming_back_gives_a_fresh_deadline_never_a_shorter_one(store: Store, cl
     sb = store.transition(sb.id, State.PAUSED, sb.generation, Event.RESUME)
     sb = store.transition(sb.id, State.RESUMING, sb.generation, Event.RESUMED)
     assert sb.expires_at == clock() + timedelta(seconds=1000)
+    sb = store.transition(sb.id, State.RUNNING, sb.generation, Event.STOP)
+    sb = store.transition(sb.id, State.STOPPING, sb.generation, Event.STOPPED)
+    clock.advance(5000)  # stopped past its deadline (kept: it was acted on); started again: a fresh one
+    sb = store.transition(sb.id, State.STOPPED, sb.generation, Event.START)
+    assert store.transition(
+        sb.id, State.STARTING, sb.generation, Event.STARTED
+    ).expires_at == clock() + timedelta(seconds=1000)
     endless = _running(store, mine)
     endless = store.transition(endless.id, State.RUNNING, endless.generation, Event.PAUSE)
     endless = store.transition(endless.id, State.PAUSING, endless.generation, Event.PAUSED)

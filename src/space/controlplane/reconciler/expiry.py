@@ -7,8 +7,8 @@ Invariants:
   state in object storage: it survives its node and comes back on any node, on first use) or, where the
   control plane has no object storage, paused; a suspended or stopped one stays as it is; a failed one
   keeps its wish (its data cannot be trusted: it waits for a recovery or a delete). Its deadline is
-  cleared in the same UPDATE, so it is not acted on again; coming back (resumed, restored) gives it a
-  fresh one (space.controlplane.store.sandbox_state).
+  cleared in the same UPDATE, so it is not acted on again; coming back (resumed, restored, started) gives
+  it a fresh one (space.controlplane.store.sandbox_state).
 - A step in progress, or a sandbox not yet created, is left to finish under `pause`: its deadline is acted
   on from the stable state it reaches.
 - The store applies an expiry only while the deadline is still passed, so a deadline moved meanwhile by

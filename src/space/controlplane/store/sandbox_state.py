@@ -21,8 +21,8 @@ Invariants:
 - Deadlines (docs/adr/0048-metadata-lists-and-deadlines.md): `set_deadline` moves `expires_at` to now + N
   (with extend_only only later, and never off "no deadline"), on any sandbox not deleted or being deleted;
   `expire_sandbox` acts on a deadline only while it is still passed (a deadline moved meanwhile wins), in
-  the same UPDATE; a sandbox that comes back (`resumed`, `restored`) with a timeout (`ttl_s`) gets a
-  deadline of at least now + that timeout, in the transaction of its transition.
+  the same UPDATE; a sandbox that comes back (`resumed`, `restored`, `started`) with a timeout (`ttl_s`)
+  gets a deadline of at least now + that timeout, in the transaction of its transition.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ OBSERVED_FIELDS: Final = frozenset(
 )
 _TIME_FIELDS: Final = ("next_attempt_at", "last_activity_at", "expires_at", "recovered_at")
 # Completions that bring a sandbox back to running on a user's behalf: its deadline starts again.
-_FRESH_DEADLINE: Final = frozenset({Event.RESUMED, Event.RESTORED})
+_FRESH_DEADLINE: Final = frozenset({Event.RESUMED, Event.RESTORED, Event.STARTED})
 
 
 @dataclass(frozen=True, slots=True)
