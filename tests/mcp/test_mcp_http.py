@@ -110,6 +110,18 @@ def test_tools_listed_and_a_sandbox_driven_through_them(fake_cluster: c.Cluster,
             assert "not UTF-8 text" in refusal and "encoding=base64" in refusal
             listing = await mcp.ok("list_files", {"id": sb, "path": "."})
             assert "notes/" in listing and "b.bin" in listing, listing
+            # A symlink reads as the file it leads to; a big directory is listed up to the limit, and says so.
+            made = "ln -s notes/a.txt link.txt && mkdir many && cd many && touch $(seq 1000 1250)"
+            await mcp.ok("execute_command", {"id": sb, "command": made})
+            assert await mcp.ok("read_file", {"id": sb, "path": "link.txt"}) == "héllo\n"
+            assert "link.txt -> notes/a.txt" in await mcp.ok("list_files", {"id": sb, "path": "."})
+            many = (await mcp.ok("list_files", {"id": sb, "path": "many"})).splitlines()
+            assert many[0] == "many: 200 entries (type, size in bytes, name)" and many[1].endswith(
+                "  1000"
+            ), many[:2]
+            assert len(many) == 202 and many[-1].startswith("... and more: a listing shows at most 200"), (
+                many[-2:]
+            )
             assert await mcp.ok("pause_sandbox", {"id": sb}) == f"{sb}  paused  template=python"
             assert await mcp.ok("resume_sandbox", {"id": sb}) == f"{sb}  running  template=python"
             forked = await mcp.ok("fork", {"id": sb, "count": 2})

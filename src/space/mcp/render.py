@@ -97,8 +97,9 @@ def snapshot_line(data: Mapping[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def file_lines(path: str, entries: Iterable[Mapping[str, Any]]) -> str:
-    """One line per entry: type, size, name (a directory's name ends in /, a link's shows its target)."""
+def file_lines(path: str, entries: Iterable[Mapping[str, Any]], *, truncated: bool = False) -> str:
+    """One line per entry: type, size, name (a directory's name ends in /, a link's shows its target);
+    `truncated`: the server's listing stopped at its limit (said in the last line)."""
     lines = []
     for entry in sorted(entries, key=lambda e: str(e.get("name", ""))):
         kind = str(entry.get("type", "?"))
@@ -109,7 +110,10 @@ def file_lines(path: str, entries: Iterable[Mapping[str, Any]]) -> str:
         lines.append(f"{kind:<8}{entry.get('size', 0):>12}  {name}")
     if not lines:
         return f"{path} is empty."
-    return _listing(f"{path}: {len(lines)} entries (type, size in bytes, name)", lines)
+    text = _listing(f"{path}: {len(lines)} entries (type, size in bytes, name)", lines)
+    if truncated:
+        text += f"\n... and more: a listing shows at most {LIST_LINES} entries (list a subdirectory)"
+    return text
 
 
 def exec_text(result: ExecResult) -> str:

@@ -276,7 +276,7 @@ class SpaceTools:
         """A file's content: as text, or base64 for binary files (at most 256 KiB)."""
         async with self.acting(ctx) as space:
             files = space.sandboxes.ref(id).files
-            info = await files.stat(path)
+            info = await files.stat(path, follow=True)  # a symlink reads as what it leads to
             if info.get("type") not in {None, "file"}:
                 raise ToolError(f"invalid_argument: {path} is a {info.get('type')}, not a file")
             size = int(info.get("size") or 0)
@@ -315,8 +315,8 @@ class SpaceTools:
     async def list_files(self, ctx: ToolContext, *, id: SandboxId, path: Path = ".") -> str:
         """The entries of a directory (default: the work directory, /work)."""
         async with self.acting(ctx) as space:
-            entries = await space.sandboxes.ref(id).files.list(path)
-        return render.file_lines(path, entries)
+            entries = await space.sandboxes.ref(id).files.list(path, limit=render.LIST_LINES)
+        return render.file_lines(path, entries, truncated=entries.truncated)
 
 
 async def _run(sb: AsyncSandbox, code: str, timeout: float) -> str:
