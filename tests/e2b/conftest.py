@@ -19,9 +19,10 @@ class E2bCluster:
     sandbox_url: str
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def e2b_fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bCluster]:
-    """A fake-driver cluster of its own (the E2B ports are the control plane's arguments)."""
+    """A fake-driver cluster of its own (the E2B ports are the control plane's arguments), one for every
+    module of this directory; tests isolate themselves by project."""
     api_port, sandbox_port = c.free_port(), c.free_port()
     args = ("--e2b-api-listen", f"127.0.0.1:{api_port}", "--e2b-sandbox-listen", f"127.0.0.1:{sandbox_port}")
     root: pathlib.Path = tmp_path_factory.mktemp("e2b-fake")
