@@ -1,5 +1,6 @@
 """`space mcp` as a process: configured like every command (no server configured: exit 2 before serving),
-and a key the server refuses is every tool's error, never the end of the server."""
+a key the server refuses is every tool's error, never the end of the server, and --project names the
+project of an organization key."""
 
 from __future__ import annotations
 
@@ -36,3 +37,18 @@ def test_a_refused_key_is_each_tools_error_and_the_server_goes_on(fake_cluster: 
             assert "create_sandbox" in await mcp.tool_names()
 
     asyncio.run(scenario())
+
+
+def test_an_org_key_acts_in_the_project_named_by_project(fake_cluster: c.Cluster) -> None:
+    made = c.new_project(fake_cluster)
+
+    async def scenario() -> None:
+        async with over_stdio(fake_cluster.url, fake_cluster.admin_key, project=made.name) as mcp:
+            created = await mcp.ok("create_sandbox", {"limits": c.SMALL})
+        sb = created.split()[2].rstrip(":")
+        assert [each.id for each in fake_cluster.store.list_sandboxes(made.id)] == [sb]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        c.delete_all(fake_cluster, made)

@@ -63,11 +63,11 @@ async def over_http(
 
 
 @contextlib.asynccontextmanager
-async def over_stdio(url: str, key: str) -> AsyncIterator[McpCaller]:
+async def over_stdio(url: str, key: str, *, project: str | None = None) -> AsyncIterator[McpCaller]:
     """`space mcp` as a subprocess (the installed entry point), configured by SPACE_URL/SPACE_API_KEY."""
     params = StdioServerParameters(
         command=os.path.join(REPO_BIN, "space"),
-        args=["mcp"],
+        args=["mcp", *(["--project", project] if project else [])],
         env={"SPACE_URL": url, "SPACE_API_KEY": key, "SPACE_CONFIG": os.devnull},
     )
     async with Client(params) as client:

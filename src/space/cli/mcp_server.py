@@ -4,7 +4,10 @@ file). The same tools are served over streamable HTTP at the control plane's /mc
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import anyio
+import typer
 
 from space.cli._common import handles_errors, state
 from space.mcp.stdio import serve_stdio
@@ -12,7 +15,12 @@ from space.sdk import resolve_config
 
 
 @handles_errors
-def mcp_command() -> None:
+def mcp_command(
+    project: Annotated[
+        str | None,
+        typer.Option("--project", metavar="NAME", help="The project an organization key acts in."),
+    ] = None,
+) -> None:
     """Serve SPACE's sandboxes as MCP tools over stdin/stdout (an agent starts this as its MCP server)."""
     config = resolve_config(state.url, state.api_key)  # no server configured: exit 2 before serving
-    anyio.run(serve_stdio, config.url, config.api_key)
+    anyio.run(serve_stdio, config.url, config.api_key, project)

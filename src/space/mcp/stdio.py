@@ -19,12 +19,13 @@ from space.sdk import AsyncSpace
 __all__ = ["serve_stdio"]
 
 
-async def serve_stdio(url: str | None = None, api_key: str | None = None) -> None:
-    """Serve until stdin ends."""
+async def serve_stdio(url: str | None = None, api_key: str | None = None, project: str | None = None) -> None:
+    """Serve until stdin ends; `project`: the project an organization key acts in (X-Space-Project)."""
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="space mcp %(levelname)s %(message)s"
     )
-    async with AsyncSpace(url, api_key) as space:
+    headers = {"X-Space-Project": project} if project else None
+    async with AsyncSpace(url, api_key, headers=headers) as space:
 
         @asynccontextmanager
         async def the_client(ctx: ToolContext) -> AsyncIterator[AsyncSpace]:
