@@ -178,3 +178,18 @@ def test_first_api_shapes_and_idempotent_create(e2b_fake: E2bCluster, project: c
     assert first.json()["sandboxID"] == again.json()["sandboxID"]
     bad = api.post("/v2/sandboxes", json={"templateID": "base"}, headers={"Idempotency-Key": "x" * 256})
     assert bad.status_code == 400 and bad.json()["code"] == 400
+
+
+def test_auto_pause_keeps_an_expired_sandbox_and_connect_brings_it_back(
+    e2b_fake: E2bCluster, project: c.Project
+) -> None:
+    sbx = e2b.Sandbox.create(lifecycle={"on_timeout": "pause"})
+    info = sbx.get_info()
+    assert info.lifecycle == {"on_timeout": "pause", "auto_resume": False}  # the SDK gives a dict
+    sbx.set_timeout(0)  # expires now: kept (suspended), not deleted
+    c.wait_for(lambda: sbx.get_info().state.value == "paused", timeout=60, what="expired sandbox paused")
+    record = e2b_fake.cluster.store.load_sandbox(sbx.sandbox_id)
+    assert record is not None and record.desired_state.value in ("suspended", "paused")  # kept
+    back = e2b.Sandbox.connect(sbx.sandbox_id, timeout=600)
+    assert back.get_info().state.value == "running"
+    assert (back.get_info().end_at - info.started_at).total_seconds() > 500
