@@ -10,6 +10,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 from e2b import (
     CommandExitException,
     FilesystemEventType,
@@ -18,6 +20,10 @@ from e2b import (
     Sandbox,
     SandboxNotRunningException,
 )
+from e2b.connection_config import ConnectionConfig
+from e2b.envd.client_sync import create_rpc_client
+from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import ProcessClientSync
 
 from tests.support.cluster import RealCluster, real_cluster  # noqa: F401 - module-bound session fixture
 
@@ -153,11 +159,25 @@ def test_sandbox_killed_mid_command(real_cluster: RealCluster) -> None:  # noqa:
         api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
         sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
     )  # fmt: skip
+    url = real_cluster.e2b_sandbox_url
+    headers = {"E2b-Sandbox-Id": doomed.sandbox_id, "X-Access-Token": str(doomed._envd_access_token)}
+    rpc = create_rpc_client(
+        ProcessClientSync,
+        url,
+        ConnectionConfig(api_key="unused", sandbox_url=url, extra_sandbox_headers=headers),
+    )
     try:
         handle = doomed.commands.run("sleep 300", background=True, timeout=0)
+        start = pb.StartRequest(process=pb.ProcessConfig(cmd="sleep", args=["300"]), stdin=False)
+        raw = iter(rpc.start(start, timeout_ms=120_000))
+        assert next(raw).event.event.field == "start"
         assert doomed.kill() is True
         with pytest.raises(SandboxNotRunningException):
             handle.wait()
+        # The stream ends `unavailable` (which E2B's SDK checks against /health), not with a hang.
+        with pytest.raises(ConnectError) as cut:
+            list(raw)
+        assert cut.value.code == Code.UNAVAILABLE, cut.value
         assert doomed.is_running() is False
     finally:
         doomed.kill()
