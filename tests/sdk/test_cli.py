@@ -307,6 +307,8 @@ def test_project_and_key_create(server: FakeServer) -> None:
     result = invoke("key", "create", "--project", "team", "--role", "read-only")
     assert result.exit_code == 0 and result.stdout == "sk-secret\n"
     assert server.body() == {"project": "team", "role": "read-only"}
+    assert invoke("key", "create", "--project", "team", "--e2b").exit_code == 0
+    assert server.body() == {"project": "team", "role": "member", "shape": "e2b"}
     assert invoke("key", "create", "--project", "team", "--role", "god").exit_code == 2
     assert invoke("key", "create").exit_code == 2
 

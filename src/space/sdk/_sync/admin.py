@@ -45,7 +45,9 @@ class Keys:
     ) -> ApiKey:
         """A new API key for `project` (name or id); its secret `.key` is shown only in this answer. With
         `e2b`, the secret is in E2B's shape (`e2b_` + hex) for E2B SDKs that check it (docs/e2b.md)."""
-        body = {"project": project, "role": role, "shape": "e2b" if e2b else "space"}
+        body = {"project": project, "role": role}
+        if e2b:
+            body["shape"] = "e2b"
         answer = self._http.json("POST", "/v1/keys", json_body=body, idempotency_key=idempotency_key)
         return ApiKey(answer)
 
