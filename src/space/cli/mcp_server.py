@@ -10,7 +10,6 @@ import anyio
 import typer
 
 from space.cli._common import handles_errors, state
-from space.mcp.stdio import serve_stdio
 from space.sdk import resolve_config
 
 
@@ -22,5 +21,8 @@ def mcp_command(
     ] = None,
 ) -> None:
     """Serve SPACE's sandboxes as MCP tools over stdin/stdout (an agent starts this as its MCP server)."""
+    # Imported here: the MCP SDK takes ~0.6 s to import, which no other command should pay.
+    from space.mcp.stdio import serve_stdio
+
     config = resolve_config(state.url, state.api_key)  # no server configured: exit 2 before serving
     anyio.run(serve_stdio, config.url, config.api_key, project)
