@@ -1,7 +1,8 @@
 """E2B's SDK, unchanged, against the front a real installation serves (the shared `real_cluster` serves it as
 `space up` does) on real runsc sandboxes, with only E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL set: create
 (v2), commands through E2B_SANDBOX_URL, get_info, list by metadata, set_timeout, pause and connect (the
-files and the processes' memory kept), metrics, a snapshot used as a template, kill."""
+files and the processes' memory kept), metrics, a snapshot used as a template, fork (writes isolated), the
+filesystem-only pause (a cold boot with the disk kept), kill."""
 
 from __future__ import annotations
 
@@ -57,6 +58,18 @@ def test_e2b_sdk_on_real_sandboxes(e2b_env: None) -> None:
     assert child.commands.run("cat /tmp/file").stdout == "kept\n"
     assert e2b.Sandbox.kill(child.sandbox_id) is True
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is True
+    # A fork has the parent's files; its writes are its own, and the parent keeps running.
+    (fork,) = back.fork(timeout=600)
+    assert isinstance(fork, e2b.Sandbox)
+    fork.commands.run("echo forked > /tmp/file")
+    assert back.commands.run("cat /tmp/file").stdout == "kept\n"
+    assert fork.commands.run("cat /tmp/file").stdout == "forked\n"
+    assert fork.kill() is True
+    # E2B's filesystem-only pause cold-boots on connect: the disk stays (/tmp is memory), processes do not.
+    back.commands.run("echo on-disk > /work/e2b-kept")
+    assert back.pause(mode="filesystem") is True
+    back = e2b.Sandbox.connect(back.sandbox_id, timeout=600)
+    assert back.commands.run(f"cat /work/e2b-kept; kill -0 {pid} || echo gone").stdout == "on-disk\ngone\n"
     assert back.kill() is True
     with pytest.raises(e2b.SandboxNotFoundException):
         back.get_info()
