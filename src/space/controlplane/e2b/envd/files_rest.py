@@ -11,7 +11,8 @@ Invariants:
   gzip bomb costs at most that much and answers 413.
 - Multipart: every part named `file` is one file, its filename the destination path (relative paths
   resolve in the sandbox's working directory); `path` names the destination only when there is exactly
-  one file. Parent directories are created. The answer lists what was written (never empty).
+  one file. Parent directories are created (by the daemon's write). The answer lists what was written
+  (never empty).
 - `X-Metadata-<Key>` headers become the written files' extended attributes `user.e2b.<key>` (lowercase),
   replacing the set a file had (an upload without them clears it), as envd does.
 - Downloads stream from the node; with `Accept-Encoding: gzip` they are compressed on the fly. A directory
@@ -46,7 +47,7 @@ from space.controlplane.e2b.envd.caller import (
     signed_target,
     target_of,
 )
-from space.controlplane.e2b.envd.entries import XATTR_PREFIX, metadata_of
+from space.controlplane.e2b.envd.entries import XATTR_PREFIX
 from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.rpc_errors import rest_status
 from space.core import errors
@@ -147,26 +148,20 @@ def metadata_headers(headers: Mapping[str, str]) -> dict[str, str]:
 async def _write(
     target: Target, path: str, data: AsyncIterator[bytes], metadata: dict[str, str]
 ) -> dict[str, Any]:
-    parent = posixpath.dirname(path.rstrip("/"))
-    if parent and parent not in ("/", "."):
-        await target.node.mkdir(target.sandbox_id, parent, parents=True, mode=0o755)
+    """One node call for the file: the daemon makes the parent directories and replaces a regular file by
+    a new one (a new inode, so the old file's `user.e2b.*` metadata goes with it and each upload's set
+    replaces the last). A relative path is stat'ed for the absolute path the answer names."""
     await target.node.write_file(target.sandbox_id, path, data)
-    entry = await target.node.stat(target.sandbox_id, path, xattrs=True)
-    await _replace_metadata(target, str(entry.get("path", path)), metadata_of(entry), metadata)
-    written: dict[str, Any] = {"path": str(entry.get("path", path)), "name": posixpath.basename(path)}
-    written["type"] = "file"
+    if path.startswith("/"):
+        absolute = "/" + posixpath.normpath(path).lstrip("/")
+    else:
+        absolute = str((await target.node.stat(target.sandbox_id, path)).get("path", path))
+    for key, value in metadata.items():
+        await target.node.set_xattr(target.sandbox_id, absolute, XATTR_PREFIX + key, value.encode())
+    written: dict[str, Any] = {"path": absolute, "name": posixpath.basename(absolute), "type": "file"}
     if metadata:
         written["metadata"] = metadata
     return written
-
-
-async def _replace_metadata(target: Target, path: str, old: dict[str, str], new: dict[str, str]) -> None:
-    """Each upload replaces the file's metadata set (none: cleared), as envd does."""
-    for key in old.keys() - new.keys():
-        await target.node.remove_xattr(target.sandbox_id, path, XATTR_PREFIX + key)
-    for key, value in new.items():
-        if old.get(key) != value:
-            await target.node.set_xattr(target.sandbox_id, path, XATTR_PREFIX + key, value.encode())
 
 
 async def _files_target(
