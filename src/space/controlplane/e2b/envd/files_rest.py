@@ -251,12 +251,11 @@ async def _held(limits: EnvdLimits, who: Principal, chunks: AsyncIterator[bytes]
 async def _download(request: Request, services: Services, limits: EnvdLimits) -> Response:
     path = _path(request.query_params.get("path"))
     target = await _files_target(request, services, limits, mutating=False)
-    entry = await target.node.stat(target.sandbox_id, path)
-    if entry.get("type") == "dir":
-        raise errors.InvalidArgument(f"{path} is a directory", field="path")
+    # One node call: the daemon refuses a directory (400) or a missing file (404) before the first chunk,
+    # which is awaited before the answer's headers go out.
     chunks = _held(limits, target.who, target.node.read_file_stream(target.sandbox_id, path))
     _first, body = await _first_and_rest(chunks)
-    name = posixpath.basename(str(entry.get("path", path)))
+    name = posixpath.basename(posixpath.normpath(path))
     headers = {"Content-Disposition": f"inline; filename*=UTF-8''{_quoted(name)}"}
     media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
     if "gzip" in request.headers.get("accept-encoding", "").lower():
