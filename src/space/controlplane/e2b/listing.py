@@ -1,4 +1,5 @@
-"""E2B's sandbox lists: `GET /v2/sandboxes` (filters, order, pages) and the older `GET /sandboxes`.
+"""E2B's sandbox lists: `GET /v2/sandboxes` (filters, order, pages) and the older `GET /sandboxes`, over
+SPACE's own paged query (`Store.page_sandboxes`, ADR 0048: filtered, ordered and cut in SQL).
 
 Invariants:
 - Only the caller's project's sandboxes are ever listed or matched, whatever the filters say.
@@ -8,34 +9,36 @@ Invariants:
   an unknown one matches nothing (200 `[]`); `startedAfter` is an inclusive RFC 3339 lower bound on the
   start time, at microsecond precision.
 - Order is by start time then id, newest first unless `order=asc`. A page holds at most `limit` (1 to
-  100) sandboxes; `X-Next-Token` is sent only when another page exists. The token names where the last
-  page ended (start time, id, order): it is checked on the way in (400 if it is not one of ours or was
-  made for the other order) and grants nothing (the filters and the project apply again).
+  100) sandboxes; `X-Next-Token` (SPACE's page token: bound to the project, the filters and the order, 400
+  under any other) is sent only when another page exists.
+- A sandbox E2B's view does not show (wished deleted) or shows in the other state (a pause or resume just
+  asked for, not yet begun) is left out of its page, which may then hold fewer than `limit`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import json
+import dataclasses
 import urllib.parse
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from space.controlplane.api.deps import Principal, Services, Svc
 from space.controlplane.e2b.auth import E2bAuth
-from space.controlplane.e2b.views import e2b_state, listed_answer, metadata_of, space_template, visible
+from space.controlplane.e2b.views import SPACE_STATES_OF, e2b_state, listed_answer, space_template, visible
 from space.controlplane.store.records import SandboxRecord
+from space.controlplane.store.sandbox_listing import MAX_PAGE as SPACE_MAX_PAGE
+from space.controlplane.store.sandbox_listing import MAX_TOKEN_LENGTH, SandboxQuery
 from space.core import errors
-from space.core.ids import parse_sandbox_id
 
 router = APIRouter()
 
-MAX_PAGE = 100
+MAX_PAGE = 100  # E2B's bound
+V1_LIMIT = SPACE_MAX_PAGE
+MAX_TEMPLATE = 64  # SPACE's template names are shorter; a longer one matches nothing
 STATES = ("running", "paused")
 MAX_FILTER_PAIRS = 64
 
@@ -76,41 +79,17 @@ def _started_after(raw: str | None) -> datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
-def _utc(value: datetime) -> datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-
-
-def _token(sb: SandboxRecord, order: str) -> str:
-    raw = json.dumps({"t": _utc(sb.created_at).isoformat(), "id": sb.id, "o": order}).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _position(token: str | None, order: str) -> tuple[datetime, str] | None:
-    if token is None:
-        return None
-    try:
-        decoded = json.loads(base64.urlsafe_b64decode((token + "=" * (-len(token) % 4)).encode()))
-        if decoded["o"] != order:
-            raise ValueError("made for the other order")
-        return _utc(datetime.fromisoformat(decoded["t"])), parse_sandbox_id(decoded["id"], field="nextToken")
-    except (ValueError, KeyError, TypeError, binascii.Error, errors.InvalidArgument) as exc:
-        raise errors.InvalidArgument("invalid nextToken", field="nextToken") from exc
-
-
-def _matches(sb: SandboxRecord, states: frozenset[str], metadata: dict[str, str], template: str | None,
-             after: datetime | None) -> bool:  # fmt: skip
-    if not visible(sb) or e2b_state(sb) not in states:
-        return False
-    if template is not None and sb.template != space_template(template):
-        return False
-    if after is not None and _utc(sb.created_at) < after:
-        return False
-    own = metadata_of(sb)
-    return all(own.get(k) == v for k, v in metadata.items())
-
-
-async def _listed(services: Services, who: Principal) -> list[SandboxRecord]:
-    return await asyncio.to_thread(services.store.list_sandboxes, who.project_id)
+async def _page(
+    services: Services, who: Principal, states: frozenset[str], query: SandboxQuery
+) -> tuple[list[SandboxRecord], str | None]:
+    """One page of the caller's sandboxes as E2B's view shows them in `states`."""
+    if query.template is not None and len(query.template) > MAX_TEMPLATE:
+        return [], None  # no template has such a name: it matches nothing
+    space_states = tuple(state for name in sorted(states) for state in SPACE_STATES_OF[name])
+    query = dataclasses.replace(query, states=space_states)
+    page = await asyncio.to_thread(services.store.page_sandboxes, who.project_id, query)
+    shown = [sb for sb in page.sandboxes if visible(sb) and e2b_state(sb) in states]
+    return shown, page.next_page_token
 
 
 @router.get("/v2/sandboxes")
@@ -120,33 +99,27 @@ async def list_v2(
     services: Svc,
     metadata: Annotated[str | None, Query(max_length=32 << 10)] = None,
     state: Annotated[str | None, Query(max_length=64)] = None,
-    order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
     started_after: Annotated[str | None, Query(alias="startedAfter", max_length=64)] = None,
     template: Annotated[str | None, Query(max_length=256)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
-    next_token: Annotated[str | None, Query(alias="nextToken", max_length=512)] = None,
+    next_token: Annotated[str | None, Query(alias="nextToken", max_length=MAX_TOKEN_LENGTH)] = None,
 ) -> JSONResponse:
-    states, pairs, after = parse_states(state), parse_metadata(metadata), _started_after(started_after)
-    position = _position(next_token, order)
-    rows = [sb for sb in await _listed(services, who) if _matches(sb, states, pairs, template, after)]
-    descending = order == "desc"
-    rows.sort(key=lambda sb: (_utc(sb.created_at), sb.id), reverse=descending)
-    if position is not None:
-        rows = [sb for sb in rows if ((_utc(sb.created_at), sb.id) < position) == descending
-                and (_utc(sb.created_at), sb.id) != position]  # fmt: skip
-    page = rows[:limit]
-    headers = {"X-Next-Token": _token(page[-1], order)} if len(rows) > limit else {}
-    return JSONResponse([listed_answer(sb) for sb in page], headers=headers)
+    named = space_template(template) if template is not None else None
+    query = SandboxQuery(
+        template=named, metadata=parse_metadata(metadata), order=order, limit=limit, page_token=next_token,
+        created_after=_started_after(started_after),
+    )  # fmt: skip
+    rows, token = await _page(services, who, parse_states(state), query)
+    headers = {"X-Next-Token": token} if token else {}
+    return JSONResponse([listed_answer(sb) for sb in rows], headers=headers)
 
 
 @router.get("/sandboxes")
 async def list_v1(
     who: E2bAuth, services: Svc, metadata: Annotated[str | None, Query(max_length=32 << 10)] = None
 ) -> list[dict[str, Any]]:
-    """E2B's first list: the running sandboxes (no pages)."""
-    pairs = parse_metadata(metadata)
-    rows = [
-        sb for sb in await _listed(services, who) if _matches(sb, frozenset({"running"}), pairs, None, None)
-    ]
-    rows.sort(key=lambda sb: (_utc(sb.created_at), sb.id), reverse=True)
+    """E2B's first list: the running sandboxes, newest first (one page of at most 1000: no tokens)."""
+    query = SandboxQuery(metadata=parse_metadata(metadata), limit=V1_LIMIT)
+    rows, _token = await _page(services, who, frozenset({"running"}), query)
     return [listed_answer(sb) for sb in rows]

@@ -36,6 +36,11 @@ _PAUSED_STATES = frozenset(
     {State.PAUSED, State.PAUSING, State.STOPPED, State.STOPPING, State.SUSPENDED, State.SUSPENDING}
 )
 _GONE = frozenset({State.DELETED, State.DELETING})
+#: The SPACE states E2B's `state` filter selects (by the recorded state; `e2b_state` also looks at the wish).
+SPACE_STATES_OF: dict[str, tuple[State, ...]] = {
+    "paused": tuple(sorted(_PAUSED_STATES)),
+    "running": tuple(sorted(set(State) - _PAUSED_STATES - _GONE)),
+}
 
 
 def space_template(template_id: str) -> str:
