@@ -192,6 +192,7 @@ def test_watch_dir_stream(envd_front: ef.EnvdFront, sandbox: Sandbox, base: str)
     stream.close()
     events = [e.value for e in seen if e.field == "filesystem"]
     assert ("sub", fpb.EventType.CREATE) in [(e.name, e.type) for e in events]
+    assert not [e.name for e in events if ".spaced-" in e.name]  # the daemon's temporary files are hidden
     created = [e for e in events if e.name == "sub/new.txt"]
     assert created and created[0].type == fpb.EventType.CREATE
     assert created[0].entry is not None and created[0].entry.path == f"{base}/w/sub/new.txt"

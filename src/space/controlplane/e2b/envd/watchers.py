@@ -3,7 +3,9 @@ watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher) that E2B's synchrono
 
 Invariants:
 - Event names are relative to the watched directory (`nested/file.txt` in a recursive watch); SPACE's
-  kinds map created -> CREATE, modified -> WRITE, deleted -> REMOVE, in the daemon's order.
+  kinds map created -> CREATE, modified -> WRITE, deleted -> REMOVE, in the daemon's order. The daemon's
+  own temporary files (a write goes to `.<name>.spaced-<12 hex>.tmp`, renamed over `<name>` when complete)
+  are not shown: an upload is seen as the CREATE of its file.
 - A polling watcher is one SPACE watch stream held by this process, buffering at most MAX_EVENTS events
   (older ones are dropped first: a client that never polls costs bounded memory); GetWatcherEvents drains
   the buffer, waiting up to DRAIN_WAIT_S for a first event when it is empty (envd drains inotify before
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import posixpath
+import re
 import secrets
 import time
 from collections import deque
@@ -41,6 +44,9 @@ _KINDS = {
     "modified": fpb.EventType.WRITE,
     "deleted": fpb.EventType.REMOVE,
 }
+
+#: The daemon's temporary file of a write in progress (space.guest.files: `_write_replacing`).
+_DAEMON_TEMP = re.compile(r"\..+\.spaced-[0-9a-f]{12}\.tmp")
 
 #: Stats a path for an event's `entry` (None: gone meanwhile).
 EntryOf = Callable[[str], Awaitable[fpb.EntryInfo | None]]
@@ -70,6 +76,8 @@ async def _event(change: Any, root: str, entry_of: EntryOf | None) -> fpb.Filesy
     path = str(change.get("path", ""))
     event_type = _KINDS.get(str(change.get("kind")))
     if event_type is None or not path:
+        return None
+    if _DAEMON_TEMP.fullmatch(posixpath.basename(path)):
         return None
     name = posixpath.relpath(path, root) if path.startswith(root) else path
     event = fpb.FilesystemEvent(name=name, type=event_type)
