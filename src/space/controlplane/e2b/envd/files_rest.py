@@ -268,18 +268,20 @@ def _quoted(name: str) -> str:
     return quote(name, safe="")
 
 
-async def _health(request: Request, services: Services) -> Response:
+async def _health(request: Request, services: Services, limits: EnvdLimits) -> Response:
     if request.headers.get("e2b-sandbox-id") is None:
         return Response(status_code=204)
     sandbox_id = sandbox_id_of(request.headers)
     who = await principal_for(services, request.headers, sandbox_id)
-    sb = await _sandbox_state(services, who.project_id, sandbox_id)
-    if sb != State.RUNNING:
+    limits.admit(who)
+    state = await _sandbox_state(services, who.project_id, sandbox_id)
+    if state != State.RUNNING:
         return JSONResponse({"code": 502, "message": "The sandbox was not found"}, status_code=502)
     return Response(status_code=204)
 
 
 async def _sandbox_state(services: Services, project_id: str, sandbox_id: str) -> State | None:
+    """The sandbox's state when it is meant to run (None: missing, another project's, or wished else)."""
     sb = await asyncio.to_thread(services.store.get_sandbox, project_id, sandbox_id)
     if sb is None or sb.desired_state != State.RUNNING:
         return None
@@ -307,7 +309,7 @@ async def _route(
 ) -> Response:
     path, method = scope["path"], scope["method"]
     if path == "/health" and method in ("GET", "HEAD"):
-        return await _health(request, services)
+        return await _health(request, services, limits)
     if path == "/files" and method == "GET":
         return await _download(request, services, limits)
     if path == "/files" and method == "POST":
