@@ -138,9 +138,13 @@ def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Pro
     from_snapshot = e2b.Sandbox.create(template=snapshot.snapshot_id)
     record = e2b_fake.cluster.store.load_sandbox(from_snapshot.sandbox_id)
     assert record is not None and record.forked_from == sbx.sandbox_id
+    api = _api(e2b_fake, project.key)
+    from_it = {"templateID": snapshot.snapshot_id}
+    retried = [api.post("/v2/sandboxes", json=from_it, headers={"Idempotency-Key": "s1"}) for _ in range(2)]
+    assert [r.status_code for r in retried] == [201, 201]
+    assert retried[0].json()["sandboxID"] == retried[1].json()["sandboxID"] != from_snapshot.sandbox_id
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is True
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is False
-    api = _api(e2b_fake, project.key)
     named = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "team/x:default"})
     assert named.status_code == 501 and named.json()["code"] == 501
     # Network rules are SPACE's egress policy.

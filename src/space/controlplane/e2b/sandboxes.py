@@ -25,7 +25,15 @@ from fastapi.responses import JSONResponse
 
 from space.controlplane.api import sandboxes as space_sandboxes
 from space.controlplane.api.bodies import CreateSandbox, EgressSpec
-from space.controlplane.api.deps import Principal, Services, Svc, wait_settled
+from space.controlplane.api.deps import (
+    Principal,
+    Services,
+    Svc,
+    derived_sandbox_id,
+    idempotency_scope,
+    idempotent,
+    wait_settled,
+)
 from space.controlplane.e2b import options, snapshots
 from space.controlplane.e2b.auth import E2bAuth
 from space.controlplane.e2b.bodies import ConnectBody, NewSandbox, PauseBody, TimeoutBody
@@ -51,8 +59,12 @@ NO_INTERNET = ["0.0.0.0/0", "::/0"]
 
 
 def _space_idempotency_key(key: str | None) -> str | None:
-    if key is None or len(key) <= 128:
-        return key
+    """E2B's key in SPACE's key space: prefixed, so that a SPACE request with the same key string is never
+    its replay, and digested when it would exceed SPACE's 128 characters."""
+    if key is None:
+        return None
+    if len(key) <= 124:
+        return "e2b-" + key
     return "e2b-" + hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -91,15 +103,21 @@ async def _answer_record(services: Services, answered: JSONResponse) -> SandboxR
 async def create(body: NewSandbox, who: Principal, services: Services, idem: str | None) -> dict[str, Any]:
     who.require("member")
     body.refuse_unsupported()
+    key = _space_idempotency_key(idem)
     from_snapshot = await snapshots.snapshot_source(services, who, body.template_id)
     if from_snapshot is not None:
-        sb = await snapshots.create_from_snapshot(services, who, from_snapshot, body)
+        snap = from_snapshot
+        derived = derived_sandbox_id(idempotency_scope(who), key) if key else None
+
+        async def work() -> tuple[int, Any]:
+            made = await snapshots.create_from_snapshot(services, who, snap, body, sandbox_id=derived)
+            return 201, {"id": made.id}
+
+        fingerprint = f"POST e2b /v2/sandboxes {body.model_dump_json()}"
+        answered = await idempotent(services, who, key, fingerprint, work)
     else:
-        space_body = _space_create_body(body)
-        answered = await space_sandboxes.create_sandbox(
-            space_body, who, services, _space_idempotency_key(idem)
-        )
-        sb = await _answer_record(services, answered)
+        answered = await space_sandboxes.create_sandbox(_space_create_body(body), who, services, key)
+    sb = await _answer_record(services, answered)
     return sandbox_answer(sb, who, services.node_token)
 
 

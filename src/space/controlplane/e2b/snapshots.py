@@ -165,8 +165,10 @@ async def snapshot_source(services: Services, who: Principal, template_id: str) 
 
 
 async def create_from_snapshot(
-    services: Services, who: Principal, snap: SnapshotRecord, body: NewSandbox
+    services: Services, who: Principal, snap: SnapshotRecord, body: NewSandbox, *, sandbox_id: str | None
 ) -> SandboxRecord:
+    """The new sandbox (`sandbox_id`: the one an Idempotency-Key derives, so that a retry of a request that
+    died finds the sandbox it recorded), once it runs."""
     if body.network is not None or body.allow_internet_access is False:
         # A fork child runs under its source's egress policy (SPACE's rule for forks).
         raise NotSupported("a sandbox from a snapshot has its source's network settings", field="network")
@@ -174,9 +176,14 @@ async def create_from_snapshot(
     if source is None or not visible(source):
         raise errors.NotFound(f"template {snap.id} not found (its sandbox is gone)")
     env = {**source.env, **(body.env_vars or {})}
-    child = await asyncio.to_thread(
-        services.store.create_sandbox, who.project_id, source.template, env, source.limits,
-        idle_timeout_s=source.idle_timeout_s, ttl_s=body.timeout, forked_from=source.id,
-        fork_snapshot_id=snap.id, metadata=body.metadata, on_timeout=options.on_timeout(body),
-    )  # fmt: skip
+    try:
+        child = await asyncio.to_thread(
+            services.store.create_sandbox, who.project_id, source.template, env, source.limits,
+            idle_timeout_s=source.idle_timeout_s, ttl_s=body.timeout, forked_from=source.id,
+            fork_snapshot_id=snap.id, metadata=body.metadata, on_timeout=options.on_timeout(body),
+            sandbox_id=sandbox_id,
+        )  # fmt: skip
+    except errors.AlreadyExists:
+        assert sandbox_id is not None
+        child = await shown_sandbox(services, who, sandbox_id)  # a retry: that row is its first request's
     return await wait_settled(services, child.id)
