@@ -4,6 +4,7 @@ background processes, connect and kill, a PTY, files and directory watches."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ import pytest
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from e2b import (
+    AsyncSandbox,
     CommandExitException,
+    FilesystemEvent,
     FilesystemEventType,
     NotFoundException,
     PtySize,
@@ -201,3 +204,40 @@ def test_paused_sandbox_is_not_running_until_used(real_cluster: RealCluster) -> 
         assert background.pid in [p.pid for p in paused.commands.list()]
     finally:
         paused.kill()
+
+
+def test_async_sdk(real_cluster: RealCluster) -> None:  # noqa: F811
+    """E2B's async SDK (its async Connect clients; watch_dir is the streaming WatchDir there)."""
+
+    async def scenario() -> None:
+        sbx = await AsyncSandbox.create(
+            api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
+            sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
+        )  # fmt: skip
+        try:
+            out: list[str] = []
+            result = await sbx.commands.run("echo async", on_stdout=out.append)
+            assert result.stdout == "async\n" and "".join(out) == "async\n"
+            await sbx.files.make_dir("/tmp/aw")
+            seen: list[FilesystemEvent] = []
+            arrived = asyncio.Event()
+
+            def on_event(event: FilesystemEvent) -> None:
+                seen.append(event)
+                if event.name == "f.txt":
+                    arrived.set()
+
+            handle = await sbx.files.watch_dir(
+                "/tmp/aw", on_event=on_event, recursive=True, include_entry=True
+            )
+            await sbx.files.write("/tmp/aw/f.txt", "x")
+            await asyncio.wait_for(arrived.wait(), 30)
+            await handle.stop()
+            created = [e for e in seen if e.name == "f.txt"]
+            assert created[0].type == FilesystemEventType.CREATE
+            assert created[0].entry is not None and created[0].entry.path == "/tmp/aw/f.txt"
+            assert await sbx.files.read("/tmp/aw/f.txt") == "x"
+        finally:
+            await sbx.kill()
+
+    asyncio.run(scenario())

@@ -7,7 +7,8 @@ Invariants:
   API key), `X-API-Key`, `Authorization: Bearer` (SPACE API keys, checked by `deps.authenticate`). An
   `Authorization: Basic` header names the in-sandbox user (E2B's convention), never a credential.
 - An envd access token acts for exactly the sandbox it was derived from, with a member's rights in that
-  sandbox's project; it is worth nothing for any other id (constant-time check, no storage).
+  sandbox's project; it is worth nothing for any other id (constant-time check; tokens are stored
+  nowhere, the principal of a checked one is remembered for `auth_cache_s` like a key's).
 - A sandbox of another project, a deleted one and a missing one are the same "not found".
 - A signed `/files` URL (E2B's `download_url` / `upload_url`: no headers, `signature` = v1 of
   sha256(path:operation:user:token[:expiration])) names its sandbox only through the signature: the
