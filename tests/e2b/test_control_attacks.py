@@ -40,6 +40,7 @@ ROUTES: dict[tuple[str, str], tuple[dict[str, Any] | None, str | None]] = {
     ("DELETE", "/templates/{template_id}"): (None, "member"),
     ("PUT", f"/sandboxes/{SB}/network"): ({"allowOut": ["example.com"]}, "member"),
     ("GET", f"/sandboxes/{SB}/metrics"): (None, "read-only"),
+    ("GET", "/templates/aliases/{alias}"): (None, "read-only"),
     ("GET", "/health"): (None, None),
 }
 
@@ -121,7 +122,7 @@ def test_keys_missing_bad_revoked_and_read_only(
     assert admin.delete(f"/v1/keys/{revoked_id}").status_code == 204
     clients = {key: _client(e2b_fake, key) for key in (None, revoked, reader)}
     for (method, path), (body, role) in ROUTES.items():
-        url = path.format(sandbox_id=sandbox_id, template_id="snap-x")
+        url = path.format(sandbox_id=sandbox_id, template_id="snap-x", alias="base")
         for key in (None, revoked):
             answer = clients[key].request(method, url, json=body)
             if role is None:

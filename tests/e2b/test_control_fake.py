@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import e2b
 import httpx
 import pytest
-from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail, SandboxMetric
+from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail, SandboxMetric, TemplateAliasResponse
 
 from tests.e2b.conftest import E2bCluster
 from tests.support import cluster as c
@@ -68,6 +68,9 @@ def test_list_filters_order_and_pages(e2b_fake: E2bCluster, project: c.Project) 
     asc = api.get("/v2/sandboxes", params={"order": "asc", "template": "base"})
     assert [ListedSandbox.from_dict(s).sandbox_id for s in asc.json()] == [*ids, other.sandbox_id]
     assert api.get("/v2/sandboxes", params={"template": "no-such-template"}).json() == []
+    assert e2b.Template.exists("base") and e2b.Template.exists("python")
+    assert not e2b.Template.exists("no-such-template")
+    TemplateAliasResponse.from_dict(api.get("/templates/aliases/base").json())
     started = api.get(f"/sandboxes/{ids[1]}").json()["startedAt"]
     after = api.get("/v2/sandboxes", params={"startedAfter": started, "order": "asc"}).json()
     assert [s["sandboxID"] for s in after] == [ids[1], ids[2], other.sandbox_id]  # inclusive, to the µs

@@ -9,6 +9,7 @@ Routes (E2B's paths; the SDK's base URL is E2B_API_URL):
   POST /sandboxes/{id}/fork|snapshots            fork, create_snapshot (snapshots.py)
   GET /snapshots, DELETE /templates/{id}         list_snapshots, delete_snapshot
   PUT /sandboxes/{id}/network, GET .../metrics   network rules, metrics (network.py)
+  GET /templates/aliases/{alias}                 Template.exists (templates.py)
   GET /health                                    liveness (no key)
 
 Invariants:
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space.controlplane.api.deps import Services
 from space.controlplane.api.limits import TokenBuckets
 from space.controlplane.e2b import errors as e2b_errors
-from space.controlplane.e2b import listing, network, sandboxes, snapshots
+from space.controlplane.e2b import listing, network, sandboxes, snapshots, templates
 
 
 def create_control_app(services: Services) -> FastAPI:
@@ -40,7 +41,7 @@ def create_control_app(services: Services) -> FastAPI:
         settings.api_requests_per_s, settings.api_request_burst, settings.api_max_tracked_keys
     )  # auth.py: per key, as on SPACE's API
     e2b_errors.install(app)
-    for router in (sandboxes.router, listing.router, snapshots.router, network.router):
+    for router in (sandboxes.router, listing.router, snapshots.router, network.router, templates.router):
         app.include_router(router)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_middleware(BodyLimit, limit=services.settings.api_json_body_bytes)
