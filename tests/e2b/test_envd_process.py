@@ -102,6 +102,10 @@ def test_kill_by_signal_and_unknown_pids(envd_front: ef.EnvdFront, sandbox: Sand
     client.send_signal(pb.SendSignalRequest(process=_by_pid(pid), signal=pb.Signal.SIGKILL))
     end = _end(_events(client.connect(pb.ConnectRequest(process=_by_pid(pid)), timeout_ms=60_000)))
     assert (end.exit_code, end.exited, end.status) == (-1, False, "signal: killed")
+    resize = pb.UpdateRequest(process=_by_pid(pid), pty=pb.PTY(size=pb.PTY.Size(cols=100, rows=30)))
+    with pytest.raises(ConnectError) as no_pty:
+        client.update(resize)  # a process without a PTY: not a sandbox that is down
+    assert no_pty.value.code == Code.FAILED_PRECONDITION
     for call in (
         lambda: client.send_signal(pb.SendSignalRequest(process=_by_pid(999_999), signal=pb.Signal.SIGKILL)),
         lambda: list(client.connect(pb.ConnectRequest(process=_by_pid(999_999)))),

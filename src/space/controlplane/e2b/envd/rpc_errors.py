@@ -5,7 +5,8 @@ Invariants:
   every SpaceError becomes a Connect code the E2B SDK maps to the right exception (not found ->
   NotFoundException, already exists -> the SDK's False, ...); anything unknown is `internal`, never a crash.
 - A wrong-state sandbox (paused for good, stopped, crashed) is `unavailable` on RPCs and 502 on REST, as
-  E2B's proxy answers for a sandbox that is not running.
+  E2B's proxy answers for a sandbox that is not running; the wrong state of something inside a running
+  sandbox (resizing a process without a PTY) is `failed_precondition`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from space.core import errors
+from space.core.lifecycle import State
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -52,6 +54,8 @@ _GUEST_CODES: dict[str, Code] = {
     "no_space": Code.RESOURCE_EXHAUSTED,
 }
 
+_LIFECYCLE_STATES = frozenset(state.value for state in State)
+
 _REST_STATUS: dict[Code, int] = {
     Code.INVALID_ARGUMENT: 400,
     Code.UNAUTHENTICATED: 401,
@@ -69,6 +73,8 @@ def connect_code(exc: errors.SpaceError) -> Code:
     guest_code = exc.details.get("guest_code")
     if isinstance(guest_code, str) and guest_code in _GUEST_CODES:
         return _GUEST_CODES[guest_code]
+    if isinstance(exc, errors.InvalidState) and exc.details.get("state") not in _LIFECYCLE_STATES:
+        return Code.FAILED_PRECONDITION  # the state of something in the sandbox (a process without a PTY)
     return _CONNECT_CODES.get(exc.code, Code.INTERNAL)
 
 
