@@ -104,6 +104,9 @@ def test_another_tenants_sandboxes_and_snapshots_are_not_found(
     assert me.get("/v2/sandboxes", params={"metadata": "owner=them"}).json() == []
     assert me.get("/snapshots").json() == []
     assert me.get("/snapshots", params={"sandboxID": foreign}).json() == []
+    assert me.get("/snapshots", params={"name": snapshot}).json() == []
+    their_mark = base64.urlsafe_b64encode(json.dumps({"after": snapshot}).encode()).decode().rstrip("=")
+    assert me.get("/snapshots", params={"nextToken": their_mark}).json() == []  # a cursor, never a grant
     _e2b_error(me.post("/v2/sandboxes", json={"templateID": snapshot}), 404)  # not usable as a template
     _e2b_error(me.delete(f"/templates/{snapshot}"), 404)
     # Their sandbox and snapshot are untouched: still running, still there.

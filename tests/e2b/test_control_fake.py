@@ -138,6 +138,11 @@ def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Pro
     assert snapshot.snapshot_id in listed and len(listed) == 2  # the fork's checkpoint is one too
     assert e2b.Sandbox.list_snapshots(sandbox_id=forks[0].sandbox_id).next_items() == []
     assert e2b.Sandbox.list_snapshots(name="no-such-name").next_items() == []
+    pages = e2b.Sandbox.list_snapshots(limit=1)  # the project's, one page at a time
+    assert [s.snapshot_id for s in pages.next_items()] == listed[:1] and pages.has_next
+    assert [s.snapshot_id for s in pages.next_items()] == listed[1:] and not pages.has_next
+    named = e2b.Sandbox.list_snapshots(name=snapshot.snapshot_id).next_items()
+    assert [s.snapshot_id for s in named] == [snapshot.snapshot_id]
     from_snapshot = e2b.Sandbox.create(template=snapshot.snapshot_id)
     record = e2b_fake.cluster.store.load_sandbox(from_snapshot.sandbox_id)
     assert record is not None and record.forked_from == sbx.sandbox_id

@@ -96,22 +96,23 @@ def _after(token: str | None) -> str | None:
         raise errors.InvalidArgument("invalid nextToken", field="nextToken") from exc
 
 
-async def _project_snapshots(
-    services: Services, who: Principal, sandbox_id: str | None
+async def _named_snapshots(
+    services: Services, who: Principal, sandbox_id: str | None, name: str | None
 ) -> list[SnapshotRecord]:
-    if sandbox_id is not None:
+    """The snapshots a filter names: one sandbox's (few), or the one whose id is `name` (its only name)."""
+    if name is not None:
         try:
-            sandboxes = [await shown_sandbox(services, who, sandbox_id)]
+            snap = await _project_snapshot(services, who, name)
         except errors.NotFound:
             return []
-    else:
-        rows = await asyncio.to_thread(services.store.list_sandboxes, who.project_id)
-        sandboxes = [sb for sb in rows if visible(sb)]
-    found: list[SnapshotRecord] = []
-    for sb in sandboxes:
-        snaps = await asyncio.to_thread(services.store.list_snapshots, sb.id)
-        found.extend(s for s in snaps if s.state == "ready" and s.kind == "full")
-    return sorted(found, key=lambda s: (s.created_at, s.id))
+        return [snap] if sandbox_id in (None, snap.sandbox_id) else []
+    assert sandbox_id is not None
+    try:
+        sb = await shown_sandbox(services, who, sandbox_id)
+    except errors.NotFound:
+        return []
+    snaps = await asyncio.to_thread(services.store.list_snapshots, sb.id)
+    return [s for s in snaps if s.state == "ready" and s.kind == "full"]
 
 
 @router.get("/snapshots")
@@ -125,12 +126,15 @@ async def list_snapshots(
     next_token: Annotated[str | None, Query(alias="nextToken", max_length=512)] = None,
 ) -> Response:
     after = _after(next_token)
-    snaps = await _project_snapshots(services, who, sandbox_id)
-    if name is not None:
-        snaps = [s for s in snaps if s.id == name]  # a snapshot's only name is its id
-    if after is not None:
-        ids = [s.id for s in snaps]
-        snaps = snaps[ids.index(after) + 1 :] if after in ids else []
+    if sandbox_id is not None or name is not None:
+        snaps = await _named_snapshots(services, who, sandbox_id, name)
+        if after is not None:
+            ids = [s.id for s in snaps]
+            snaps = snaps[ids.index(after) + 1 :] if after in ids else []
+    else:  # the project's, a page at a time in SQL
+        snaps = await asyncio.to_thread(
+            services.store.page_project_snapshots, who.project_id, after=after, limit=limit + 1
+        )
     page = snaps[:limit]
     headers = {"X-Next-Token": _page_token(page[-1])} if len(snaps) > limit else {}
     return JSONResponse([_info(s) for s in page], headers=headers)
