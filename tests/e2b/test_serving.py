@@ -5,6 +5,7 @@ servers; `space up` prints E2B_API_URL and E2B_SANDBOX_URL beside SPACE_URL."""
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 import socket
 
@@ -13,9 +14,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from space.cli import up
+from space.cli import status, up
 from space.controlplane.e2b.serve import _companion, parse_listen, serve_with_e2b
 from space.controlplane.local import LocalCluster
+from space.controlplane.supervisor import STATUS_FILENAME
 from space.core import errors
 from tests.support.cluster import free_port
 
@@ -88,3 +90,14 @@ def test_space_up_announces_the_e2b_urls(
         "http://127.0.0.1:9471",
         "http://127.0.0.1:9472",
     )
+
+
+def test_space_status_shows_the_e2b_front(tmp_path: pathlib.Path) -> None:
+    api = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    recorded = {"url": "http://127.0.0.1:1", "e2b_api_url": api, "e2b_sandbox_url": "http://127.0.0.1:2"}
+    (tmp_path / STATUS_FILENAME).write_text(json.dumps({**recorded, "components": []}))
+    report = status.collect(tmp_path)  # no supervisor runs
+    assert report["e2b"] == {"health": "not running", "api_url": api, "sandbox_url": "http://127.0.0.1:2"}
+    assert f"E2B front: not running (E2B_API_URL={api}" in status.render(report)
+    assert status._e2b(recorded, running=True)["health"] == "unreachable"
+    assert status.collect(tmp_path / "nothing")["e2b"] == {"health": "not served"}

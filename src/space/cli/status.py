@@ -5,7 +5,8 @@ Where each part comes from (the report says so in `sources`):
 - components (pid, state, uptime, restarts, last exit): DATA_DIR/status.json, which the supervisor
   rewrites on every change (ADR 0037); uptime is computed now from the recorded start time, and only
   while the supervisor is alive (a dead supervisor's file is shown as it was left, `running: false`);
-- the control plane's health: GET /healthz at the url the supervisor recorded (no key needed);
+- the control plane's health: GET /healthz at the url the supervisor recorded (no key needed), and the
+  E2B front's: GET /health of its control API (docs/e2b.md; a port it could not bind shows here);
 - the nodes (status, capacity, use, last heartbeat): the control plane's own database in DATA_DIR, read
   directly, so they are shown even when the API is down (the API has no route that lists nodes).
 
@@ -52,14 +53,30 @@ def collect(data_dir: pathlib.Path, *, now: float | None = None) -> dict[str, An
         "url": url,
         "components": components,
         "controlplane": _health(str(url)) if url and pid is not None else {"health": "not running"},
+        "e2b": _e2b(recorded, running=pid is not None),
         "nodes": _nodes(data_dir),
-        "sources": {"components": "status file", "controlplane": "api /healthz", "nodes": "database"},
+        "sources": {
+            "components": "status file",
+            "controlplane": "api /healthz",
+            "e2b": "e2b api /health",
+            "nodes": "database",
+        },
     }
 
 
-def _health(url: str) -> dict[str, Any]:
+def _e2b(recorded: dict[str, Any], *, running: bool) -> dict[str, Any]:
+    """The E2B front (docs/e2b.md): its URLs and whether its control API answers (an E2B port that could
+    not be bound leaves SPACE's API running without it: this is where that shows)."""
+    api, sandbox = recorded.get("e2b_api_url"), recorded.get("e2b_sandbox_url")
+    if not api:
+        return {"health": "not served"}
+    health = _health(str(api), "/health") if running else {"health": "not running"}
+    return {"api_url": api, "sandbox_url": sandbox, **health}
+
+
+def _health(url: str, path: str = "/healthz") -> dict[str, Any]:
     try:
-        answer = httpx.get(f"{url}/healthz", timeout=HEALTH_TIMEOUT_S)
+        answer = httpx.get(f"{url}{path}", timeout=HEALTH_TIMEOUT_S)
     except httpx.HTTPError as exc:
         return {"health": "unreachable", "error": f"{type(exc).__name__}: {exc}"[:200]}
     if answer.status_code == 200:
@@ -96,12 +113,21 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}h{rest // 60:02d}m{rest % 60:02d}s" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def _e2b_line(e2b: dict[str, Any]) -> str:
+    if "api_url" not in e2b:
+        return f"E2B front: {e2b.get('health', 'not served')}"
+    return (
+        f"E2B front: {e2b.get('health')} (E2B_API_URL={e2b['api_url']} E2B_SANDBOX_URL={e2b['sandbox_url']})"
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     head = "running" if report["running"] else "NOT running"
     lines = [
         f"SPACE {head} from {report['data_dir']}"
         + (f" (supervisor pid {report['supervisor_pid']}, {report['url']})" if report["running"] else ""),
         f"control plane: {report['controlplane'].get('health')}",
+        _e2b_line(report.get("e2b") or {}),
         "",
         f"{'COMPONENT':<13}{'PID':>8}  {'STATE':<9}{'UPTIME':>10}{'RESTARTS':>10}  LAST EXIT",
     ]

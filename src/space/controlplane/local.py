@@ -256,7 +256,8 @@ class LocalCluster:
              Component("controlplane", self.spawn_controlplane),
              Component("agent", self.spawn_agent)],
             emit=emit, status_file=self.data_dir / STATUS_FILENAME, backoff=backoff,
-            extra={"supervisor_pid": os.getpid(), "url": self.url, "data_dir": str(self.data_dir)},
+            extra={"supervisor_pid": os.getpid(), "url": self.url, "data_dir": str(self.data_dir),
+                   "e2b_api_url": self.e2b_api_url, "e2b_sandbox_url": self.e2b_sandbox_url},
         )  # fmt: skip
         for name, process in self.processes.items():
             made.adopt(name, process)
