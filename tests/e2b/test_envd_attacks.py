@@ -7,6 +7,7 @@ import gzip
 import json
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -271,3 +272,54 @@ def test_rate_and_stream_limits(real_cluster: RealCluster, sandbox: Sandbox) -> 
                 time.sleep(0.5)
         client.send_signal(pb.SendSignalRequest(process=selector, signal=pb.Signal.SIGKILL))
         stream.close()
+
+
+def test_endless_input_stream_holds_a_slot(real_cluster: RealCluster, sandbox: Sandbox) -> None:  # noqa: F811
+    """A StreamInput that never ends is a stream like any other: it takes one of its caller's slots (so
+    endless ones cannot pile up) and gives it back when it ends."""
+    with ef.serve_front(real_cluster, api_streams_per_key=1) as front:
+        client = front.process(sandbox.id)
+        cat = client.start(pb.StartRequest(process=pb.ProcessConfig(cmd="cat")), timeout_ms=120_000)
+        pid = next(iter(cat)).event.event.value.pid
+        cat.close()  # the process goes on; the Start stream's slot is free again
+        selector = pb.ProcessSelector(selector=Oneof("pid", pid))
+        release = threading.Event()
+
+        def endless() -> Iterator[pb.StreamInputRequest]:
+            start = pb.StreamInputRequest.StartEvent(process=selector)
+            yield pb.StreamInputRequest(event=Oneof("start", start))
+            data = pb.StreamInputRequest.DataEvent(input=pb.ProcessInput(input=Oneof("stdin", b"x\n")))
+            yield pb.StreamInputRequest(event=Oneof("data", data))
+            release.wait(60)
+
+        failures: list[BaseException] = []
+
+        def feed() -> None:
+            try:
+                client.stream_input(endless(), timeout_ms=120_000)
+            except BaseException as exc:  # reported below, in the test's thread
+                failures.append(exc)
+
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        probe = pb.StartRequest(process=pb.ProcessConfig(cmd="/bin/true"), stdin=False)
+        deadline = time.monotonic() + 30
+        while True:  # until the input stream holds the slot
+            try:
+                list(client.start(probe, timeout_ms=60_000))
+            except ConnectError as exc:
+                assert exc.code == Code.RESOURCE_EXHAUSTED, exc
+                break
+            assert time.monotonic() < deadline, "the endless input stream never took a slot"
+            time.sleep(0.2)
+        release.set()
+        feeder.join(30)
+        assert not feeder.is_alive() and failures == [], failures
+        assert _end(list(client.start(probe, timeout_ms=60_000))) == 0
+        client.send_signal(pb.SendSignalRequest(process=selector, signal=pb.Signal.SIGKILL))
+
+
+def _end(messages: list[Any]) -> int:
+    ends = [m.event.event.value for m in messages if m.event.event.field == "end"]
+    assert len(ends) == 1, messages
+    return int(ends[0].exit_code)

@@ -21,6 +21,7 @@ from space.controlplane.api.deps import Services
 from space.controlplane.e2b.envd.codecs import envd_codecs
 from space.controlplane.e2b.envd.files_rest import rest_app
 from space.controlplane.e2b.envd.filesystem_service import FilesystemService
+from space.controlplane.e2b.envd.keepalive import watching_disconnect
 from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.process_service import ProcessService
 from space.controlplane.e2b.envd.watchers import Watchers
@@ -54,7 +55,7 @@ def envd_app(services: Services) -> ASGIApp:
         send = limits.stalled_send(send)
         for prefix, rpc in routes:
             if path.startswith(prefix):
-                await rpc(scope, receive, send)
+                await rpc(scope, watching_disconnect(receive), send)
                 return
         await rest(scope, receive, send)
 

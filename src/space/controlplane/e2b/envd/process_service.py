@@ -11,6 +11,7 @@ Invariants:
 - `stdin: false` gives the process /dev/null; `stdin: true` or absent a pipe for SendInput / CloseStdin
   (envd's backwards-compatible default).
 - Unary RPCs that name a pid resolve it at call time (`process_events.process_of_pid`).
+- Start, Connect and StreamInput hold one of the caller's stream slots while they last (`limits`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ class ProcessService(Process):
         /,
     ) -> pb.StreamInputResponse:
         target = await self._target(ctx)
+        async with self.limits.stream(target.who):  # a client stream may last as long as its client likes
+            await self._pump_input(target, request)
+        return pb.StreamInputResponse()
+
+    async def _pump_input(self, target: Target, request: AsyncIterator[pb.StreamInputRequest]) -> None:
         process_id: str | None = None
         async for message in request:
             event = message.event
@@ -159,7 +165,6 @@ class ProcessService(Process):
                 raise errors.InvalidArgument("the first input message must be start", field="event")
             _kind, data = _input_bytes(event.value.input)
             await target.node.write_stdin(target.sandbox_id, process_id, data)
-        return pb.StreamInputResponse()
 
     @translated
     async def send_signal(
