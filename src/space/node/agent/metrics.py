@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import pathlib
 import time
 from array import array
 from collections.abc import Iterator
@@ -129,13 +130,18 @@ class MetricsRing:
 class MetricsSampler:
     """Samples `agent`'s running sandboxes every `interval_s` into rings of `keep_s` (see the module)."""
 
+    @property
+    def state_file(self) -> pathlib.Path | None:
+        """Asked of the agent's driver at each use, never at construction (an app may be built before its
+        agent has a driver, and the egress wiring wraps the driver after start-up)."""
+        return self.agent.driver.state_file(STATE_FILE)
+
     def __init__(self, agent: SandboxRegistry, *, interval_s: float = 5.0, keep_s: float = 3600.0) -> None:
         self.agent = agent
         self.interval_s = interval_s
         self.capacity = max(2, min(MAX_CAPACITY, math.ceil(keep_s / interval_s)))
         self.rings: dict[str, MetricsRing] = {}
         self._task: asyncio.Task[None] | None = None
-        self.state_file = agent.driver.state_file(STATE_FILE)
         self._saved_at = time.monotonic()
         #: What sampling cost this process: ticks run and their CPU time (process_time), for the ADR.
         self.ticks = 0
