@@ -113,6 +113,6 @@ def test_every_kill_point_of_the_scenario_converges() -> None:
         assert cluster.unexplained() == [], f"deaths no kill point explains: {cluster.unexplained()}"
         if SOAK:
             unreached = [p for p in points if p not in fired and unreached_reason(p) is None]
-            assert unreached == {}, f"exported kill points the scenario never reached: {unreached}"
+            assert unreached == [], f"exported kill points the scenario never reached: {unreached}"
         else:
             assert set(chosen) <= fired, f"kill points of SUBSET that never fired: {set(chosen) - fired}"
