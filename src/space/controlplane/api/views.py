@@ -292,15 +292,3 @@ def key_view(record: OrgKeyRecord) -> dict[str, Any]:
 # -- data plane (relayed from the node) ----------------------------------------------------------------------
 class Empty(_View):
     """`{}`: the operation was done."""
-
-
-class FileStat(BaseModel):
-    name: str
-    path: str
-    type: str = Field(description='"file", "dir", "symlink" or "other".')
-    size: int
-    mode: int
-    mtime: float
-    uid: int
-    gid: int
-    target: str | None = Field(description="A symlink's target.")
