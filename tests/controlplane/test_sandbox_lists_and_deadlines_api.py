@@ -239,3 +239,20 @@ def test_a_forks_children_keep_their_sources_metadata_and_on_timeout(project: c.
     ] * 2
     listed = _ids(_list(client, {"metadata": "lineage=f1", "order": "asc"}))
     assert listed == [source["id"], *[ch["id"] for ch in children]]
+
+
+def test_a_fork_given_its_own_metadata_and_on_timeout_gives_them_to_its_children(project: c.Project) -> None:
+    client = project.http()
+    source = _create(client, metadata={"lineage": "f2"}, on_timeout="pause")
+    own = {"metadata": {"lineage": "f2-child"}, "on_timeout": "delete"}
+    forked = client.post(f"/v1/sandboxes/{source['id']}/fork", json=own)
+    assert forked.status_code == 201, forked.text
+    (child,) = forked.json()["sandboxes"]
+    assert (child["metadata"], child["on_timeout"]) == ({"lineage": "f2-child"}, "delete")
+    snapshots_before = client.get(f"/v1/sandboxes/{source['id']}/snapshots").json()
+    # Refused before the checkpoint: a child that cannot be made leaves no snapshot behind.
+    refused = client.post(f"/v1/sandboxes/{source['id']}/fork", json={"metadata": {"bad key!": "x"}})
+    assert refused.status_code == 400 and refused.json()["error"]["details"]["field"] == "metadata"
+    assert client.get(f"/v1/sandboxes/{source['id']}/snapshots").json() == snapshots_before
+    bad_mode = client.post(f"/v1/sandboxes/{source['id']}/fork", json={"on_timeout": "explode"})
+    assert bad_mode.status_code == 422

@@ -67,6 +67,9 @@ class PatchSandbox(_Body):
 
 class ForkBody(_Body):
     count: int = Field(default=1, ge=1, le=100)
+    # The children's own; None: their source's (the store checks the bounds, as at create).
+    metadata: dict[str, str] | None = None
+    on_timeout: OnTimeout | None = None
 
 
 class RollbackBody(_Body):

@@ -37,6 +37,7 @@ from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.ids import parse_snapshot_id
 from space.core.lifecycle import Event, State
+from space.core.sandbox_options import check_metadata
 
 #: How long listing snapshots waits for the node's current exclusive sizes before using recorded ones.
 LIVE_SIZES_TIMEOUT_S = 3.0
@@ -126,6 +127,8 @@ async def fork(
     sandbox_id: str, body: ForkBody, who: Auth, services: Svc, idem: IdempotencyKey = None
 ) -> JSONResponse:
     who.require("member")
+    if body.metadata is not None:
+        check_metadata(body.metadata)  # before the checkpoint, which a refused child would leave behind
     sb = await running_sandbox(services, who, sandbox_id)
 
     async def work() -> tuple[int, Any]:
@@ -135,9 +138,11 @@ async def fork(
             child = await asyncio.to_thread(
                 services.store.create_sandbox, who.project_id, sb.template, sb.env, sb.limits,
                 idle_timeout_s=sb.idle_timeout_s, ttl_s=sb.ttl_s, forked_from=sb.id, fork_snapshot_id=snap.id,
+                metadata=body.metadata, on_timeout=body.on_timeout,
             )  # fmt: skip
             children.append(child)
         settled = [await wait_settled(services, child.id) for child in children]
         return 201, {"sandboxes": [sandbox_view(child) for child in settled]}
 
-    return await idempotent(services, who, idem, f"POST /sandboxes/{sandbox_id}/fork {body.count}", work)
+    fingerprint = f"POST /sandboxes/{sandbox_id}/fork {body.model_dump_json()}"
+    return await idempotent(services, who, idem, fingerprint, work)
