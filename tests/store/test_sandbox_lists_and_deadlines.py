@@ -5,64 +5,17 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
-from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
-from space.controlplane.store import Store, make_engine, migrate, sqlite_url
+from space.controlplane.store import Store
 from space.controlplane.store.sandbox_listing import SandboxQuery
 from space.core.errors import InvalidArgument, InvalidState, NotFound
 from space.core.lifecycle import Event, State
 from space.core.sandbox_options import MAX_TIMEOUT_S, metadata_filters
-from tests.support import postgres as pg_support
-
-postgres_url = pg_support.postgres_url
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
-        self._lock = threading.Lock()
-
-    def __call__(self) -> datetime:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += timedelta(seconds=seconds)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.root)])
-def db_url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "sqlite":
-        url = sqlite_url(tmp_path)
-        migrate(url)
-        return url
-    url = str(request.getfixturevalue("postgres_url"))
-    migrate(url)
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"TRUNCATE {', '.join(pg_support.STORE_TABLES)}"))
-    finally:
-        engine.dispose()
-    return url
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(db_url: str, clock: Clock) -> Iterator[Store]:
-    with Store(db_url, clock=clock) as s:
-        yield s
+from tests.support.clock import FakeClock
 
 
 def _projects(store: Store) -> tuple[str, str]:
@@ -122,7 +75,7 @@ def test_metadata_out_of_bounds_is_refused_naming_the_field(store: Store) -> Non
 # ---- lists -------------------------------------------------------------------------------------------
 
 
-def test_filters_match_in_sql_and_never_cross_projects(store: Store, clock: Clock) -> None:
+def test_filters_match_in_sql_and_never_cross_projects(store: Store, clock: FakeClock) -> None:
     mine, theirs = _projects(store)
     prod = store.create_sandbox(mine, "python", metadata={"env": "prod", "team": "ml", "q": "a=b&c=%20"})
     clock.advance(1)
@@ -168,7 +121,9 @@ def test_deleted_sandboxes_are_listed_only_when_asked_for(store: Store) -> None:
 
 
 @pytest.mark.parametrize("order", ["asc", "desc"])
-def test_pages_follow_creation_order_without_repeats_or_gaps(store: Store, clock: Clock, order: str) -> None:
+def test_pages_follow_creation_order_without_repeats_or_gaps(
+    store: Store, clock: FakeClock, order: str
+) -> None:
     mine, theirs = _projects(store)
     made = []
     for i in range(11):
@@ -207,7 +162,7 @@ def _forge(payload: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(payload).encode()).decode().rstrip("=")
 
 
-def test_page_tokens_are_bound_to_project_filters_and_order(store: Store, clock: Clock) -> None:
+def test_page_tokens_are_bound_to_project_filters_and_order(store: Store, clock: FakeClock) -> None:
     mine, theirs = _projects(store)
     for _ in range(3):
         clock.advance(1)
@@ -277,7 +232,7 @@ def test_metadata_filter_parameters() -> None:
 # ---- deadlines ---------------------------------------------------------------------------------------
 
 
-def test_set_deadline_resets_shortens_and_extends_only_when_asked(store: Store, clock: Clock) -> None:
+def test_set_deadline_resets_shortens_and_extends_only_when_asked(store: Store, clock: FakeClock) -> None:
     mine, _ = _projects(store)
     sb = store.create_sandbox(mine, "python", ttl_s=300)
     start = clock()
@@ -325,7 +280,7 @@ def _running(store: Store, project: str, **kwargs: Any) -> Any:
     return store.transition(sb.id, State.CREATING, 1, Event.CREATED)
 
 
-def test_expiry_applies_only_while_the_deadline_is_passed(store: Store, clock: Clock) -> None:
+def test_expiry_applies_only_while_the_deadline_is_passed(store: Store, clock: FakeClock) -> None:
     mine, _ = _projects(store)
     sb = _running(store, mine, ttl_s=10, on_timeout="pause")
     assert store.expire_sandbox(sb.id, State.SUSPENDED, clear_deadline=True) is None  # not passed yet
@@ -346,7 +301,7 @@ def test_expiry_applies_only_while_the_deadline_is_passed(store: Store, clock: C
     assert store.expire_sandbox(doomed.id, State.DELETED, clear_deadline=False) is None  # once
 
 
-def test_coming_back_gives_a_fresh_deadline_never_a_shorter_one(store: Store, clock: Clock) -> None:
+def test_coming_back_gives_a_fresh_deadline_never_a_shorter_one(store: Store, clock: FakeClock) -> None:
     mine, _ = _projects(store)
     sb = _running(store, mine, ttl_s=100, on_timeout="pause")
     clock.advance(101)
@@ -381,7 +336,7 @@ def test_coming_back_gives_a_fresh_deadline_never_a_shorter_one(store: Store, cl
     assert store.transition(endless.id, State.RESUMING, endless.generation, Event.RESUMED).expires_at is None
 
 
-def test_created_after_is_inclusive_to_the_microsecond(store: Store, clock: Clock) -> None:
+def test_created_after_is_inclusive_to_the_microsecond(store: Store, clock: FakeClock) -> None:
     mine, theirs = _projects(store)
     early = store.create_sandbox(mine, "python")
     clock.advance(0.000001)

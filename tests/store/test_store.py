@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import pytest
@@ -32,23 +32,7 @@ from space.controlplane.store.models import Base
 from space.core.errors import AlreadyExists, Conflict, InvalidArgument, InvalidState, NotFound
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
-from tests.support import postgres as pg_support
-
-postgres_url = pg_support.postgres_url  # the session fixture, bound here so pytest finds it
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self._now = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
-        self._lock = threading.Lock()
-
-    def __call__(self) -> datetime:
-        with self._lock:
-            return self._now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._now += timedelta(seconds=seconds)
+from tests.support.clock import FakeClock
 
 
 def _fresh_pg_database(base_url: str, name: str) -> str:
@@ -62,46 +46,12 @@ def _fresh_pg_database(base_url: str, name: str) -> str:
     return sa.make_url(base_url).set(database=name).render_as_string(hide_password=False)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.root)])
-def backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture
 def fresh_url(backend: str, request: pytest.FixtureRequest, tmp_path: Any) -> str:
     """An empty database (no schema yet)."""
     if backend == "sqlite":
         return sqlite_url(tmp_path)
     return _fresh_pg_database(request.getfixturevalue("postgres_url"), "space_fresh")
-
-
-@pytest.fixture
-def db_url(backend: str, request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    """A migrated, empty database."""
-    if backend == "sqlite":
-        url = sqlite_url(tmp_path)
-        migrate(url)
-        return url
-    url = str(request.getfixturevalue("postgres_url"))
-    migrate(url)  # idempotent: the first test migrates, later ones find head
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            conn.execute(sa.text(f"TRUNCATE {', '.join(pg_support.STORE_TABLES)}"))
-    finally:
-        engine.dispose()
-    return url
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def store(db_url: str, clock: FakeClock) -> Iterator[Store]:
-    with Store(db_url, clock=clock) as s:
-        yield s
 
 
 @pytest.fixture
