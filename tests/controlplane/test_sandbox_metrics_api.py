@@ -28,16 +28,8 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def two(fake_cluster: c.Cluster) -> Iterator[tuple[c.Project, str, c.Project, str]]:
-    victim, attacker = c.new_project(fake_cluster), c.new_project(fake_cluster)
-    try:
-        with victim.sdk() as sp:
-            victim_sb = sp.sandboxes.create(limits=c.SMALL).id
-        with attacker.sdk() as sp:
-            attacker_sb = sp.sandboxes.create(limits=c.SMALL).id
-        yield victim, victim_sb, attacker, attacker_sb
-    finally:
-        c.delete_all(fake_cluster, victim)
-        c.delete_all(fake_cluster, attacker)
+    with c.two_tenants(fake_cluster) as tenants:
+        yield tenants
 
 
 def _samples(http: httpx.Client, sandbox_id: str, **params: Any) -> list[dict[str, Any]]:

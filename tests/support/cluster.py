@@ -579,6 +579,22 @@ def delete_all(cluster: Cluster, project: Project) -> None:
     )
 
 
+@contextlib.contextmanager
+def two_tenants(cluster: Cluster) -> Iterator[tuple[Project, str, Project, str]]:
+    """(victim, its sandbox id, attacker, its sandbox id): two projects with one small sandbox each,
+    deleted afterwards."""
+    victim, attacker = new_project(cluster), new_project(cluster)
+    try:
+        with victim.sdk() as sp:
+            victim_sb = sp.sandboxes.create(limits=SMALL).id
+        with attacker.sdk() as sp:
+            attacker_sb = sp.sandboxes.create(limits=SMALL).id
+        yield victim, victim_sb, attacker, attacker_sb
+    finally:
+        delete_all(cluster, victim)
+        delete_all(cluster, attacker)
+
+
 @pytest.fixture
 def project(fake_cluster: Cluster) -> Iterator[Project]:
     made = new_project(fake_cluster)
