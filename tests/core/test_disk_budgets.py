@@ -239,8 +239,8 @@ class FakeStore:
     def list_nodes(self, status: str | None) -> list[NodeRecord]:
         return [n for n in self.nodes if status is None or n.status == status]
 
-    def list_sandboxes_on_node(self, node_id: str) -> list[Any]:
-        return self.placed.get(node_id, [])
+    def placed_disk_mb(self, node_id: str, *, besides: str | None = None) -> int:
+        return sum(sb.limits.disk_mb for sb in self.placed.get(node_id, []) if sb.id != besides)
 
 
 def test_the_scheduler_counts_placed_disk_and_the_reserve() -> None:

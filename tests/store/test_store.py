@@ -563,3 +563,25 @@ def test_idempotency_concurrent_begins_have_one_new(db_url: str, clock: FakeCloc
     finally:
         for s in stores:
             s.close()
+
+
+def test_placed_disk_counts_every_sandbox_on_the_node_but_deleted_ones(store: Store, project: str) -> None:
+    n1 = store.register_node("http://n1:7000", "t1")
+    n2 = store.register_node("http://n2:7000", "t2")
+
+    def placed(disk_mb: int, node_id: str) -> str:
+        sb = store.create_sandbox(project, "python", limits=SandboxLimits(disk_mb=disk_mb))
+        store.transition(sb.id, State.PENDING, 0, Event.CREATE, node_id=node_id)
+        return sb.id
+
+    first = placed(1000, n1.id)
+    placed(2000, n1.id)
+    placed(4000, n2.id)
+    gone = placed(8000, n1.id)
+    store.transition(gone, State.CREATING, 1, Event.CREATED)
+    store.transition(gone, State.RUNNING, 2, Event.DELETE)
+    store.transition(gone, State.DELETING, 3, Event.DELETED)
+    assert store.placed_disk_mb(n1.id) == 3000  # pending and creating copies hold their disk already
+    assert store.placed_disk_mb(n1.id, besides=first) == 2000
+    assert store.placed_disk_mb(n2.id) == 4000
+    assert store.placed_disk_mb("nd-unknown") == 0

@@ -38,7 +38,6 @@ from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors
-from space.core.lifecycle import State
 from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent.settings import NodeAgentSettings
 
@@ -135,11 +134,7 @@ class PoolLedger:
 def placed_disk_mb(store: Store, node_id: str, *, besides: str | None = None) -> int:
     """The disk_mb the store has placed on a node (every sandbox recorded there, whatever its state: a
     stopped or paused sandbox keeps its disk), leaving out `besides`."""
-    return sum(
-        sb.limits.disk_mb
-        for sb in store.list_sandboxes_on_node(node_id)
-        if sb.id != besides and sb.state != State.DELETED
-    )
+    return store.placed_disk_mb(node_id, besides=besides)
 
 
 def schedulable_nodes(store: Store, fresh_within_s: float | None) -> list[NodeRecord]:
