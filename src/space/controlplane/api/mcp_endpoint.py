@@ -13,25 +13,31 @@ Invariants:
   calls a node for a tool; there is no privileged shortcut.
 - Stateless: each POST is one JSON-RPC exchange; no MCP session outlives its request, so any replica
   answers any request and nothing accumulates per client.
+- The MCP SDK is imported, and its session manager built and run, on the first authenticated /mcp request
+  (importing it costs ~0.8 s, which no control plane start pays), in one task of its own that enters and
+  leaves the manager's run() (anyio requires the same task for both); the app's lifespan stops it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
-from mcp.server.transport_security import TransportSecuritySettings
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services, authenticate
 from space.controlplane.api.limits import LimitSettings, TokenBuckets
 from space.core import errors
-from space.mcp.in_process import caller_clients
-from space.mcp.tools import build_server
 from space.rest import errors as rest_errors
+
+if TYPE_CHECKING:
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 __all__ = ["MCP_PATH", "McpEndpoint"]
 
@@ -45,21 +51,51 @@ class McpEndpoint:
     def __init__(self, services: Services) -> None:
         self.services = services
         self.app: ASGIApp | None = None
-        self.server = build_server(caller_clients(self._app))
-        # The SDK's protection against DNS rebinding checks Host and Origin for browsers' sake; a browser
-        # cannot send the bearer key this endpoint requires without the key's owner, so it is off (and
-        # would refuse every host name but localhost).
-        self.server.streamable_http_app(
-            stateless_http=True,
-            json_response=True,
-            max_request_body_size=services.settings.api_json_body_bytes,
-            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-        )
-        self.manager = self.server.session_manager
+        self._manager: StreamableHTTPSessionManager | None = None
+        self._manager_task: asyncio.Task[None] | None = None
+        self._manager_ready = asyncio.Event()
+        self._stop = asyncio.Event()
         # The /mcp requests of a key, at the rate and burst of its /v1 requests (a bucket of their own: the
         # /v1 calls a tool makes take tokens of the key's /v1 bucket as well).
         limits = LimitSettings.of(services.settings)
         self.buckets = TokenBuckets(limits.requests_per_s, limits.request_burst, limits.max_tracked_keys)
+
+    def _build_manager(self) -> StreamableHTTPSessionManager:
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        from space.mcp.in_process import caller_clients
+        from space.mcp.tools import build_server
+
+        server = build_server(caller_clients(self._app))
+        # The SDK's protection against DNS rebinding checks Host and Origin for browsers' sake; a browser
+        # cannot send the bearer key this endpoint requires without the key's owner, so it is off (and
+        # would refuse every host name but localhost).
+        server.streamable_http_app(
+            stateless_http=True,
+            json_response=True,
+            max_request_body_size=self.services.settings.api_json_body_bytes,
+            transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        )
+        return server.session_manager
+
+    async def _run_manager(self) -> None:
+        try:
+            manager = self._build_manager()
+            async with manager.run():
+                self._manager = manager
+                self._manager_ready.set()
+                await self._stop.wait()
+        finally:
+            self._manager = None
+            self._manager_ready.set()  # waiters see no manager: the endpoint is down
+
+    async def _started_manager(self) -> StreamableHTTPSessionManager:
+        if self._manager_task is None:
+            self._manager_task = asyncio.create_task(self._run_manager(), name="mcp-session-manager")
+        await self._manager_ready.wait()
+        if self._manager is None:
+            raise errors.Unavailable("the MCP endpoint is not running")
+        return self._manager
 
     def mount(self, app: FastAPI) -> None:
         """Serve at MCP_PATH of `app`; the tools' requests go through `app` whole (middleware included)."""
@@ -76,7 +112,17 @@ class McpEndpoint:
         await self.app(scope, receive, send)
 
     def running(self) -> AbstractAsyncContextManager[None]:
-        return self.manager.run()
+        """For the app's lifespan: stops the session manager (if a request started it) at shutdown."""
+        return self._running()
+
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            self._stop.set()
+            if self._manager_task is not None:
+                await asyncio.gather(self._manager_task, return_exceptions=True)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _headers(scope)
@@ -92,12 +138,13 @@ class McpEndpoint:
                     limit="requests_per_s",
                     retry_after_s=math.ceil(wait),
                 )
+            manager = await self._started_manager()
         except errors.SpaceError as exc:
             # The body is never read: the connection closes after the refusal.
             response = rest_errors.error_response(exc, {"Connection": "close"})
             await response(scope, receive, send)
             return
-        await self.manager.handle_request(scope, receive, send)
+        await manager.handle_request(scope, receive, send)
 
 
 def _headers(scope: Scope) -> dict[str, Any]:

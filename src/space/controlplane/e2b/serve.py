@@ -27,8 +27,6 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from space.controlplane.api.deps import Services
-from space.controlplane.e2b.control import create_control_app
-from space.controlplane.e2b.envd.app import envd_app
 from space.core import errors
 
 log = logging.getLogger(__name__)
@@ -73,6 +71,11 @@ def _companion(
 
 
 def companions(services: Services, listen: E2bListen, log_level: str) -> list[uvicorn.Server]:
+    # Imported here, when a front is served: the e2b package's modules take ~0.6 s to import, which every
+    # control plane without the front (most of them) would pay at each start.
+    from space.controlplane.e2b.control import create_control_app
+    from space.controlplane.e2b.envd.app import envd_app
+
     servers: list[uvicorn.Server] = []
     if listen.api:
         app = create_control_app(services)
