@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
+from space.sdk import Sandbox
 from tests.support import cluster as c
-
-
-@dataclass
-class E2bCluster:
-    cluster: c.Cluster
-    api_url: str
-    sandbox_url: str
+from tests.support.cluster import real_cluster  # noqa: F401 - the session fixture, for `sandbox`
+from tests.support.e2b_cluster import E2bCluster
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +23,13 @@ def e2b_fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bCluster]:
     root: pathlib.Path = tmp_path_factory.mktemp("e2b-fake")
     with c.start_fake_cluster(root, control_plane_args=args, object_store=True) as made:
         yield E2bCluster(made, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{sandbox_port}")
+
+
+@pytest.fixture(scope="module")
+def sandbox(real_cluster: c.RealCluster) -> Iterator[Sandbox]:  # noqa: F811
+    """One real runsc sandbox for a module of in-sandbox API tests."""
+    sb = real_cluster.sdk().sandboxes.create(template="python")
+    try:
+        yield sb
+    finally:
+        sb.delete()

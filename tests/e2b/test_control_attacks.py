@@ -18,8 +18,8 @@ from e2b.api.client.models import Error
 
 from space.controlplane.e2b.control import create_control_app
 from space.controlplane.settings import ControlPlaneSettings
-from tests.e2b.conftest import E2bCluster
 from tests.support import cluster as c
+from tests.support.e2b_cluster import E2bCluster
 
 SB = "{sandbox_id}"
 #: Every route of the control app: (method, path) -> (a body that is valid, the role it needs: None for none).

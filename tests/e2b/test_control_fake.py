@@ -11,8 +11,8 @@ import httpx
 import pytest
 from e2b.api.client.models import ListedSandbox, Sandbox, SandboxDetail, SandboxMetric, TemplateAliasResponse
 
-from tests.e2b.conftest import E2bCluster
 from tests.support import cluster as c
+from tests.support.e2b_cluster import E2bCluster
 
 
 @pytest.fixture

@@ -34,15 +34,6 @@ STREAM = "/process.Process/Start"
 
 
 @pytest.fixture(scope="module")
-def sandbox(real_cluster: RealCluster) -> Iterator[Sandbox]:  # noqa: F811
-    sb = real_cluster.sdk().sandboxes.create(template="python")
-    try:
-        yield sb
-    finally:
-        sb.delete()
-
-
-@pytest.fixture(scope="module")
 def other_keys(real_cluster: RealCluster) -> dict[str, str]:  # noqa: F811
     """Keys of another project (member and read-only) and a read-only key of the sandbox's own project."""
     admin = httpx.Client(

@@ -7,7 +7,6 @@ import gzip
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,15 +21,6 @@ from tests.support.cluster import real_cluster  # noqa: F401 - module-bound sess
 envd_front = ef.envd_front
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture(scope="module")
-def sandbox(real_cluster: Any) -> Iterator[Sandbox]:  # noqa: F811
-    sb = real_cluster.sdk().sandboxes.create(template="python")
-    try:
-        yield sb
-    finally:
-        sb.delete()
 
 
 @pytest.fixture

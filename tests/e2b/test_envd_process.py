@@ -21,15 +21,6 @@ envd_front = ef.envd_front
 pytestmark = pytest.mark.root
 
 
-@pytest.fixture(scope="module")
-def sandbox(real_cluster: Any) -> Iterator[Sandbox]:  # noqa: F811
-    sb = real_cluster.sdk().sandboxes.create(template="python")
-    try:
-        yield sb
-    finally:
-        sb.delete()
-
-
 def _events(stream: Iterator[Any]) -> list[Any]:
     return [message.event.event for message in stream]
 
