@@ -50,6 +50,9 @@ MAX_TCP_MESSAGE = 65535
 RESOLVE_TIMEOUT_S = 2.0
 RESOLVE_ATTEMPT_S = 1.0  # per nameserver attempt
 MAX_RESOLVES_IN_FLIGHT = 128  # upstream lookups at once, whole gateway
+#: A lookup whose turn comes with less of its timeout left than this asks no nameserver (it could not use
+#: the answer): a queue of waiting lookups never turns into a burst of queries at their common deadline.
+MIN_QUERY_S = 0.2
 MAX_QUERIES_PER_SOURCE = 32  # queries being answered at once for one sandbox (UDP + TCP)
 MAX_UDP_IN_FLIGHT = 512  # queries being answered at once, for all sandboxes together (UDP + TCP)
 TCP_IDLE_S = 10.0  # a TCP DNS connection with no (complete) query for this long is closed
@@ -76,7 +79,8 @@ class Resolver(Protocol):
 class SystemResolver:
     """Asynchronous lookups (dnspython's asyncio resolver) against the node's nameservers
     (/etc/resolv.conf) or the given ones: A and AAAA at once, the whole lookup within RESOLVE_TIMEOUT_S,
-    at most MAX_RESOLVES_IN_FLIGHT lookups at once (the rest wait their turn within their own timeout).
+    at most MAX_RESOLVES_IN_FLIGHT lookups at once (the rest wait their turn within their own timeout, and
+    one whose turn comes with less than MIN_QUERY_S left asks nobody).
     No thread pool is involved, so a hung or flooded upstream resolver cannot starve anything else of the
     node agent's process. (/etc/hosts is not read: sandboxes reach the Internet, not the node's names.)"""
 
@@ -110,8 +114,11 @@ class SystemResolver:
     async def resolve(self, host: str) -> list[IPAddress]:
         limit = self._timeout_s if self._timeout_s is not None else RESOLVE_TIMEOUT_S
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(limit) as budget:
                 async with self._slots:
+                    deadline = budget.when()
+                    if deadline is not None and deadline - asyncio.get_running_loop().time() < MIN_QUERY_S:
+                        return []
                     resolver = self._configured()
                     kinds = ("A", "AAAA")
                     answers = await asyncio.gather(
