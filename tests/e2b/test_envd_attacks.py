@@ -3,6 +3,7 @@ and endless bodies, gzip bombs, path traversal in /files, and a client that stop
 
 from __future__ import annotations
 
+import base64
 import gzip
 import json
 import secrets
@@ -274,38 +275,52 @@ def test_endless_input_stream_holds_a_slot(real_cluster: RealCluster, sandbox: S
         pid = next(iter(cat)).event.event.value.pid
         cat.close()  # the process goes on; the Start stream's slot is free again
         selector = pb.ProcessSelector(selector=Oneof("pid", pid))
-        release = threading.Event()
+        release, fed = threading.Event(), threading.Event()
 
-        def endless() -> Iterator[pb.StreamInputRequest]:
-            start = pb.StreamInputRequest.StartEvent(process=selector)
-            yield pb.StreamInputRequest(event=Oneof("start", start))
-            data = pb.StreamInputRequest.DataEvent(input=pb.ProcessInput(input=Oneof("stdin", b"x\n")))
-            yield pb.StreamInputRequest(event=Oneof("data", data))
+        def endless() -> Iterator[bytes]:
+            # Raw Connect envelopes over a chunked body: the request reaches the front at once and its body
+            # never ends until released (the SDK's sync client sends a client stream only once it is whole).
+            yield _envelope({"start": {"process": {"pid": pid}}})
+            yield _envelope({"data": {"input": {"stdin": base64.b64encode(b"x\n").decode()}}})
+            fed.set()
             release.wait(60)
 
         failures: list[BaseException] = []
+        answers: list[httpx.Response] = []
 
         def feed() -> None:
+            headers = {
+                **front.headers(sandbox.id, token=front.token(sandbox.id)),
+                "Content-Type": "application/connect+json",
+                "Connect-Protocol-Version": "1",
+            }
             try:
-                client.stream_input(endless(), timeout_ms=120_000)
+                with front.http() as http:
+                    answers.append(
+                        http.post("/process.Process/StreamInput", content=endless(), headers=headers)
+                    )
             except BaseException as exc:  # reported below, in the test's thread
                 failures.append(exc)
 
         feeder = threading.Thread(target=feed, daemon=True)
         feeder.start()
+        assert fed.wait(60), failures
         probe = pb.StartRequest(process=pb.ProcessConfig(cmd="/bin/true"), stdin=False)
         deadline = time.monotonic() + 30
         while True:  # until the input stream holds the slot
             try:
                 list(client.start(probe, timeout_ms=60_000))
             except ConnectError as exc:
-                assert exc.code == Code.RESOURCE_EXHAUSTED, exc
+                # The stream slot, not the request rate (which answers the same code).
+                assert exc.code == Code.RESOURCE_EXHAUSTED and "streams open" in str(exc), exc
                 break
             assert time.monotonic() < deadline, "the endless input stream never took a slot"
-            time.sleep(0.2)
+            time.sleep(0.5)
         release.set()
         feeder.join(30)
         assert not feeder.is_alive() and failures == [], failures
+        (answer,) = answers
+        assert answer.status_code == 200 and b'"error"' not in answer.content, answer.content
         assert _end(list(client.start(probe, timeout_ms=60_000))) == 0
         client.send_signal(pb.SendSignalRequest(process=selector, signal=pb.Signal.SIGKILL))
 
@@ -314,3 +329,9 @@ def _end(messages: list[Any]) -> int:
     ends = [m.event.event.value for m in messages if m.event.event.field == "end"]
     assert len(ends) == 1, messages
     return int(ends[0].exit_code)
+
+
+def _envelope(message: dict[str, Any]) -> bytes:
+    """One Connect stream message: flags 0, big-endian length, JSON."""
+    payload = json.dumps(message).encode()
+    return b"\x00" + struct.pack(">I", len(payload)) + payload
