@@ -131,12 +131,6 @@ class PoolLedger:
         since[1][template] = since[1].get(template, 0) + 1
 
 
-def placed_disk_mb(store: Store, node_id: str, *, besides: str | None = None) -> int:
-    """The disk_mb the store has placed on a node (every sandbox recorded there, whatever its state: a
-    stopped or paused sandbox keeps its disk), leaving out `besides`."""
-    return store.placed_disk_mb(node_id, besides=besides)
-
-
 def schedulable_nodes(store: Store, fresh_within_s: float | None) -> list[NodeRecord]:
     """Ready nodes whose last heartbeat is younger than `fresh_within_s` (None: every ready node)."""
     nodes = store.list_nodes("ready")
@@ -177,7 +171,7 @@ def _best(
     ready = schedulable_nodes(store, fresh_within_s) if ready is None else ready
     # A restore or recovery goes only to nodes whose runtime can restore its checkpoint (ADR 0035).
     for node in restore_targets.able_nodes(store, sandbox, ready):
-        placed = placed_disk_mb(store, node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
+        placed = store.placed_disk_mb(node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
         value = score(node, sandbox, placed, pooled=believed.get(node.id, 0))
         if value is not None:
             candidates.append((value, node.id, node))
