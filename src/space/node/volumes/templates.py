@@ -30,7 +30,15 @@ from typing import Any
 
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure
 from space.node.volumes import btrfs
-from space.node.volumes.template_base import BASE_NAME, BASE_VERSION, PACKAGES, SUITE, VARIANT, ensure_base
+from space.node.volumes.template_base import (
+    BASE_NAME,
+    BASE_VERSION,
+    PACKAGES,
+    SUITE,
+    USER_NAME,
+    VARIANT,
+    ensure_base,
+)
 from space.node.volumes.template_files import (
     METADATA_FORMAT,
     ROOTFS_UMASK,
@@ -44,7 +52,6 @@ from space.node.volumes.template_files import (
     write_json_atomic,
 )
 
-TEMPLATE_NAMES = ("python",)
 GUEST_LIB = "/opt/space/lib"  # inside the template
 GUEST_PYTHON = "/usr/bin/python3"
 # The in-sandbox daemon's entry point. Flags chosen by measurement (docs/adr/0004-btrfs-volumes.md):
@@ -69,6 +76,57 @@ GUEST_LAYER_VERSION = "guest-layer-1"
 def guest_command() -> list[str]:
     """argv of the sandbox's init (the daemon `spaced`), to run with GUEST_ENV as its environment."""
     return list(GUEST_ARGV)
+
+
+@dataclass(frozen=True)
+class BuiltinTemplate:
+    """A template every node can build from its base: the guest layer plus these files and defaults.
+
+    `default_user`, `workdir` and `env` become the template metadata keys of the same names, which the node
+    applies to every exec, PTY and file write that does not name its own user/cwd (ADR 0057); None/empty
+    means "the guest's defaults" (root, /, GUEST_ENV), which is what `python` has always had."""
+
+    name: str
+    description: str
+    default_user: str | None = None
+    workdir: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    # (absolute path in the template, content, mode): written into the template's own layer.
+    files: tuple[tuple[str, str, int], ...] = ()
+
+
+_USER_HOME = f"/home/{USER_NAME}"
+BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
+    "python": BuiltinTemplate(
+        name="python",
+        description="Debian bookworm with python3; execs run as root in / unless they say otherwise",
+    ),
+    "base": BuiltinTemplate(
+        name="base",
+        description=(
+            f"Debian bookworm with python3, git, curl and sudo; execs run as {USER_NAME!r} in {_USER_HOME}, "
+            "who has passwordless sudo"
+        ),
+        default_user=USER_NAME,
+        workdir=_USER_HOME,
+        env=(("HOME", _USER_HOME), ("USER", USER_NAME), ("LOGNAME", USER_NAME)),
+        files=((f"/etc/sudoers.d/{USER_NAME}", f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440),),
+    ),
+}
+TEMPLATE_NAMES = tuple(BUILTIN_TEMPLATES)  # the names ensure_template builds
+
+
+def builtin_defaults(name: str) -> dict[str, Any]:
+    """The metadata keys default_user/workdir/env of a built-in template (only those it sets)."""
+    spec = BUILTIN_TEMPLATES[name]
+    out: dict[str, Any] = {}
+    if spec.default_user is not None:
+        out["default_user"] = spec.default_user
+    if spec.workdir is not None:
+        out["workdir"] = spec.workdir
+    if spec.env:
+        out["env"] = dict(spec.env)
+    return out
 
 
 @dataclass(frozen=True)
@@ -108,9 +166,12 @@ def _guest_files(space_src: Path) -> list[tuple[str, bytes]]:
     return files
 
 
-def guest_code_hash(space_src: Path | None = None) -> str:
+def guest_code_hash(space_src: Path | None = None, name: str = "python") -> str:
+    """Hash of what a template's own layer holds: the guest code, the bootstrap and the template's recipe."""
     files = _guest_files(space_src or default_guest_src())
     h = hashlib.sha256(GUEST_LAYER_VERSION.encode() + b"\0" + GUEST_BOOTSTRAP.encode() + b"\0")
+    if name != "python":  # python's hash stays what it was, so existing nodes do not rebuild it
+        h.update(repr(BUILTIN_TEMPLATES[name]).encode() + b"\0")
     for rel, data in files:
         h.update(rel.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
     return h.hexdigest()
@@ -141,6 +202,17 @@ def _install_guest_code(root: Path, space_src: Path) -> int:
     return size
 
 
+def _install_template_files(root: Path, spec: BuiltinTemplate) -> int:
+    size = 0
+    for path, content, mode in spec.files:
+        dst = root / path.lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(content)
+        os.chmod(dst, mode)
+        size += len(content)
+    return size
+
+
 def ensure_template(
     fs_root: str | os.PathLike[str],
     name: str = "python",
@@ -160,12 +232,13 @@ def ensure_template(
     templates = Path(fs_root) / "templates"
     if not btrfs.is_btrfs(templates):
         raise InvalidArgument(f"{templates} is not on btrfs (call ensure_btrfs first)", path=str(templates))
+    spec = BUILTIN_TEMPLATES[name]
     space_src = guest_src or default_guest_src()
     target = templates / name
     meta_path = templates / f"{name}.json"
     staging = templates / f".{name}.new"
     with flock(templates / ".lock"):
-        code_hash = guest_code_hash(space_src)
+        code_hash = guest_code_hash(space_src, name)
         meta = read_json(meta_path)
         if (
             meta is not None
@@ -180,7 +253,7 @@ def ensure_template(
         t0 = time.monotonic()
         discard_subvolume(staging)
         btrfs.snapshot(base, staging, readonly=False)
-        guest_size = _install_guest_code(staging, space_src)
+        guest_size = _install_guest_code(staging, space_src) + _install_template_files(staging, spec)
         btrfs.set_readonly(staging, True)
         # Metadata goes first, then the old tree, then the new tree moves in; metadata is written last.
         meta_path.unlink(missing_ok=True)
@@ -204,6 +277,9 @@ def ensure_template(
             "guest_command": guest_command(),
             "size_bytes": int(base_meta.get("size_bytes", 0)) + guest_size,
             "subvolume_id": btrfs.subvolume_id(target),
+            "builtin": True,
+            "description": spec.description,
+            **builtin_defaults(name),
         }
         write_json_atomic(meta_path, meta)
         progress(f"space: template {name} ready ({time.monotonic() - t0:.2f} s for the guest layer)")
