@@ -52,6 +52,14 @@ API_KEY_ID_PATTERN: Final = API_KEY_ID_PREFIX + ID_BODY_PATTERN
 TEMPLATE_NAME_PATTERN: Final = "[a-z][a-z0-9-]{0,62}"
 TEMPLATE_NAME_MAX_LENGTH: Final = 63
 
+# A user template (docs/adr/0055-templates-in-the-control-plane.md): its control-plane id is `tpl_<16 hex>`
+# and its node-level name, a TEMPLATE_NAME_PATTERN name, is `tpl-<the same 16 hex>` (the underscore would not
+# fit a subvolume name; the dash keeps the two spellings apart, so an id is never mistaken for a name).
+TEMPLATE_ID_PREFIX: Final = "tpl_"
+TEMPLATE_NODE_PREFIX: Final = "tpl-"
+TEMPLATE_ID_PATTERN: Final = TEMPLATE_ID_PREFIX + "[0-9a-f]{16}"
+TEMPLATE_ID_LENGTH: Final = len(TEMPLATE_ID_PREFIX) + 16
+
 #: What the guest daemon makes: 8 random bytes as lowercase hex.
 PROCESS_ID_PATTERN: Final = "[0-9a-f]{16}"
 PROCESS_ID_LENGTH: Final = 16
@@ -63,6 +71,7 @@ ProjectId = NewType("ProjectId", str)
 OrgId = NewType("OrgId", str)
 ApiKeyId = NewType("ApiKeyId", str)
 TemplateName = NewType("TemplateName", str)
+TemplateId = NewType("TemplateId", str)
 ProcessId = NewType("ProcessId", str)
 
 # How much of a rejected value an error message may quote: enough to recognise it, never a whole
@@ -97,6 +106,7 @@ ID_KINDS: Final[tuple[IdKind, ...]] = (SANDBOX, SNAPSHOT, NODE, PROJECT, ORG, AP
 _COMPILED: Final[dict[str, re.Pattern[str]]] = {k.prefix: re.compile(k.pattern) for k in ID_KINDS}
 _TEMPLATE_RE: Final = re.compile(TEMPLATE_NAME_PATTERN)
 _PROCESS_RE: Final = re.compile(PROCESS_ID_PATTERN)
+_TEMPLATE_ID_RE: Final = re.compile(TEMPLATE_ID_PATTERN)
 
 
 def _quote(value: object) -> str:
@@ -205,6 +215,33 @@ def parse_template_name(value: object, *, field: str = "template") -> TemplateNa
             field=field,
         )
     return TemplateName(value)
+
+
+def new_template_id() -> TemplateId:
+    """A fresh user template id: `tpl_` and 8 random bytes as lowercase hex (64 bits: ids are unique in one
+    table, where the insert would refuse a collision)."""
+    return TemplateId(TEMPLATE_ID_PREFIX + secrets.token_hex(8))
+
+
+def parse_template_id(value: object, *, field: str = "template_id") -> TemplateId:
+    """Return `value` if it is a user template id (`tpl_` and 16 lowercase hex digits, whole string)."""
+    if (
+        not isinstance(value, str)
+        or len(value) != TEMPLATE_ID_LENGTH
+        or _TEMPLATE_ID_RE.fullmatch(value) is None
+    ):
+        raise InvalidArgument(
+            f"invalid {field}: expected {TEMPLATE_ID_PREFIX!r} followed by 16 lowercase hex digits, "
+            f"got {_quote(value)}",
+            field=field,
+        )
+    return TemplateId(value)
+
+
+def template_node_name(template_id: str) -> TemplateName:
+    """The node-level name of a user template (`tpl_<hex>` -> `tpl-<hex>`): what sandboxes, node RPCs, helper
+    verbs and subvolumes use."""
+    return TemplateName(TEMPLATE_NODE_PREFIX + parse_template_id(template_id)[len(TEMPLATE_ID_PREFIX) :])
 
 
 def parse_process_id(value: object, *, field: str = "process_id") -> ProcessId:
