@@ -28,6 +28,8 @@ from space.controlplane.store.records import (
     ProjectRecord,
     SandboxRecord,
     SnapshotRecord,
+    TemplateLogLine,
+    TemplateRecord,
 )
 
 R = TypeVar("R")
@@ -60,3 +62,5 @@ node_record = RowMapper(NodeRecord)
 sandbox_record = RowMapper(SandboxRecord, metadata=lambda row: row.metadata_ or {})
 snapshot_record = RowMapper(SnapshotRecord)
 idempotency_record = RowMapper(IdempotencyRecordView)
+template_record = RowMapper(TemplateRecord)
+template_log_line = RowMapper(TemplateLogLine)

@@ -252,6 +252,9 @@ class Snapshot(Base):
     # Issue 11 (migration 0008): the runtime a full checkpoint needs to be restored (platform, network
     # mode, runtime version, template version); NULL for disk snapshots and older rows.
     runtime: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Issue 13 (migration 0011): a user's name for a full snapshot (E2B's named snapshots); not unique: the
+    # newest ready snapshot of a name in the project is the one it means.
+    name: Mapped[str | None] = mapped_column(String(128), index=True)
 
 
 class IdempotencyRecord(Base):
@@ -409,3 +412,54 @@ class SandboxEvent(Base):
     kind: Mapped[str] = mapped_column(String(EVENT_KIND_LENGTH))
     message: Mapped[str] = mapped_column(Text)
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+# ==== User templates (issue 13; migration 0011; docs/adr/0055-templates-in-the-control-plane.md) ========
+TEMPLATE_STATUSES = ("building", "ready", "failed", "deleting")  # space.core.template_states
+
+
+class Template(Base):
+    """A project's template: its build spec, where it was built and its status (space.core.template_states).
+    Built-in templates have no row (the store synthesises them). Rows are hard-deleted once the nodes'
+    copies are gone, so a name is free again; ids are random and never come back."""
+
+    __tablename__ = "templates"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", TEMPLATE_STATUSES), name="status"),
+        UniqueConstraint("project_id", "name"),
+        # The sweep of building rows whose driver's lease passed, and of deleting rows.
+        Index("ix_templates_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    project_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("projects.id"))
+    name: Mapped[str] = mapped_column(String(64))
+    node_name: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The template it was built from, as the user named it ("python", a project template's name, "oci:...").
+    source: Mapped[str] = mapped_column(String(512))
+    node_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))  # the node that builds or built it
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    default_user: Mapped[str | None] = mapped_column(String(64))
+    workdir: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    # The control plane driving the build and until when its claim holds (renewed while the build runs).
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_until: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    log_bytes: Mapped[int] = mapped_column(BigInteger)  # what template_logs holds of it now
+    log_truncated: Mapped[bool] = mapped_column(Boolean)  # older lines were dropped to keep the bound
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class TemplateLog(Base):
+    """A template's build log, one row per line, its newest TEMPLATE_LOG_BYTES kept (store.templates)."""
+
+    __tablename__ = "template_logs"
+    __table_args__ = (Index("ix_template_logs_template_id_id", "template_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    template_id: Mapped[str] = mapped_column(String(ID_LENGTH), ForeignKey("templates.id"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    line: Mapped[str] = mapped_column(Text)

@@ -23,6 +23,7 @@ Role = Literal["admin", "member", "read-only"]
 NodeStatus = Literal["ready", "lost", "draining", "offline"]
 SnapshotKind = Literal["disk", "full"]
 SnapshotState = Literal["creating", "ready", "deleting"]
+TemplateStatusName = Literal["building", "ready", "failed", "deleting"]  # space.core.template_states
 #: How a node made a sandbox on a create request (migration 0009): a pooled sandbox bound to it, a restore
 #: of the template's warm checkpoint, or a boot.
 CreatedFrom = Literal["pool", "warm", "cold"]
@@ -136,6 +137,7 @@ class SnapshotRecord:
     error: str | None = None
     origin: str | None = None  # "user" | "policy" | "suspend"
     runtime: dict[str, Any] | None = None  # what restoring this full checkpoint needs (None: unknown)
+    name: str | None = None  # a user's name for a full snapshot (migration 0011; E2B's named snapshots)
 
     @property
     def locations(self) -> list[str]:
@@ -169,3 +171,38 @@ class IdempotentBegin:
     record: IdempotencyRecordView
     status_code: int | None = None
     body: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateRecord:
+    """A project's template (migration 0011). `project_id` None: a built-in, synthesised (no row)."""
+
+    id: str  # tpl_<hex>; a built-in's id is its name
+    project_id: str | None
+    name: str
+    node_name: str  # what sandboxes, node RPCs and subvolumes use
+    status: TemplateStatusName
+    spec: dict[str, Any]
+    source: str
+    node_id: str | None
+    size_bytes: int | None
+    default_user: str | None
+    workdir: str | None
+    error: str | None
+    lease_owner: str | None
+    lease_until: datetime | None
+    log_bytes: int
+    log_truncated: bool
+    created_at: datetime | None
+    updated_at: datetime | None
+
+    @property
+    def builtin(self) -> bool:
+        return self.project_id is None
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateLogLine:
+    id: int  # increasing: a follower asks for the lines after the last one it saw
+    at: datetime
+    line: str

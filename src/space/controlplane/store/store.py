@@ -13,6 +13,7 @@ ONE `Database` (database.py: one engine, one session factory, one transaction he
     idempotency.py       IdempotencyRepository                 Idempotency-Key records
     events.py            SandboxEventRepository                what happened to a sandbox (issue 11)
     leader.py            LeaderLeaseRepository                 once-per-cluster jobs' leader (ADR 0034)
+    templates.py         TemplateRepository                    user templates and build logs (ADR 0055)
     credentials/         CredentialStore                       credentials, audit, egress, BYOK keys
 
 Invariants:
@@ -44,6 +45,7 @@ from space.controlplane.store.projects import ApiKeyRepository, ProjectRepositor
 from space.controlplane.store.sandbox_state import SandboxStateRepository
 from space.controlplane.store.sandboxes import SandboxRepository
 from space.controlplane.store.snapshots import SnapshotRepository
+from space.controlplane.store.templates import TemplateRepository
 
 
 def open_store(url_or_engine: str | URL | Engine, *, clock: Clock = utcnow) -> Store:
@@ -69,6 +71,7 @@ class Store(
     IdempotencyRepository,
     SandboxEventRepository,
     LeaderLeaseRepository,
+    TemplateRepository,
     Repository,
 ):
     """Typed operations on the control plane database: every repository over one Database."""
