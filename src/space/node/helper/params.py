@@ -56,6 +56,30 @@ class AdoptWarmParams(Params):
     snapshot_id: SnapshotId
 
 
+AbsPath = Annotated[str, StringConstraints(max_length=1024, pattern=r"^/[^\x00]*$")]
+UserName = Annotated[str, StringConstraints(pattern=r"^[a-z_][a-z0-9_-]{0,31}$")]
+
+
+class TemplateCommitParams(Params):
+    """Commit a stopped build sandbox's root filesystem as user template `name` (template_build_verbs)."""
+
+    name: TemplateName
+    sandbox_id: SandboxId
+    base: TemplateName  # the template the build sandbox was made from (its guest code is the template's)
+    spec_hash: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+    default_user: UserName | None = None
+    workdir: AbsPath | None = None
+    env: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=64)
+    start_cmd: Annotated[str, StringConstraints(max_length=4096, pattern=r"^[^\x00]+$")] | None = None
+
+
+class TemplateClaimParams(Params):
+    """Record (or, without sandbox_id, drop) the build sandbox of user template `name` (crash recovery)."""
+
+    name: TemplateName
+    sandbox_id: SandboxId | None = None
+
+
 # -- sandboxes and snapshots (sandbox_verbs, snapshot_verbs) ------------------------------------------------
 
 
