@@ -12,6 +12,8 @@ Invariants:
   and a target that is a mount point (EBUSY) are written in place.
 - Overwriting keeps the target's mode (and, as root, its owner) unless "mode" is given; writing through a
   symlink writes its target, as a shell redirection would.
+- A file or directory that a write or mkdir creates (parents included) belongs to the call's "user", else
+  to the template's default user (SPACED_USER), else to root; it is chowned before any byte is written.
 - A listing too big for one frame is sent in EVENT {"type": "entries"} batches before the RESULT; it is
   bounded in depth and entries (space.guest.fileinfo) and says whether it was cut ("truncated").
 - mkdir says whether it made the directory ("created"); mkdir and rename answer the resulting entry.
@@ -29,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 from space.guest import fileinfo, xattrs
 from space.guest.channel import Call, Cancelled, GuestError
 from space.guest.fileinfo import resolve
+from space.guest.launch import resolve_user
 from space.guest.params import REQUIRED, get_bool, get_int
+from space.guest.settings import SETTINGS
 from space.protocol import methods as m
 from space.protocol.frames import CHUNK_SIZE, MAX_PAYLOAD, Channel
 
@@ -45,6 +49,29 @@ def _mode(params: dict[str, Any], key: str, default: Any) -> Any:
     if mode is not None and not 0 <= mode <= 0o7777:
         raise GuestError("invalid_argument", f"{key!r} must be a permission mode 0..0o7777")
     return mode
+
+
+def _owner(params: dict[str, Any]) -> tuple[int, int] | None:
+    """(uid, gid) that what this call creates belongs to; None: the daemon's own user (nothing to chown)."""
+    named = params.get("user")
+    user = resolve_user(SETTINGS.user if named is None else named)
+    if user is None or user[0] == os.geteuid():
+        return None
+    return user[0], user[1]
+
+
+def _make_dirs(path: str, mode: int, owner: tuple[int, int] | None) -> None:
+    """`mkdir -p` whose new directories (only those) belong to `owner`."""
+    missing: list[str] = []
+    current = path
+    while current not in ("", "/") and not os.path.lexists(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    os.makedirs(path, mode, exist_ok=True)
+    if owner is not None:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                os.lchown(directory, *owner)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -88,32 +115,42 @@ def files_write(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
     mode = _mode(params, "mode", None)
     append = get_bool(params, "append", False)
     parents = get_bool(params, "parents", True)
+    owner = _owner(params)
     if os.path.islink(path):
         path = os.path.realpath(path)
     directory = os.path.dirname(path) or "/"
     if parents:
-        os.makedirs(directory, exist_ok=True)
+        _make_dirs(directory, 0o777, owner)
     try:
         existing: os.stat_result | None = os.stat(path)
     except FileNotFoundError:
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise GuestError("is_a_directory", f"{path!r} is a directory")
+    new_owner = owner if existing is None else None
     if append:
-        return _write_in_place(call, path, mode, os.O_APPEND)
+        return _write_in_place(call, path, mode, os.O_APPEND, new_owner)
     if existing is not None and not stat.S_ISREG(existing.st_mode):
         # A device or FIFO cannot be replaced by a renamed file; write to it as a redirection would.
-        return _write_in_place(call, path, mode, os.O_TRUNC)
-    return _write_replacing(call, path, directory, mode, existing)
+        return _write_in_place(call, path, mode, os.O_TRUNC, None)
+    return _write_replacing(call, path, directory, mode, existing, owner=new_owner)
 
 
 def _write_replacing(
-    call: Call, path: str, directory: str, mode: int | None, existing: os.stat_result | None
+    call: Call,
+    path: str,
+    directory: str,
+    mode: int | None,
+    existing: os.stat_result | None,
+    *,
+    owner: tuple[int, int] | None,
 ) -> dict[str, Any]:
     """The body goes to a temporary file beside `path`, renamed over it only once the body is complete."""
     temp = os.path.join(directory, f".{os.path.basename(path)}.spaced-{os.urandom(6).hex()}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         for chunk in call.body():
             _write_all(fd, chunk)
         if mode is None:
@@ -154,13 +191,18 @@ def _copy_over(source: str, target: str) -> None:
             dst.write(chunk)
 
 
-def _write_in_place(call: Call, path: str, mode: int | None, how: int) -> dict[str, Any]:
+def _write_in_place(
+    call: Call, path: str, mode: int | None, how: int, owner: tuple[int, int] | None
+) -> dict[str, Any]:
+    """`owner`: given only when the file did not exist, so only a file this call creates is chowned."""
     fd = os.open(
         path,
         os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | how,
         DEFAULT_FILE_MODE if mode is None else mode,
     )
     try:
+        if owner is not None:
+            os.fchown(fd, *owner)
         if mode is not None:
             os.fchmod(fd, mode)
         written = 0
@@ -216,14 +258,17 @@ def files_mkdir(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
     path = resolve(params)
     parents = get_bool(params, "parents", True)
     mode = _mode(params, "mode", 0o755)
+    owner = _owner(params)
     created = True
     if parents:
         if os.path.isdir(path):
             created = False
         else:
-            os.makedirs(path, mode, exist_ok=True)  # an existing non-directory: already_exists
+            _make_dirs(path, mode, owner)  # an existing non-directory: already_exists
     else:
         os.mkdir(path, mode)
+        if owner is not None:
+            os.lchown(path, *owner)
     if created:
         os.chmod(path, mode)  # mkdir's mode is filtered by the umask; the caller asked for this one
     return {"created": created, "entry": fileinfo.describe(path, fileinfo.Names())}

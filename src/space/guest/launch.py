@@ -7,8 +7,10 @@ Invariants:
   whole group, and a PTY child gets the PTY slave as its controlling terminal (one ioctl between fork and
   exec, the only pre-exec hook).
 - Children get a sane environment: the daemon's own environment minus SPACED_* and PYTHONPATH (the
-  template's and sandbox's variables travel there), over defaults for PATH, HOME and LANG; a given user's
+  template's and sandbox's variables travel there), over defaults for PATH, HOME and LANG; the user's
   HOME, USER and LOGNAME; then the call's "env" wins. A PTY gets TERM=xterm-256color unless given.
+- A call that names no "user" runs as the template's default user (SPACED_USER, settings.py), else as
+  the daemon's own user (root); a call that names one, root included, runs as that one.
 - A relative "cwd" is under the work directory (settings.py); no "cwd" is the work directory when it
   exists, else "/".
 - The fork goes through the ChildWatcher (`children.spawn`), so the exit status reaches the Process
@@ -59,7 +61,8 @@ def parse_launch(params: dict[str, Any], base_env: dict[str, str]) -> Launch:
         raise GuestError("invalid_argument", f"'{commands.TIMEOUT}' must be positive")
     pty_size = _pty_size(params.get("pty"))
     env = dict(base_env)
-    user = _resolve_user(params.get(commands.USER))
+    named = params.get(commands.USER)
+    user = resolve_user(SETTINGS.user if named is None else named)
     popen_user: dict[str, Any] = {}
     if user is not None:
         uid, gid, name, home, groups = user
@@ -185,7 +188,7 @@ def _take_controlling_tty() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def _resolve_user(value: Any) -> tuple[int, int, str, str, list[int]] | None:
+def resolve_user(value: Any) -> tuple[int, int, str, str, list[int]] | None:
     """(uid, gid, name, home, supplementary groups) of a user given by name or uid."""
     if value is None:
         return None

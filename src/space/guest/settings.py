@@ -2,7 +2,11 @@
 
     variable            default   meaning
     SPACED_WORKDIR      /work     what relative paths (files.*, a process's "cwd") resolve against, and a
-                                  process's default cwd; only the fake driver points it elsewhere
+                                  process's default cwd (the template's `workdir`, ADR 0057; the fake
+                                  driver points it elsewhere)
+    SPACED_USER         (unset)   the user (name or uid) a process runs as and a written file belongs to
+                                  when the call names none (the template's `default_user`, ADR 0057);
+                                  unset: root, the daemon's own user
     SPACED_LOG          (unset)   a file for the daemon's diagnostics (its fd 2); unset: /dev/null
     SPACED_REAP_ALL     (unset)   "1": reap every child with waitpid(-1) and become a child subreaper, as
                                   spaced does anyway when it is PID 1
@@ -31,6 +35,7 @@ class GuestSettings(NamedTuple):
     log_path: str | None = None
     reap_all: bool = False
     watch_poll: bool = False
+    user: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GuestSettings:
@@ -39,6 +44,7 @@ class GuestSettings(NamedTuple):
             log_path=environ.get("SPACED_LOG") or None,
             reap_all=environ.get("SPACED_REAP_ALL") == "1",
             watch_poll=environ.get("SPACED_WATCH_POLL") == "1",
+            user=environ.get("SPACED_USER") or None,
         )
 
 

@@ -30,7 +30,8 @@ from space.node.volumes import btrfs, btrfs_quota, templates
 def _init_argv_env(ctx: HelperContext, template: str) -> tuple[list[str], dict[str, str]]:
     if not btrfs.is_subvolume(ctx.layout.template(template)):
         raise errors.NotFound(f"template {template!r} is not on this node", template=template)
-    return templates.guest_command(), dict(templates.GUEST_ENV)
+    # The template's default user, workdir and env (ADR 0057) travel in the daemon's boot environment.
+    return templates.guest_command(), templates.guest_environment(ctx.layout.templates, template)
 
 
 def _write_spec(

@@ -145,7 +145,7 @@ def snapshot_import(ctx: HelperContext, params: ImportParams, _progress: Progres
     config = oci.bundle_config(
         rootfs=ctx.layout.rootfs(sandbox_id),
         init_argv=templates.guest_command(),
-        init_env={**templates.GUEST_ENV, **params.env},
+        init_env={**templates.guest_environment(ctx.layout.templates, params.template), **params.env},
         limits=params.limits,
     )
     oci.write_bundle_config(bundle, config)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -126,6 +127,54 @@ def builtin_defaults(name: str) -> dict[str, Any]:
         out["workdir"] = spec.workdir
     if spec.env:
         out["env"] = dict(spec.env)
+    return out
+
+
+# What a template's metadata may say about its sandboxes' defaults (ADR 0057), checked before it reaches a
+# daemon's environment: a user name or uid, an absolute path, and plain variables.
+_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}|[0-9]{1,9}")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+MAX_TEMPLATE_ENV = 256
+MAX_TEMPLATE_VALUE = 32 << 10
+
+
+def _checked_defaults(name: str, meta: dict[str, Any]) -> tuple[str | None, str | None, dict[str, str]]:
+    user, workdir, env = meta.get("default_user"), meta.get("workdir"), meta.get("env") or {}
+    if user is not None and not (isinstance(user, str) and _USER_RE.fullmatch(user)):
+        raise RuntimeFailure(f"template {name!r} names an invalid default_user", template=name)
+    if workdir is not None and not (
+        isinstance(workdir, str) and workdir.startswith("/") and "\0" not in workdir and len(workdir) <= 4096
+    ):
+        raise RuntimeFailure(f"template {name!r} names an invalid workdir", template=name)
+    if not (
+        isinstance(env, dict)
+        and len(env) <= MAX_TEMPLATE_ENV
+        and all(
+            isinstance(k, str)
+            and _ENV_NAME_RE.fullmatch(k)
+            and not k.startswith("SPACED_")
+            and isinstance(v, str)
+            and "\0" not in v
+            and len(v) <= MAX_TEMPLATE_VALUE
+            for k, v in env.items()
+        )
+    ):
+        raise RuntimeFailure(f"template {name!r} has an invalid env", template=name)
+    return user, workdir, dict(env)
+
+
+def guest_environment(templates_dir: Path, name: str) -> dict[str, str]:
+    """The environment a sandbox of template `name` boots its daemon with: GUEST_ENV, then the template's
+    `env`, and its `default_user` / `workdir` as the daemon's settings (SPACED_USER, SPACED_WORKDIR), which
+    apply to every call that names no user or cwd of its own (ADR 0057). A template without metadata (or
+    without these keys) boots with GUEST_ENV alone: root in /work, as `python` always has."""
+    meta = read_json(templates_dir / f"{name}.json") or {}
+    user, workdir, env = _checked_defaults(name, meta)
+    out = {**GUEST_ENV, **env}
+    if user is not None:
+        out["SPACED_USER"] = user
+    if workdir is not None:
+        out["SPACED_WORKDIR"] = workdir
     return out
 
 
