@@ -83,9 +83,10 @@ def test_pty_session_with_resize(node) -> None:
             assert r.stderr == b""  # a PTY's output is all STDOUT
             assert r.exit_code == 0
             plain = await s.start_background("sleep 5")
-            with pytest.raises(errors.GuestError) as refused:  # no PTY, no resize
+            with pytest.raises(errors.InvalidState) as refused:  # no PTY, no resize: typed, not a 502
                 await s.resize(plain["process_id"], 10, 10)
-            assert refused.value.guest_code == "not_a_terminal"
+            assert refused.value.state == "no_terminal"
+            assert refused.value.details["guest_code"] == "not_a_terminal"
             await s.signal(plain["process_id"], "KILL")
 
     node.run(scenario())

@@ -66,6 +66,10 @@ def guest_error(body: dict[str, Any]) -> errors.SpaceError:
     """The space.core error of an ERROR frame's body (GuestError for a code the agent does not know)."""
     code = str(body.get("code", "internal"))
     message = str(body.get("message", "guest error"))
+    if code == "not_supported":  # e.g. a filesystem without user attributes: the request's problem (400)
+        return errors.InvalidArgument(message, guest_code=code, reason="not_supported")
+    if code == "not_a_terminal":  # resizing a process started without a PTY: 409 naming the "state"
+        return errors.InvalidState(message, state="no_terminal", guest_code=code)
     cls = _GUEST_CODE_TO_ERROR.get(code)
     if cls is not None:
         return cls(message, guest_code=code)

@@ -180,11 +180,11 @@ def _typed_refusals() -> Iterator[None]:
     """A filesystem without user attributes is the caller's problem (400 naming it), not a bad gateway."""
     try:
         yield
-    except errors.GuestError as exc:
-        if exc.guest_code != "not_supported":
+    except errors.InvalidArgument as exc:
+        if exc.details.get("guest_code") != "not_supported":
             raise
         raise errors.InvalidArgument(
-            exc.message, guest_code=exc.guest_code, reason="xattrs_not_supported"
+            exc.message, guest_code="not_supported", reason="xattrs_not_supported"
         ) from exc
 
 
