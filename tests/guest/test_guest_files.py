@@ -275,9 +275,9 @@ def test_watch_missing_path(guest: Guest, tmp_path: Path) -> None:
 def test_poll_watcher_directly(tmp_path: Path) -> None:
     watcher = PollWatcher(str(tmp_path), recursive=False)
     (tmp_path / "n").write_bytes(b"")
-    assert (str(tmp_path / "n"), "created") in watcher.changes(0.01)
+    assert (str(tmp_path / "n"), "created", "") in watcher.changes(0.01)
     (tmp_path / "n").unlink()
-    assert watcher.changes(0.01) == [(str(tmp_path / "n"), "deleted")]
+    assert watcher.changes(0.01) == [(str(tmp_path / "n"), "deleted", "")]
     watcher.close()
 
 

@@ -3,6 +3,10 @@
 Invariants:
 - inotify (through ctypes on libc; gVisor implements it) when available, else a polling fallback that
   diffs os.scandir snapshots every POLL_INTERVAL. Both report the same three kinds, as full paths.
+- A change may also carry a `cause` that refines its kind without changing it (hosts that do not know it
+  see the three kinds as before): "renamed" on the `deleted` of a path renamed away (its new name is a
+  `created`), "attrib" on a `modified` that changed only metadata (mode, owner, times: inotify's
+  IN_ATTRIB; the polling fallback sees a mode change only).
 - Changes are batched: once something changed, the watcher keeps collecting for BATCH_WINDOW, then sends
   one EVENT {"type": "changes"}; exact duplicates inside a batch are dropped, order is kept.
 - Before the first change event the call sends EVENT {"type": "watching", "backend": ...}: changes made
@@ -61,7 +65,9 @@ WATCH_MASK = (
 )
 EVENT_HEADER = struct.Struct("iIII")  # wd, mask, cookie, name length
 
-Change = tuple[str, str]  # (path, kind)
+Change = tuple[str, str, str]  # (path, kind, cause: "" | "renamed" | "attrib")
+RENAMED = "renamed"
+ATTRIB = "attrib"
 
 
 class Watcher(Protocol):
@@ -115,9 +121,9 @@ class InotifyWatcher:
                 except OSError:
                     continue
                 if report is not None:
-                    report.append((path, "created"))
+                    report.append((path, "created", ""))
             if report is not None:
-                report.extend((os.path.join(directory, name), "created") for name in files)
+                report.extend((os.path.join(directory, name), "created", "") for name in files)
 
     def changes(self, timeout: float) -> list[Change]:
         found: list[Change] = []
@@ -147,7 +153,7 @@ class InotifyWatcher:
 
     def _translate(self, wd: int, mask: int, name: str, found: list[Change]) -> None:
         if mask & IN_Q_OVERFLOW:
-            found.append((self._root, "modified"))
+            found.append((self._root, "modified", ""))
             return
         base = self._paths.get(wd)
         if mask & IN_IGNORED:
@@ -157,7 +163,7 @@ class InotifyWatcher:
             return
         path = os.path.join(base, name) if name else base
         if mask & (IN_CREATE | IN_MOVED_TO):
-            found.append((path, "created"))
+            found.append((path, "created", ""))
             if self._recursive and mask & IN_ISDIR:
                 try:
                     self._watch(path)
@@ -165,12 +171,13 @@ class InotifyWatcher:
                 except OSError:
                     pass
         elif mask & (IN_DELETE | IN_MOVED_FROM):
-            found.append((path, "deleted"))
+            found.append((path, "deleted", RENAMED if mask & IN_MOVED_FROM else ""))
         elif mask & (IN_DELETE_SELF | IN_MOVE_SELF):
             if base == self._root:
-                found.append((path, "deleted"))
+                found.append((path, "deleted", RENAMED if mask & IN_MOVE_SELF else ""))
         elif mask & (IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB) and not (mask & IN_ISDIR and name == ""):
-            found.append((path, "modified"))
+            only_metadata = not mask & (IN_MODIFY | IN_CLOSE_WRITE)
+            found.append((path, "modified", ATTRIB if only_metadata else ""))
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -214,14 +221,15 @@ class PollWatcher:
         time.sleep(min(timeout, POLL_INTERVAL))
         current = self._scan()
         previous, self._snapshot = self._snapshot, current
-        found: list[Change] = [(path, "deleted") for path in previous if path not in current]
+        found: list[Change] = [(path, "deleted", "") for path in previous if path not in current]
         for path, signature in current.items():
             old = previous.get(path)
             if old is None:
-                found.append((path, "created"))
+                found.append((path, "created", ""))
             elif old != signature and not stat.S_ISDIR(signature[0]):
                 # A directory's own mtime moves with its entries, which are reported themselves.
-                found.append((path, "modified"))
+                only_mode = old[0] != signature[0] and old[1:3] == signature[1:3]
+                found.append((path, "modified", ATTRIB if only_mode else ""))
         return found
 
     def close(self) -> None:
@@ -230,6 +238,10 @@ class PollWatcher:
 
 def _dedupe(changes: list[Change]) -> list[Change]:
     return list(dict.fromkeys(changes))
+
+
+def _change(path: str, kind: str, cause: str) -> dict[str, str]:
+    return {"path": path, "kind": kind, "cause": cause} if cause else {"path": path, "kind": kind}
 
 
 def open_watcher(root: str, recursive: bool) -> Watcher:
@@ -253,7 +265,7 @@ def files_watch(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str,
             if found:
                 daemon.touch()
                 try:
-                    changes = [{"path": path, "kind": kind} for path, kind in found]
+                    changes = [_change(path, kind, cause) for path, kind, cause in found]
                     call.event({"type": m.EVENT_CHANGES, "changes": changes})
                 except Cancelled:
                     if call.finished:

@@ -3,7 +3,10 @@ watchers (CreateWatcher / GetWatcherEvents / RemoveWatcher) that E2B's synchrono
 
 Invariants:
 - Event names are relative to the watched directory (`nested/file.txt` in a recursive watch); SPACE's
-  kinds map created -> CREATE, modified -> WRITE, deleted -> REMOVE, in the daemon's order. The daemon's
+  kinds map created -> CREATE, modified -> WRITE, deleted -> REMOVE, in the daemon's order, and the
+  daemon's `cause` refines two of them as envd's inotify does: a path renamed away (deleted, "renamed")
+  is RENAME under its old name (its new name is a CREATE), a metadata-only change (modified, "attrib":
+  chmod, chown, touch) is CHMOD. The daemon's
   own temporary files (a write goes to `.<name>.spaced-<12 hex>.tmp`, renamed over `<name>` when complete)
   are not shown: an upload is seen as the CREATE of its file.
 - A polling watcher is one SPACE watch stream held by this process, buffering at most MAX_EVENTS events
@@ -40,10 +43,14 @@ MAX_WATCHERS = 16
 IDLE_S = 600.0
 
 _KINDS = {
-    "created": fpb.EventType.CREATE,
-    "modified": fpb.EventType.WRITE,
-    "deleted": fpb.EventType.REMOVE,
+    ("created", ""): fpb.EventType.CREATE,
+    ("modified", ""): fpb.EventType.WRITE,
+    ("modified", "attrib"): fpb.EventType.CHMOD,
+    ("deleted", ""): fpb.EventType.REMOVE,
+    ("deleted", "renamed"): fpb.EventType.RENAME,
 }
+#: The event types whose path still exists (an `entry` is added for them when asked).
+_PRESENT = (fpb.EventType.CREATE, fpb.EventType.WRITE, fpb.EventType.CHMOD)
 
 #: The daemon's temporary file of a write in progress (space.guest.files: `_write_replacing`).
 _DAEMON_TEMP = re.compile(r"\..+\.spaced-[0-9a-f]{12}\.tmp")
@@ -74,14 +81,15 @@ async def _event(change: Any, root: str, entry_of: EntryOf | None) -> fpb.Filesy
     if not isinstance(change, dict):
         return None
     path = str(change.get("path", ""))
-    event_type = _KINDS.get(str(change.get("kind")))
+    kind, cause = str(change.get("kind")), str(change.get("cause") or "")
+    event_type = _KINDS.get((kind, cause), _KINDS.get((kind, "")))  # a cause not known here: its kind
     if event_type is None or not path:
         return None
     if _DAEMON_TEMP.fullmatch(posixpath.basename(path)):
         return None
     name = posixpath.relpath(path, root) if path.startswith(root) else path
     event = fpb.FilesystemEvent(name=name, type=event_type)
-    if entry_of is not None and event_type != fpb.EventType.REMOVE:
+    if entry_of is not None and event_type in _PRESENT:
         entry = await entry_of(path)
         if entry is not None:
             event.entry = entry
