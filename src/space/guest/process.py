@@ -74,6 +74,10 @@ class Process:
     ) -> None:
         self.process_id = os.urandom(8).hex()
         self.argv = argv
+        # What the caller asked for (not the whole inherited environment), and the directory it runs in:
+        # process.list shows them (envd's List does); the env only when asked (it may hold secrets).
+        self.requested_env: dict[str, str] = {}
+        self.cwd: str | None = None
         self.tag = tag
         self.pty = pty
         self.background = background
@@ -297,9 +301,16 @@ class Process:
             "timed_out": self.timed_out,
         }
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, *, with_env: bool = False) -> dict[str, Any]:
+        found = self._description()
+        if with_env:
+            found["env"] = dict(self.requested_env)
+        return found
+
+    def _description(self) -> dict[str, Any]:
         return {
             "process_id": self.process_id,
+            "cwd": self.cwd,
             "pid": self.pid,
             "argv": self.argv,
             "tag": self.tag,

@@ -26,8 +26,9 @@ from typing import Any, Protocol
 from space.guest.channel import Call, Cancelled, GuestError, error_payload
 from space.guest.children import ChildWatcher
 from space.guest.launch import base_environment, parse_launch, spawn
-from space.guest.params import get_bool, get_int
+from space.guest.params import get_bool, get_int, get_str_map
 from space.guest.process import Process
+from space.protocol import commands
 from space.protocol import methods as m
 from space.protocol.frames import Channel
 
@@ -90,6 +91,8 @@ class ProcessTable:
             on_activity=self._on_activity,
             on_finished=self.finished,
         )
+        process.requested_env = get_str_map(params, commands.ENV)
+        process.cwd = launch.cwd
         process.popen = spawn(process, launch, self._children)
         process.pid = process.popen.pid
         if launch.timeout is not None:
@@ -249,4 +252,5 @@ def process_resize(daemon: ProcessHost, call: Call, params: dict[str, Any]) -> d
 
 
 def process_list(daemon: ProcessHost, call: Call, params: dict[str, Any]) -> dict[str, Any]:
-    return {"processes": [process.describe() for process in daemon.processes.all()]}
+    with_env = get_bool(params, "env", False)
+    return {"processes": [process.describe(with_env=with_env) for process in daemon.processes.all()]}

@@ -62,12 +62,15 @@ Details and extensions fixed by the daemon (spaced, space.guest); hosts ignore f
 - process.signal {"process_id", "signal", "group": bool = true}: by default the whole process group
   (each process is a session leader) gets the signal; group=false signals the process alone.
   The name may omit "SIG" and is case-insensitive ("term", "KILL").
-- process.list entries also carry "timed_out" and "background".
+- process.list entries also carry "timed_out", "background" and "cwd" (the directory it was started in);
+  with params {"env": true} also "env" (the variables its start asked for, not the inherited ones).
 - files.read RESULT is {"size": the file's size, "read": bytes delivered}.
 - files.list of a directory too large for one frame sends EVENT {"type": "entries", "entries": [...]}
   batches first; the RESULT holds the last batch (the host concatenates, in order; sorted by name).
 - files.watch sends EVENT {"type": "watching", "backend": "inotify"|"poll"} once the watch is in place,
   before any "changes" event.
+- files.watch changes may carry "cause", refining their kind: "renamed" on the "deleted" of a path renamed
+  away, "attrib" on a "modified" of metadata only (mode, owner, times).
 - stat entries (files.stat, files.list) also carry "permissions" ("-rw-r--r--"), "modified" (ISO 8601,
   UTC), "owner" and "group" (names from the sandbox's passwd/group, None for an id without one),
   "symlink_target" (= "target": a symlink's text, never resolved) and, for a name that is not UTF-8,

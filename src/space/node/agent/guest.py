@@ -167,8 +167,10 @@ class GuestSession:
         )
         return await self._collect(call, on_output, max_output)
 
-    async def processes(self) -> list[dict[str, Any]]:
-        result = await self.channel.call(m.PROCESS_LIST)
+    async def processes(self, *, env: bool = False) -> list[dict[str, Any]]:
+        """The daemon's process table; with `env`, each entry also carries the variables its start asked
+        for (kept off by default: SPACE's own list is readable by read-only keys)."""
+        result = await self.channel.call(m.PROCESS_LIST, {"env": True} if env else {})
         return list(result.get("processes", []))
 
     async def signal(self, process_id: str, signal: int | str) -> None:

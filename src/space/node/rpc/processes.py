@@ -85,8 +85,11 @@ class ProcessCalls(NodeTransport):
         answer = await self._request("POST", path, json_body=body, sandbox_id=sandbox_id)
         return rm.ProcessStarted.model_validate(answer)
 
-    async def list_processes(self, sandbox_id: str) -> list[dict[str, Any]]:
-        answer = await self._request("GET", sandbox_path(sandbox_id, "processes"), sandbox_id=sandbox_id)
+    async def list_processes(self, sandbox_id: str, *, env: bool = False) -> list[dict[str, Any]]:
+        """The sandbox's processes (each with its `cwd`); `env`: also the variables each start asked for."""
+        path = sandbox_path(sandbox_id, "processes")
+        params = {"env": True} if env else None
+        answer = await self._request("GET", path, params=params, sandbox_id=sandbox_id)
         return rm.ProcessList.model_validate(answer).processes
 
     async def attach(

@@ -131,8 +131,15 @@ def selected_pid(selector: pb.ProcessSelector | None) -> int:
 
 
 def process_info(record: dict[str, Any]) -> pb.ProcessInfo:
+    """envd's ProcessInfo of a daemon table entry: its argv, the variables its start asked for (when the
+    entry carries them) and its working directory."""
     argv = [str(a) for a in record.get("argv") or []]
-    config = pb.ProcessConfig(cmd=argv[0] if argv else "", args=argv[1:], envs={})
+    env = record.get("env")
+    envs = {str(k): str(v) for k, v in env.items()} if isinstance(env, dict) else {}
+    config = pb.ProcessConfig(cmd=argv[0] if argv else "", args=argv[1:], envs=envs)
+    cwd = record.get("cwd")
+    if isinstance(cwd, str) and cwd:
+        config.cwd = cwd
     info = pb.ProcessInfo(config=config, pid=int(record.get("pid") or 0))
     tag = record.get("tag")
     if isinstance(tag, str) and tag:

@@ -12,6 +12,8 @@ Invariants:
   (envd's backwards-compatible default).
 - Unary RPCs that name a pid resolve it at call time (`process_events.process_of_pid`).
 - Start, Connect and StreamInput hold one of the caller's stream slots while they last (`limits`).
+- List shows each process's command, working directory and tag, and the variables its start asked for
+  only to callers that may start processes (a read-only key sees an empty `envs`: they may hold secrets).
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ class ProcessService(Process):
         self, request: pb.ListRequest, ctx: RequestContext[pb.ListRequest, pb.ListResponse], /
     ) -> pb.ListResponse:
         target = await self._target(ctx, mutating=False)
-        records = await target.node.list_processes(target.sandbox_id)
+        # A process's variables may hold secrets: shown to callers that may run processes (member and up,
+        # an envd token), not to read-only keys.
+        env = target.who.role != "read-only"
+        records = await target.node.list_processes(target.sandbox_id, env=env)
         return pb.ListResponse(processes=[ev.process_info(r) for r in records if r.get("running")])
 
     async def _process_id(self, target: Target, selector: pb.ProcessSelector | None) -> str:

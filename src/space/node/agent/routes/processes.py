@@ -74,9 +74,11 @@ async def start_process(svc: Service, sandbox_id: str, body: rm.ProcessStartRequ
 
 
 @router.get("/sandboxes/{sandbox_id}/processes", response_model=rm.ProcessList)
-async def list_processes(svc: Service, sandbox_id: str) -> rm.ProcessList:
+async def list_processes(svc: Service, sandbox_id: str, env: bool = False) -> rm.ProcessList:
+    """The sandbox's processes; `env`: with the variables each start asked for (the caller decides who may
+    see them)."""
     _, session = await svc.session(sandbox_id)
-    return rm.ProcessList(processes=await session.processes())
+    return rm.ProcessList(processes=await session.processes(env=env))
 
 
 @router.get("/sandboxes/{sandbox_id}/processes/{process_id}/output", response_model=None)
@@ -121,8 +123,10 @@ async def process_resize(
     _, session = await svc.session(sandbox_id)
     try:
         await session.resize(process_id, body.rows, body.cols)
-    except errors.GuestError as exc:
-        if exc.guest_code != "not_a_terminal":
+    except errors.InvalidState as exc:
+        if exc.details.get("guest_code") != "not_a_terminal":
             raise
-        raise errors.InvalidState(exc.message, state="no_terminal", event="resize") from exc
+        raise errors.InvalidState(
+            exc.message, state="no_terminal", event="resize", guest_code="not_a_terminal"
+        ) from exc
     return {}
