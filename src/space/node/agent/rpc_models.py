@@ -347,12 +347,18 @@ class FileList(BaseModel):
     entries: list[dict[str, Any]]
 
 
+#: The in-sandbox user a file call creates files as: a name or a uid (ADR 0057); absent: the template's
+#: default user (root in `python`).
+FILE_USER_PATTERN = r"^(?:[a-z_][a-z0-9_-]{0,31}|[0-9]{1,9})$"
+
+
 class MkdirRequest(BaseModel):
     model_config = _REQUEST
 
     path: str = Field(min_length=1)
     parents: bool = True
     mode: int = Field(default=0o755, ge=0, le=0o7777, strict=True)
+    user: str | None = Field(default=None, pattern=FILE_USER_PATTERN)
 
 
 class RenameRequest(BaseModel):
