@@ -25,11 +25,21 @@ from space.node.rpc.transport import (
 
 class FileCalls(NodeTransport):
     async def write_file(
-        self, sandbox_id: str, path: str, data: Body, *, mode: int | None = None, append: bool = False
+        self,
+        sandbox_id: str,
+        path: str,
+        data: Body,
+        *,
+        mode: int | None = None,
+        append: bool = False,
+        user: str | None = None,
     ) -> int:
+        """`user`: who a file or directory the write creates belongs to (default: the template's user)."""
         params: dict[str, Any] = {"path": path, "append": append}
         if mode is not None:
             params["mode"] = mode
+        if user is not None:
+            params["user"] = user
         answer = await self._request(
             "PUT", sandbox_path(sandbox_id, "files"), params=params, content=data,
             headers={"Content-Type": "application/octet-stream"}, timeout=STREAM_TIMEOUT,
@@ -86,10 +96,13 @@ class FileCalls(NodeTransport):
         return answer
 
     async def mkdir(
-        self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755
+        self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None
     ) -> fm.MkdirAnswer:
-        """`created` is False when the directory was already there (only with `parents`)."""
-        body = {"path": path, "parents": parents, "mode": mode}
+        """`created` is False when the directory was already there (only with `parents`); the directories it
+        makes belong to `user` (default: the template's user)."""
+        body: dict[str, Any] = {"path": path, "parents": parents, "mode": mode}
+        if user is not None:
+            body["user"] = user
         path_ = sandbox_path(sandbox_id, "files", "mkdir")
         answer = await self._request("POST", path_, json_body=body, sandbox_id=sandbox_id)
         return fm.MkdirAnswer.model_validate(answer)
