@@ -27,6 +27,7 @@ from space.node.helper import (
     snapshot_verbs,
     staging,
     storage,
+    template_build_verbs,
     template_verbs,
     transfer,
 )
@@ -48,6 +49,8 @@ from space.node.helper.params import (
     SnapshotParams,
     StagingParams,
     StorageParams,
+    TemplateClaimParams,
+    TemplateCommitParams,
     TemplateParams,
     TemplateReceiveParams,
     TransferParams,
@@ -62,6 +65,11 @@ VERBS: dict[str, Verb] = {
         Verb("template.receive", TemplateReceiveParams, template_verbs.template_receive),
         Verb("template.warm_status", TemplateParams, template_verbs.template_warm_status),
         Verb("template.adopt_warm", AdoptWarmParams, template_verbs.template_adopt_warm),
+        # user templates built in a sandbox (space.node.helper.template_build_verbs, ADR 0054)
+        Verb("template.claim", TemplateClaimParams, template_build_verbs.template_claim),
+        Verb("template.commit", TemplateCommitParams, template_build_verbs.template_commit),
+        Verb("template.delete", TemplateParams, template_build_verbs.template_delete),
+        Verb("template.list", NoParams, template_build_verbs.template_list),
         # the node's lease (space.node.helper.fence_verbs, docs/adr/0033-fencing.md); while the node is
         # fenced, the verbs that make a runtime run are refused (`guarded`)
         Verb("node.fence", fence_verbs.FenceParams, fence_verbs.node_fence),
