@@ -161,10 +161,12 @@ async def read_file(
 @router.put("/sandboxes/{sandbox_id}/files", response_model=rm.FileWritten, openapi_extra=RAW_BODY)
 async def write_file(
     sandbox_id: str, path: FilePath, request: Request, who: Auth, services: Svc, *, mode: FileMode = None,
-    append: bool = False,
+    append: bool = False, user: Annotated[str | None, Query(pattern=rm.FILE_USER_PATTERN)] = None,
 ) -> Response:  # fmt: skip
-    """The raw body becomes the file (streamed)."""
-    params: dict[str, Any] = {"path": path, "mode": mode, "append": append}
+    """The raw body becomes the file (streamed). A file or directory the write creates belongs to `user`
+    (a name or uid in the sandbox), else to the template's default user (`user` in `base`, root in
+    `python`); overwriting keeps a file's owner."""
+    params: dict[str, Any] = {"path": path, "mode": mode, "append": append, "user": user}
     return await relay(
         request, services, who, sandbox_id, "files", mutating=True, params=params, stream_body=True
     )

@@ -46,11 +46,14 @@ async def write_file(
     *,
     mode: Annotated[int | None, Query(ge=0, le=0o7777)] = None,
     append: bool = False,
+    user: Annotated[str | None, Query(pattern=rm.FILE_USER_PATTERN)] = None,
 ) -> Response:
     handle, session = await svc.session(sandbox_id)
     params: dict[str, Any] = {"path": path, "append": append}
     if mode is not None:
         params["mode"] = mode
+    if user is not None:
+        params["user"] = user  # who what the write creates belongs to (default: the template's user)
     call = await session.channel.open(m.FILES_WRITE, params)
     try:
         result = await streams.write_body(svc, call, request.stream(), handle.sandbox_id)
@@ -108,7 +111,7 @@ async def stat_file(
 @router.post("/sandboxes/{sandbox_id}/files/mkdir", response_model=fm.MkdirAnswer)
 async def make_dir(svc: Service, sandbox_id: str, body: rm.MkdirRequest) -> dict[str, Any]:
     _, session = await svc.session(sandbox_id)
-    params = {"path": body.path, "parents": body.parents, "mode": body.mode}
+    params = body.model_dump(exclude_none=True)
     answer: dict[str, Any] = await session.channel.call(m.FILES_MKDIR, params)
     return answer
 
