@@ -3,7 +3,9 @@
 Invariants:
 - Routes by path prefix only: `/process.Process/*` and `/filesystem.Filesystem/*` go to connectrpc's ASGI
   applications built from the `e2b` package's generated service classes (the Connect protocol, its
-  codecs, envelopes and error encoding are the library's, not ours); everything else is `files_rest`.
+  codecs, envelopes and error encoding are the library's, not ours); a request with `E2b-Sandbox-Port:
+  49999` goes to the code interpreter's routes (`space.controlplane.e2b.code_interpreter`, ADR 0058);
+  everything else is `files_rest`.
 - RPC request bodies are bounded by RPC_READ_MAX_BYTES (connectrpc answers `resource_exhausted`
   beyond); uploads by the control plane's `max_upload_bytes`.
 - Every request runs under the front's limits (`limits`: per-key rate and streams, the node pools'
@@ -18,6 +20,7 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services
+from space.controlplane.e2b.code_interpreter import code_interpreter_app, is_code_interpreter
 from space.controlplane.e2b.envd.codecs import envd_codecs
 from space.controlplane.e2b.envd.files_rest import rest_app
 from space.controlplane.e2b.envd.filesystem_service import FilesystemService
@@ -40,6 +43,7 @@ def envd_app(services: Services) -> ASGIApp:
         FilesystemService(services, limits, watchers), read_max_bytes=RPC_READ_MAX_BYTES, codecs=envd_codecs()
     )
     rest = rest_app(services, limits)
+    code = code_interpreter_app(services, limits)
     routes: tuple[tuple[str, ASGIApp], ...] = (
         (process.path + "/", process),
         (filesystem.path + "/", filesystem),
@@ -53,6 +57,9 @@ def envd_app(services: Services) -> ASGIApp:
             return  # no WebSockets here: E2B's PTY is a process RPC
         path = scope["path"]
         send = limits.stalled_send(send)
+        if is_code_interpreter(scope):
+            await code(scope, receive, send)
+            return
         for prefix, rpc in routes:
             if path.startswith(prefix):
                 await rpc(scope, watching_disconnect(receive), send)

@@ -1,0 +1,62 @@
+"""The `code-interpreter` template: its build spec (built with the node's template build, ADR 0054) and the
+paths the control plane uses to drive its kernels (ADR 0058).
+
+Invariants:
+- The spec is data: built from `base` (user `user`, home /home/user, as E2B's code interpreter runs), pip
+  packages pinned (so its spec hash, and the node's cache of the build, change only when this file or
+  the bridge does), the kernel bridge written by a file step, and a start command that starts the
+  default context's kernel in every new sandbox of the template.
+- The bridge (`kernel_bridge.py` beside this module) is installed byte for byte; BRIDGE_PATH is where the
+  control plane runs it, BRIDGE_ARGV the fixed argv prefix (the request travels on stdin, never in argv).
+"""
+
+from __future__ import annotations
+
+import base64
+from importlib import resources
+from typing import Final
+
+from space.core.template_spec import TemplateBuildSpec, parse_build_spec
+
+TEMPLATE_NAME: Final = "code-interpreter"
+#: E2B's names for it: the SDK's default template and the name its docs use.
+E2B_NAMES: Final = ("code-interpreter-v1", "code-interpreter")
+BASE_TEMPLATE: Final = "base"
+BRIDGE_PATH: Final = "/opt/space/code-interpreter/bridge.py"
+#: Where the bridge keeps its contexts: writable by the template's default user.
+STATE_DIR: Final = "/var/lib/space-code"
+PYTHON: Final = "python3"
+BRIDGE_ARGV: Final = (PYTHON, BRIDGE_PATH)
+#: Pinned: a new version is a new spec hash, hence a new build.
+PACKAGES: Final = (
+    "ipykernel==7.4.0",
+    "jupyter_client==8.10.0",
+    "matplotlib==3.11.2",
+    "numpy==2.4.6",
+    "pandas==3.1.1",
+)
+
+
+def bridge_source() -> bytes:
+    """The kernel bridge program, as the template carries it."""
+    return resources.files("space.node.code_interpreter").joinpath("kernel_bridge.py").read_bytes()
+
+
+def _bridge_b64() -> str:
+    return base64.b64encode(bridge_source()).decode()
+
+
+def code_interpreter_spec() -> TemplateBuildSpec:
+    """The build spec of the `code-interpreter` template."""
+    return parse_build_spec(
+        {
+            "from": BASE_TEMPLATE,
+            "steps": [
+                {"pip": list(PACKAGES)},
+                {"file": {"path": BRIDGE_PATH, "content_b64": _bridge_b64(), "mode": 0o755}},
+                {"run": f"mkdir -p {STATE_DIR} && chmod 1777 {STATE_DIR}"},
+            ],
+            "user": "user",
+            "start_cmd": f"{PYTHON} {BRIDGE_PATH} start </dev/null",
+        }
+    )
