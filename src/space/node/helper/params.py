@@ -145,9 +145,13 @@ class ImportParams(Params):
 
 
 class StagingParams(Params):
-    kind: Literal["export", "import", "base-export", "base-import"]
+    # template-*/oci-import: a user template travelling (ADR 0056), named by `template`
+    kind: Literal[
+        "export", "import", "base-export", "base-import", "template-export", "template-import", "oci-import"
+    ]
     sandbox_id: SandboxId | None = None
     snapshot_id: SnapshotId | None = None
+    template: TemplateName | None = None
 
 
 class NoTransferParams(Params):

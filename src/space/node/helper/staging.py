@@ -5,6 +5,7 @@ the only ways the root helper opens what the agent put there.
   export-<sandbox>-<snapshot>/   written by the helper (disk.stream, image/...), uploaded by the agent
   import-<sandbox>-<snapshot>/   written by the agent (downloaded and verified), consumed by the helper
   base-export/, base-import/     the template base's original full send stream
+  template-export-<t>/, template-import-<t>/, oci-import-<t>/   a user template travelling (ADR 0056)
 It lies on the node's btrfs filesystem, so image files are reflinked out and renamed in (no copies).
 
 Invariants:
@@ -37,11 +38,30 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_IMAGE_FILES = 256
 
 
+#: A user template's transfer directories (ADR 0056), one per template and kind.
+TEMPLATE_KINDS = ("template-export", "template-import", "oci-import")
+IMPORT_KINDS = {"import", "base-import", "template-import", "oci-import"}
+
+
+def template_dir(ctx: HelperContext, kind: str, template: str) -> pathlib.Path:
+    """`<staging>/<kind>-<template>` for a validated template name."""
+    assert kind in TEMPLATE_KINDS
+    return ctx.layout.staging / f"{kind}-{template}"
+
+
 def _staging_dir(
-    ctx: HelperContext, kind: str, sandbox_id: str | None, snapshot_id: str | None
+    ctx: HelperContext,
+    kind: str,
+    sandbox_id: str | None,
+    snapshot_id: str | None,
+    template: str | None = None,
 ) -> pathlib.Path:
     if kind in {"base-export", "base-import"}:
         return ctx.layout.base_export_dir() if kind == "base-export" else ctx.layout.base_import_dir()
+    if kind in TEMPLATE_KINDS:
+        if template is None:
+            raise errors.InvalidArgument(f"staging of kind {kind!r} needs template", field="template")
+        return template_dir(ctx, kind, template)
     if sandbox_id is None or snapshot_id is None:
         raise errors.InvalidArgument(f"staging of kind {kind!r} needs sandbox_id and snapshot_id")
     if kind == "export":
@@ -69,14 +89,14 @@ def remove(path: pathlib.Path) -> None:
 
 
 def staging_prepare(ctx: HelperContext, params: StagingParams, _progress: Progress) -> dict[str, Any]:
-    if params.kind not in {"import", "base-import"}:
+    if params.kind not in IMPORT_KINDS:
         raise errors.InvalidArgument("only import directories are prepared for the agent", field="kind")
-    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id)
+    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id, params.template)
     return {"dir": str(fresh_dir(ctx, path))}
 
 
 def staging_release(ctx: HelperContext, params: StagingParams, _progress: Progress) -> dict[str, Any]:
-    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id)
+    path = _staging_dir(ctx, params.kind, params.sandbox_id, params.snapshot_id, params.template)
     existed = path.exists()
     remove(path)
     return {"released": existed}
