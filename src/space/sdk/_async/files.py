@@ -68,14 +68,21 @@ class AsyncFiles:
         return f"{self._sandbox.path}/files"
 
     async def write(
-        self, path: str, data: AsyncUploadable, *, mode: int | None = None, chunk_size: int = CHUNK
+        self,
+        path: str,
+        data: AsyncUploadable,
+        *,
+        mode: int | None = None,
+        chunk_size: int = CHUNK,
+        user: str | None = None,
     ) -> int:
         """Write a file from bytes/str, a binary file object or an iterator of bytes (streamed); returns
-        the size written."""
+        the size written. A file or directory the write creates belongs to `user` (a name or uid in the
+        sandbox), else to the template's default user."""
         answer = await self._http.json(
             "PUT",
             self._base,
-            params={"path": path, "mode": mode},
+            params={"path": path, "mode": mode, "user": user},
             content=async_upload_body(data, chunk_size),
             headers={"Content-Type": "application/octet-stream"},
             timeout=self._http.timeout(None),
@@ -122,9 +129,14 @@ class AsyncFiles:
             return False
         return True
 
-    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> bool:
-        """True when the directory was made, False when it was already there (with `parents`)."""
-        body = {"path": path, "parents": parents, "mode": mode}
+    async def mkdir(
+        self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None
+    ) -> bool:
+        """True when the directory was made, False when it was already there (with `parents`); what it
+        makes belongs to `user`, else to the template's default user."""
+        body: dict[str, Any] = {"path": path, "parents": parents, "mode": mode}
+        if user is not None:
+            body["user"] = user
         answer = await self._http.json("POST", f"{self._base}/mkdir", json_body=body)
         return bool(answer.get("created", True)) if isinstance(answer, dict) else True
 

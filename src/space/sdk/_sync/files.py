@@ -70,13 +70,22 @@ class Files:
     def _base(self) -> str:
         return f"{self._sandbox.path}/files"
 
-    def write(self, path: str, data: Uploadable, *, mode: int | None = None, chunk_size: int = CHUNK) -> int:
+    def write(
+        self,
+        path: str,
+        data: Uploadable,
+        *,
+        mode: int | None = None,
+        chunk_size: int = CHUNK,
+        user: str | None = None,
+    ) -> int:
         """Write a file from bytes/str, a binary file object or an iterator of bytes (streamed); returns
-        the size written."""
+        the size written. A file or directory the write creates belongs to `user` (a name or uid in the
+        sandbox), else to the template's default user."""
         answer = self._http.json(
             "PUT",
             self._base,
-            params={"path": path, "mode": mode},
+            params={"path": path, "mode": mode, "user": user},
             content=upload_body(data, chunk_size),
             headers={"Content-Type": "application/octet-stream"},
             timeout=self._http.timeout(None),
@@ -120,9 +129,12 @@ class Files:
             return False
         return True
 
-    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> bool:
-        """True when the directory was made, False when it was already there (with `parents`)."""
-        body = {"path": path, "parents": parents, "mode": mode}
+    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755, user: str | None = None) -> bool:
+        """True when the directory was made, False when it was already there (with `parents`); what it
+        makes belongs to `user`, else to the template's default user."""
+        body: dict[str, Any] = {"path": path, "parents": parents, "mode": mode}
+        if user is not None:
+            body["user"] = user
         answer = self._http.json("POST", f"{self._base}/mkdir", json_body=body)
         return bool(answer.get("created", True)) if isinstance(answer, dict) else True
 
