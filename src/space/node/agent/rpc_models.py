@@ -349,7 +349,7 @@ class FileList(BaseModel):
 
 #: The in-sandbox user a file call creates files as: a name or a uid (ADR 0057); absent: the template's
 #: default user (root in `python`).
-FILE_USER_PATTERN = r"^(?:[a-z_][a-z0-9_-]{0,31}|[0-9]{1,9})$"
+FILE_USER_PATTERN = r"^(?:[A-Za-z_][A-Za-z0-9._-]{0,63}|[0-9]{1,9})$"
 
 
 class MkdirRequest(BaseModel):
