@@ -12,7 +12,8 @@ Invariants:
 - Multipart: every part named `file` is one file, its filename the destination path (relative paths
   resolve in the sandbox's working directory); `path` names the destination only when there is exactly
   one file. Parent directories are created (by the daemon's write). The answer lists what was written
-  (never empty).
+  (never empty). New files and directories belong to the `username` given, else to the template's
+  default user (`user` in `base`): ADR 0057.
 - `X-Metadata-<Key>` headers become the written files' extended attributes `user.e2b.<key>` (lowercase),
   replacing the set a file had (an upload without them clears it), as envd does.
 - Downloads stream from the node; with `Accept-Encoding: gzip` they are compressed on the fly. A directory
@@ -150,8 +151,9 @@ async def _write(
 ) -> dict[str, Any]:
     """One node call for the file: the daemon makes the parent directories and replaces a regular file by
     a new one (a new inode, so the old file's `user.e2b.*` metadata goes with it and each upload's set
-    replaces the last). A relative path is stat'ed for the absolute path the answer names."""
-    await target.node.write_file(target.sandbox_id, path, data)
+    replaces the last). What it creates belongs to the caller's `username` (else to the template's default
+    user, as envd's default user). A relative path is stat'ed for the absolute path the answer names."""
+    await target.node.write_file(target.sandbox_id, path, data, user=target.user)
     if path.startswith("/"):
         absolute = "/" + posixpath.normpath(path).lstrip("/")
     else:

@@ -92,7 +92,7 @@ class FilesystemService(Filesystem):
             if existing.type == fpb.FileType.DIRECTORY:
                 raise errors.AlreadyExists(f"directory {path} already exists")
             raise errors.InvalidArgument(f"{path} exists and is not a directory", field="path")
-        await target.node.mkdir(target.sandbox_id, path, parents=True, mode=0o755)
+        await target.node.mkdir(target.sandbox_id, path, parents=True, mode=0o755, user=target.user)
         return fpb.MakeDirResponse(entry=await stat_followed(target, path))
 
     @translated
