@@ -23,11 +23,13 @@ from space.node.helper import (
     metrics_verbs,
     network_verbs,
     node_verbs,
+    oci_image_verbs,
     sandbox_verbs,
     snapshot_verbs,
     staging,
     storage,
     template_build_verbs,
+    template_travel_verbs,
     template_verbs,
     transfer,
 )
@@ -70,6 +72,18 @@ VERBS: dict[str, Verb] = {
         Verb("template.commit", TemplateCommitParams, template_build_verbs.template_commit),
         Verb("template.delete", TemplateParams, template_build_verbs.template_delete),
         Verb("template.list", NoParams, template_build_verbs.template_list),
+        # user templates from an OCI image archive, and travelling between nodes (ADR 0056)
+        Verb("template.import_oci", oci_image_verbs.OciImportParams, oci_image_verbs.template_import_oci),
+        Verb(
+            "template.export",
+            template_travel_verbs.TemplateTravelParams,
+            template_travel_verbs.template_export,
+        ),
+        Verb(
+            "template.import",
+            template_travel_verbs.TemplateImportParams,
+            template_travel_verbs.template_import,
+        ),
         # the node's lease (space.node.helper.fence_verbs, docs/adr/0033-fencing.md); while the node is
         # fenced, the verbs that make a runtime run are refused (`guarded`)
         Verb("node.fence", fence_verbs.FenceParams, fence_verbs.node_fence),
