@@ -79,6 +79,7 @@ FILLERS: dict[str, Any] = {
     "src": "a.txt",
     "dst": "moved-by-attacker.txt",
     "cmd": "echo pwned > pwned.txt",
+    "code": "open('pwned.txt', 'w').write('pwned')",  # run_code (ADR 0058)
     "signal": "SIGKILL",
     "rows": 5,
     "cols": 5,

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from space.controlplane.api import (
     byok,
+    code,
     credentials,
     data_plane,
     egress,
@@ -94,6 +95,7 @@ def create_app(
     for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
         app.include_router(public, prefix="/v1")
     app.include_router(sandbox_metrics.router, prefix="/v1")  # ADR 0053
+    app.include_router(code.router, prefix="/v1")  # run_code in the sandbox's kernel (ADR 0058)
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):
         app.include_router(router)

@@ -67,6 +67,7 @@ _SANDBOX = r"/v1/sandboxes/[^/]+"
 # likes: these count against a key's concurrent-stream cap.
 _LONG_LIVED = [
     ("POST", re.compile(rf"{_SANDBOX}/exec")),
+    ("POST", re.compile(rf"{_SANDBOX}/code")),  # run_code (ADR 0058)
     ("GET", re.compile(rf"{_SANDBOX}/processes/[^/]+/output")),
     ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin")),
     ("GET", re.compile(rf"{_SANDBOX}/files")),
@@ -78,7 +79,7 @@ _UPLOADS = [
     ("PUT", re.compile(rf"{_SANDBOX}/files")),
     ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin")),
 ]
-_DATA_PLANE = re.compile(rf"{_SANDBOX}/(exec|pty|files|processes)(/.*)?")
+_DATA_PLANE = re.compile(rf"{_SANDBOX}/(exec|code|pty|files|processes)(/.*)?")
 
 
 def _matches(table: list[tuple[str, re.Pattern[str]]], method: str, path: str) -> bool:
