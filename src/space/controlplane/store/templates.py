@@ -123,6 +123,42 @@ class TemplateRepository(Repository):
             )
             return rowcount(result) == 1
 
+    def move_template_source(
+        self, template_id: str, *, expected: str, to: str, owner: str | None = None, lease_s: float = 0.0
+    ) -> TemplateRecord | None:
+        """A building template's `source` from `expected` to `to` in one swap (the OCI upload's steps:
+        awaiting -> uploading -> uploaded); with `owner`, the lease is taken for `lease_s`. None: it was not
+        building with that source (another upload won, or it was deleted)."""
+        now = self.now()
+        values: dict[str, Any] = {"source": to, "updated_at": now}
+        if owner is not None:
+            values.update(lease_owner=owner, lease_until=now + timedelta(seconds=lease_s))
+        with self._tx(f"template {template_id}: source {expected} -> {to}") as session:
+            result = session.execute(
+                update(Template)
+                .where(Template.id == template_id, Template.status == TemplateStatus.BUILDING.value)
+                .where(Template.source == expected)
+                .values(**values)
+            )
+            if rowcount(result) != 1:
+                return None
+            row = session.get(Template, template_id, populate_existing=True)
+            return template_record(row) if row else None
+
+    def assign_template_node(self, template_id: str, owner: str, node_id: str) -> TemplateRecord | None:
+        """Record the node a building template's build runs on, under `owner`'s lease (None: not so)."""
+        with self._tx(f"template {template_id}: build node") as session:
+            result = session.execute(
+                update(Template)
+                .where(Template.id == template_id, Template.status == TemplateStatus.BUILDING.value)
+                .where(Template.lease_owner == owner)
+                .values(node_id=node_id, updated_at=self.now())
+            )
+            if rowcount(result) != 1:
+                return None
+            row = session.get(Template, template_id, populate_existing=True)
+            return template_record(row) if row else None
+
     def finish_template(
         self,
         template_id: str,
@@ -198,9 +234,10 @@ class TemplateRepository(Repository):
             )
             return [template_record(row) for row in rows]
 
-    def deleting_templates(self) -> list[TemplateRecord]:
-        with self._tx("listing templates being deleted") as session:
-            rows = session.scalars(select(Template).where(Template.status == TemplateStatus.DELETING.value))
+    def templates_in_status(self, status: TemplateStatus) -> list[TemplateRecord]:
+        """Every project's templates in `status` (the sweep's building and deleting rows)."""
+        with self._tx(f"listing {status.value} templates") as session:
+            rows = session.scalars(select(Template).where(Template.status == status.value))
             return [template_record(row) for row in rows]
 
     def sandboxes_of_template(self, project_id: str, node_name: str) -> int:
