@@ -51,8 +51,6 @@ class CreateSandbox(_Body):
     # store: 400 naming `metadata`), and what the deadline (ttl_s, or a timeout set later) does.
     metadata: dict[str, str] = Field(default_factory=dict)
     on_timeout: OnTimeout = "delete"
-    # A full snapshot's id or name: the sandbox starts from that checkpoint (api/snapshot_sandboxes.py).
-    from_snapshot: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class TimeoutBody(_Body):
@@ -80,8 +78,6 @@ class RollbackBody(_Body):
 
 class SnapshotBody(_Body):
     full: bool = False
-    # A name for a full snapshot: `from_snapshot` and E2B's templateID accept it (api/snapshot_sandboxes.py).
-    name: str | None = Field(default=None, pattern=r"^(?!snap-)[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class PtyParameters(_Body):
