@@ -2,8 +2,11 @@
 cached as a full send stream, and passed between nodes through object storage.
 
 `.base-bookworm-python` (under `<btrfs root>/templates/`) is a read-only subvolume = `debootstrap
---variant=minbase --include=python3,procps,ca-certificates bookworm` + user `user` (uid 1000), /work,
-neutral /etc/hostname, /etc/hosts, empty /etc/resolv.conf. Expensive (~1 min, network), so it is built once
+--variant=minbase --include=python3,procps,ca-certificates,git,curl,sudo bookworm` + user `user` (uid 1000,
+home /home/user), /work, neutral /etc/hostname, /etc/hosts, empty /etc/resolv.conf. Every built-in template
+(`python`, `base`) is a snapshot of this one base and differs from the others only in its small own layer
+and metadata (ADR 0057: one base keeps every sandbox's snapshot delta against it small). Expensive (~1-4
+min, network), so it is built once
 per machine and cached as a full `btrfs send` stream in the rootfs cache (default /var/cache/space/rootfs,
 outside every data dir); a new data dir gets it with one `btrfs receive` (seconds). Every node that
 receives the same stream gets a base with the same received UUID, so deltas sent with `-p <base>` apply on
@@ -51,8 +54,8 @@ from space.node.volumes.template_files import (
 
 SUITE = "bookworm"
 VARIANT = "minbase"
-PACKAGES = ("python3", "procps", "ca-certificates")
-BASE_VERSION = "v1"  # bump when the base recipe (packages, customization) changes: new cache file name
+PACKAGES = ("python3", "procps", "ca-certificates", "git", "curl", "sudo")
+BASE_VERSION = "v2"  # bump when the base recipe (packages, customization) changes: new cache file name
 BASE_NAME = f".base-{SUITE}-python"
 CACHE_NAME = f"{SUITE}-{VARIANT}-python-{BASE_VERSION}.btrfs-stream"
 DEFAULT_CACHE_DIR = Path("/var/cache/space/rootfs")

@@ -4,14 +4,17 @@ space.node.volumes.template_files.
 
 Layers (all under `<btrfs root>/templates/`):
 - `.base-bookworm-python`: the Debian base, built once per machine and cached (see template_base).
-- `python`: read-only snapshot of the base + SPACE's guest code in /opt/space/lib/space (protocol, guest),
-  byte-compiled by the template's own python3 (chroot), so the .pyc match the guest interpreter. A change
-  of the guest code (its hash) rebuilds only this layer: a snapshot, a copy and a compileall (~0.3 s).
+- each built-in template (BUILTIN_TEMPLATES: `python`, `base`): read-only snapshot of the base + SPACE's
+  guest code in /opt/space/lib/space (protocol, guest), byte-compiled by the template's own python3
+  (chroot), so the .pyc match the guest interpreter, + the template's own few files (`base`: its sudoers
+  entry). A change of the guest code or of the recipe (its hash) rebuilds only this layer: a snapshot, a
+  copy and a compileall (~0.3 s). The metadata carries the defaults `default_user`, `workdir`, `env` that
+  `guest_environment` turns into the daemon's boot environment (ADR 0057).
 
 Invariants:
 - A layer is complete iff its metadata file (`<layer>.json`, next to the subvolume, written atomically and
-  last) exists and names the same content hash; anything else found (a subvolume without metadata, a
-  `.new` leftover, a half-received base) is from a killed run and is deleted and rebuilt.
+  last) exists and names the same content hash and base version; anything else found (a subvolume without
+  metadata, a `.new` leftover, a half-received base) is from a killed run and is deleted and rebuilt.
 - The metadata of `python` is removed *before* the subvolume is replaced, so no reader can pair new
   metadata with an old tree or the reverse.
 - Concurrent builders are serialized by flocks (one on the cache dir, one on the templates dir).
@@ -132,7 +135,7 @@ def builtin_defaults(name: str) -> dict[str, Any]:
 
 # What a template's metadata may say about its sandboxes' defaults (ADR 0057), checked before it reaches a
 # daemon's environment: a user name or uid, an absolute path, and plain variables.
-_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}|[0-9]{1,9}")
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,63}|[0-9]{1,9}")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 MAX_TEMPLATE_ENV = 256
 MAX_TEMPLATE_VALUE = 32 << 10
@@ -293,6 +296,7 @@ def ensure_template(
             meta is not None
             and meta.get("guest_code_hash") == code_hash
             and meta.get("format") == METADATA_FORMAT
+            and meta.get("base_version") == BASE_VERSION  # a new base recipe rebuilds every template on it
             and btrfs.is_subvolume(target)
             and btrfs.get_readonly(target)
         ):
