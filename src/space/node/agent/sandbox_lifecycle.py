@@ -21,11 +21,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import cast
 
 from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
+from space.node.agent import template_travel
 from space.node.agent.channel import GuestChannel
 from space.node.agent.guest import GuestSession
 from space.node.agent.pools import Member, clean_leftovers
@@ -84,6 +86,8 @@ class SandboxLifecycle(SandboxRegistry):
         )
         if spec.sandbox_id in self.sandboxes:
             raise errors.AlreadyExists(f"sandbox {spec.sandbox_id} already exists")
+        # A user template this node lacks comes from the object store first (one flight per template).
+        await template_travel.ensure_template_here(cast("template_travel.TravelAgent", self), template)
         member = self.pools.take(template, spec.limits) if warm and self.pools is not None else None
         if member is None:
             await self.check_reserve(f"creating sandbox {spec.sandbox_id}")  # a member's disk is already held

@@ -27,9 +27,11 @@ from space.crypto.envelope import DataKey
 from space.objectstore.artifacts import ArtifactWriter, Manifest, read_entry, read_manifest
 from space.objectstore.base import ObjectStore
 
-#: What a checkpoint or base artifact may contain: the disk delta, image files, the sandbox spec.
+#: What a checkpoint or base artifact may contain: the disk delta, image files, the sandbox spec; a user
+#: template's delta and an uploaded image archive (space.node.agent.template_travel).
 ENTRY_NAME = re.compile(
-    r"(disk\.stream|disk\.tar|base\.stream|sandbox\.json|image/[A-Za-z0-9][A-Za-z0-9._-]{0,127})"
+    r"(disk\.stream|disk\.tar|base\.stream|sandbox\.json|template\.stream|source\.tar"
+    r"|image/[A-Za-z0-9][A-Za-z0-9._-]{0,127})"
 )
 
 
