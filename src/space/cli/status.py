@@ -25,8 +25,6 @@ import typer
 
 from space.cli._common import EXIT_OK, EXIT_UNAVAILABLE
 from space.cli.installation import DEFAULT_DATA_DIR, read_state, rows_of, supervisor_pid
-from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
-from space.controlplane.store.store import Store
 from space.controlplane.supervisor import read_status
 from space.core import errors
 
@@ -86,6 +84,10 @@ def _health(url: str, path: str = "/healthz") -> dict[str, Any]:
 
 def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     """Every node the control plane knows (None: no database here, or it cannot be read)."""
+    # Imported here: SQLAlchemy and the store cost every other `space` command ~0.4 s of start-up.
+    from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
+    from space.controlplane.store.store import Store
+
     if not (data_dir / SQLITE_FILENAME).is_file():
         return None
     try:

@@ -27,18 +27,20 @@ import sys
 import threading
 import time
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
 from space.cli.installation import DEFAULT_DATA_DIR, alive, state_file, stop_leftovers, supervisor_pid
-from space.controlplane.local import LocalCluster
 from space.controlplane.supervisor import Emit
 from space.core import errors
 from space.node import filemodes
-from space.node.agent.pools import parse_pool_sizes
 from space.sdk.config import write_config_file
+
+if TYPE_CHECKING:  # the installation's machinery is imported by the commands that run it, so that every
+    # other `space` command starts without loading the control plane, the node agent and SQLAlchemy.
+    from space.controlplane.local import LocalCluster
 
 #: Warm pools of a one-machine installation (ADR 0047): two python sandboxes ready, about 70 MB of memory.
 DEFAULT_POOLS = "python=2"
@@ -49,6 +51,12 @@ E2B_SANDBOX_PORT_OFFSET = 2
 #: How often the supervisor looks at its components (a death is noticed within this).
 TICK_S = 0.5
 stderr = Console(stderr=True)
+
+
+def _local_cluster(data_dir: pathlib.Path, **options: Any) -> LocalCluster:
+    from space.controlplane.local import LocalCluster
+
+    return LocalCluster(data_dir, **options)
 
 
 def _announce(cluster: LocalCluster) -> None:
@@ -87,7 +95,7 @@ def _supervise(
 ) -> int:
     """Run SPACE in this process until SIGTERM/SIGINT, restarting what dies. `announce=False` (the
     detached supervisor, whose output is a log file): say where SPACE listens, never the key."""
-    cluster = LocalCluster(
+    cluster = _local_cluster(
         data_dir, port=port, pools=pools, e2b_api_port=e2b_ports[0], e2b_sandbox_port=e2b_ports[1]
     )
     stop = threading.Event()
@@ -153,6 +161,8 @@ def up(
     ] = False,
 ) -> None:
     """Start the control plane, the node agent and the root helper on this machine."""
+    from space.node.agent.pools import parse_pool_sizes
+
     try:
         parse_pool_sizes(pools)
     except errors.InvalidArgument as exc:
@@ -202,7 +212,7 @@ def up(
 def _described(data_dir: pathlib.Path, info: dict[str, Any]) -> LocalCluster:
     """The running installation as its supervisor's state file describes it (ports)."""
     api_port, sandbox_port = (int(p) for p in info.get("e2b_ports") or (0, 0))
-    return LocalCluster(
+    return _local_cluster(
         data_dir, port=int(info["port"]), e2b_api_port=api_port, e2b_sandbox_port=sandbox_port
     )
 
@@ -240,7 +250,7 @@ def _down_without_supervisor(data_dir: pathlib.Path, *, purge: bool) -> None:
         return
     try:
         with stderr.status("purging SPACE (not running)"):
-            LocalCluster(data_dir).purge_offline()
+            _local_cluster(data_dir).purge_offline()
     except errors.SpaceError as exc:
         stderr.print(f"error: {exc.code}: {exc.message}")
         raise typer.Exit(1) from exc
