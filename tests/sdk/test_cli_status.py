@@ -5,6 +5,7 @@ not this installation's (space.cli.installation.stop_leftovers checks the comman
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -21,6 +22,7 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.controlplane.supervisor import STATUS_FILENAME
+from tests.support.cluster import wait_for
 
 runner = CliRunner()
 
@@ -93,6 +95,10 @@ def test_a_damaged_status_file_is_no_status(tmp_path: pathlib.Path) -> None:
         assert stop_leftovers(tmp_path) == []
 
 
+def has_cmdline(pid: int) -> bool:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes() != b""
+
+
 def test_leftovers_are_only_this_installations_processes(tmp_path: pathlib.Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -103,6 +109,10 @@ def test_leftovers_are_only_this_installations_processes(tmp_path: pathlib.Path)
         [sys.executable, "-c", "import time; time.sleep(60)", "--data-dir", str(data_dir)]
     )  # fmt: skip
     try:
+        # Right after Popen returns, the child may still be inside exec, with an empty /proc/PID/cmdline
+        # (seen: 119 of 200 starts): a leftover of a dead supervisor has long finished starting.
+        for proc in (stranger, ours):
+            wait_for(functools.partial(has_cmdline, proc.pid), timeout=10, what="the child to finish exec")
         write_status(data_dir, [row("helper", stranger.pid, 0.0), row("agent", ours.pid, 0.0)])
         assert stop_leftovers(data_dir) == [ours.pid]
         assert ours.wait(10) != 0
