@@ -175,7 +175,8 @@ def test_malformed_oversized_and_unsupported_bodies(
         ("POST", "/v2/sandboxes", {"templateID": "base", "metadata": {"k": "v" * 2000}}),
         ("POST", "/v2/sandboxes", {"templateID": "base", "metadata": {"bad key'": "v"}}),
         ("POST", "/v2/sandboxes", {"templateID": "base", "volumeMounts": [{"name": "v", "path": "/v"}]}),
-        ("POST", "/v2/sandboxes", {"templateID": "base", "autoResume": {"enabled": True}}),
+        ("POST", "/v2/sandboxes", {"templateID": "base", "autoResume": {"enabled": False}}),  # always on
+        ("POST", "/v2/sandboxes", {"templateID": "base", "autoResume": {}}),
         ("POST", "/v2/sandboxes", {"templateID": "base", "network": {"denyOut": "0.0.0.0/0"}}),
         ("POST", "/v2/sandboxes", {"templateID": "base", "network": {"allowOut": ["*.com"]}}),
         ("POST", f"/sandboxes/{sandbox_id}/timeout", {"timeout": -1}),

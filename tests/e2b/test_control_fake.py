@@ -197,7 +197,7 @@ def test_auto_pause_keeps_an_expired_sandbox_and_connect_brings_it_back(
 ) -> None:
     sbx = e2b.Sandbox.create(lifecycle={"on_timeout": "pause"})
     info = sbx.get_info()
-    assert info.lifecycle == {"on_timeout": "pause", "auto_resume": False}  # the SDK gives a dict
+    assert info.lifecycle == {"on_timeout": "pause", "auto_resume": True}  # the SDK gives a dict
     sbx.set_timeout(0)  # expires now: kept (suspended), not deleted
     c.wait_for(lambda: sbx.get_info().state.value == "paused", timeout=60, what="expired sandbox paused")
     record = e2b_fake.cluster.store.load_sandbox(sbx.sandbox_id)

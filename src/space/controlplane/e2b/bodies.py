@@ -4,7 +4,9 @@
 
 Invariants:
 - Fields E2B's SDK may send and SPACE cannot honour are refused (400 naming them) when set, never
-  silently dropped: `mcp`, `iam`, `volumeMounts`, `autoResume.enabled`, `egressProxy`, network `rules`.
+  silently dropped: `mcp`, `iam`, `volumeMounts`, `autoResume.enabled: false`, `egressProxy`, network
+  `rules`. `autoResume.enabled: true` is SPACE's own behaviour (a paused or suspended sandbox is brought
+  back by its next use: `deps.running_sandbox`), so it is accepted; opting out of it cannot be honoured.
   Unknown fields are ignored (E2B adds optional fields between versions; ignoring an unknown optional
   field is what E2B's own server does).
 - Every size is bounded here: timeouts (0 < t <= 365 days at create), counts, list lengths, names.
@@ -29,7 +31,7 @@ class _Body(BaseModel):
 
 
 class AutoResume(_Body):
-    enabled: bool = False
+    enabled: bool
 
 
 class Network(_Body):
@@ -62,9 +64,10 @@ class NewSandbox(_Body):
 
     def refuse_unsupported(self) -> None:
         refuse_set({"mcp": self.mcp, "iam": self.iam, "volumeMounts": self.volume_mounts}, None)
-        if self.auto_resume is not None and self.auto_resume.enabled:
+        if self.auto_resume is not None and not self.auto_resume.enabled:
             raise errors.InvalidArgument(
-                "autoResume is not supported: connect to a paused sandbox to resume it", field="autoResume"
+                "autoResume cannot be turned off: SPACE resumes a paused sandbox when it is used",
+                field="autoResume",
             )
         if self.network is not None:
             self.network.refuse_unsupported()

@@ -114,7 +114,8 @@ def detail_answer(sb: SandboxRecord, who: Principal, node_token: str) -> dict[st
     on_timeout = "pause" if getattr(sb, "on_timeout", None) == "pause" else "kill"
     body = listed_answer(sb) | {
         "domain": None,
-        "lifecycle": {"autoResume": False, "onTimeout": on_timeout},
+        # SPACE brings a paused or suspended sandbox back when it is used (envd front, connect): always.
+        "lifecycle": {"autoResume": True, "onTimeout": on_timeout},
     }
     if who.role != "read-only":
         body["envdAccessToken"] = envd_access_token(node_token, sb.id)
