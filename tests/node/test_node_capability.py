@@ -207,7 +207,10 @@ def test_every_node_route_is_classified(node: Node) -> None:
         f"node routes without a capability rule (add them to rpc_auth.py): {unclassified}"
     )
     node_level = sorted(route for route, scope in scopes.items() if scope == "node")
-    assert node_level == ["GET /node/v1/info", "GET /node/v1/sandboxes"]
+    assert node_level == [
+        "DELETE /node/v1/templates/{name}", "GET /node/v1/info", "GET /node/v1/sandboxes",
+        "GET /node/v1/templates", "POST /node/v1/templates/{name}/build",
+    ]  # fmt: skip
 
 
 # Minimal bodies that the routes would accept (so a refusal is the capability's, not a 422's).

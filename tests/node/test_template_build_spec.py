@@ -66,6 +66,7 @@ def test_a_full_spec_parses_and_hashes_the_same_in_any_key_order() -> None:
         {"from": "python", "steps": [{"file": {"path": "/x", "content_b64": "", "mode": 0o10000}}]},
         {"from": "python", "steps": [{"run": "a\x00b"}]},
         {"from": "python", "steps": [{"env": {"1A": "x"}}]},
+        {"from": "python", "steps": [{"env": {"SPACED_USER": "root"}}]},
         {"from": "python", "steps": [{"workdir": "/a//b"}]},
         {"from": "python", "steps": [{"apt": ["jq"], "pip": ["six"]}]},
         {"from": "python", "steps": [{"shell": "x"}]},

@@ -159,6 +159,8 @@ class EnvStep(_Strict):
         for key, val in value.items():
             if _ENV_KEY.fullmatch(key) is None:
                 raise ValueError(f"invalid env key {key[:64]!r}: expected {ENV_KEY_PATTERN}")
+            if key.startswith("SPACED_"):  # the daemon's own settings (ADR 0057), never a template's
+                raise ValueError(f"env key {key[:64]!r}: SPACED_ variables are reserved")
             if len(val) > MAX_ENV_VALUE:
                 raise ValueError(f"env value of {key} is longer than {MAX_ENV_VALUE} characters")
             _no_nul(val, f"env value of {key}")

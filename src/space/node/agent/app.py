@@ -24,17 +24,18 @@ from space.faults import failpoints
 from space.node.agent.agent import NodeAgent
 from space.node.agent.killpoints import KillPointMiddleware
 from space.node.agent.metrics import MetricsSampler
-from space.node.agent.routes import files, metrics, node, processes, pty, sandboxes, snapshots
+from space.node.agent.routes import files, metrics, node, processes, pty, sandboxes, snapshots, templates
 from space.node.agent.rpc_auth import BearerAuth
 from space.node.agent.rpc_models import API_PREFIX
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
+from space.node.agent.template_build import TemplateBuilds
 from space.rest import errors as rest_errors
 
 #: The routers in the order their routes are matched and listed.
 ROUTERS = (
     node.router, sandboxes.router, metrics.router, snapshots.router, processes.router, files.router,
-    pty.router,
+    pty.router, templates.router,
 )  # fmt: skip
 
 
@@ -61,6 +62,8 @@ def create_app(
     app.state.metrics = MetricsSampler(
         agent, interval_s=svc.settings.metrics_interval_s, keep_s=svc.settings.metrics_keep_s
     )
+    # User templates built on this node (ADR 0054): the build sources are read at the first build.
+    app.state.template_builds = TemplateBuilds(svc)
     for router in ROUTERS:
         app.include_router(router)
 

@@ -63,7 +63,12 @@ class BearerAuth:
 
 
 #: Routes that act on the node as a whole (the token suffices); every other route is scoped to a sandbox.
-_NODE_LEVEL_ROUTES = frozenset({("GET", f"{API_PREFIX}/info"), ("GET", f"{API_PREFIX}/sandboxes")})
+_NODE_LEVEL_ROUTES = frozenset({
+    ("GET", f"{API_PREFIX}/info"), ("GET", f"{API_PREFIX}/sandboxes"),
+    # user templates (space.node.agent.routes.templates, ADR 0054)
+    ("GET", f"{API_PREFIX}/templates"), ("POST", f"{API_PREFIX}/templates/{{name}}/build"),
+    ("DELETE", f"{API_PREFIX}/templates/{{name}}"),
+})  # fmt: skip
 #: Routes scoped to the sandbox their JSON body names (no `{sandbox_id}` in the path).
 _BODY_SCOPED_ROUTES = frozenset({("POST", f"{API_PREFIX}/sandboxes/restore")})
 

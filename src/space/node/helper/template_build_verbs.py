@@ -30,7 +30,7 @@ from space.core.ids import TEMPLATE_NAME_MAX_LENGTH, TEMPLATE_NAME_PATTERN
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.params import NoParams, TemplateClaimParams, TemplateCommitParams, TemplateParams
 from space.node.helper.warm import discard_warm
-from space.node.volumes import btrfs, templates
+from space.node.volumes import btrfs, mirror, template_base, templates
 from space.node.volumes.template_files import (
     METADATA_FORMAT,
     discard_subvolume,
@@ -174,4 +174,10 @@ def template_list(ctx: HelperContext, _params: NoParams, _progress: Progress) ->
         claim = read_json(path) or {}
         if _valid_name(path.stem) and isinstance(claim.get("sandbox_id"), str):
             claims.append({"name": path.stem, "sandbox_id": str(claim["sandbox_id"])})
-    return {"templates": held, "claims": claims}
+    return {"templates": held, "claims": claims, "builtin_names": list(templates.TEMPLATE_NAMES)}
+
+
+def template_sources(_ctx: HelperContext, _params: NoParams, _progress: Progress) -> dict[str, Any]:
+    """The Debian archive of this machine's apt sources and the suite of the template base, for the
+    package steps of builds (the agent reads no system configuration itself)."""
+    return {"mirror": mirror.find_mirror(), "suite": template_base.SUITE}

@@ -72,6 +72,7 @@ VERBS: dict[str, Verb] = {
         Verb("template.commit", TemplateCommitParams, template_build_verbs.template_commit),
         Verb("template.delete", TemplateParams, template_build_verbs.template_delete),
         Verb("template.list", NoParams, template_build_verbs.template_list),
+        Verb("template.sources", NoParams, template_build_verbs.template_sources),
         # user templates from an OCI image archive, and travelling between nodes (ADR 0056)
         Verb("template.import_oci", oci_image_verbs.OciImportParams, oci_image_verbs.template_import_oci),
         Verb(
