@@ -69,6 +69,9 @@ class SandboxLifecycle(SandboxRegistry):
         return adopted
 
     # -- create ----------------------------------------------------------------------------------------------
+    async def ensure_builtin_here(self, name: str) -> None:
+        """Build a built-in template this node did not prepare; the template layer (template_prep) does."""
+
     async def create(
         self,
         template: str = "python",
@@ -88,6 +91,7 @@ class SandboxLifecycle(SandboxRegistry):
             raise errors.AlreadyExists(f"sandbox {spec.sandbox_id} already exists")
         # A user template this node lacks comes from the object store first (one flight per template).
         await template_travel.ensure_template_here(cast("template_travel.TravelAgent", self), template)
+        await self.ensure_builtin_here(template)  # a built-in the node did not prepare (ADR 0057)
         member = self.pools.take(template, spec.limits) if warm and self.pools is not None else None
         if member is None:
             await self.check_reserve(f"creating sandbox {spec.sandbox_id}")  # a member's disk is already held

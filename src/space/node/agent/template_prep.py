@@ -9,6 +9,9 @@ Invariants:
   sandbox used to make it is destroyed afterwards, whatever happened.
 - The node's runtime descriptor (`node_runtime`, ADR 0035) is read once the driver has prepared the node
   and kept; until it can be read it is None (unknown), and asked again next time.
+- A built-in template the node was not told to prepare (`base` on a node started with `python` only) is
+  built on its first create (`ensure_builtin_here`: a snapshot of the shared base, ~1 s; ADR 0057), once
+  per agent; it has no warm start unless prepared.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ log = logging.getLogger("space.node.agent.agent")
 #: re-publishing the same stream at that moment), this many seconds apart.
 TEMPLATE_FETCH_ATTEMPTS = 3
 TEMPLATE_FETCH_RETRY_S = 2.0
+#: The templates every node can build from its base (space.node.volumes.templates.BUILTIN_TEMPLATES, which
+#: the unprivileged agent may not import; tests/node/test_base_template.py checks that the two agree).
+BUILTIN_TEMPLATE_NAMES = ("python", "base")
 
 
 class TemplatePreparation(SandboxSnapshots):
     """Node and template preparation over the snapshot verbs (a warm start is a checkpoint)."""
 
     _runtime: runtimes.Descriptor | None = None
+    _builtins_here: frozenset[str] = frozenset()  # built-ins this agent ensured (prepared or first used)
 
     def node_runtime(self) -> runtimes.Descriptor | None:
         """What this node's runtime can restore (space.core.runtimes); None while unknown."""
@@ -51,6 +58,13 @@ class TemplatePreparation(SandboxSnapshots):
         for name in templates:
             await self.ensure_template(name, progress)
             await self.ensure_warm(name, progress)
+
+    async def ensure_builtin_here(self, name: str) -> None:
+        """Before a create of `name`: a built-in template not yet ensured by this agent is built (or found)
+        now; anything else is left to the create (a user template travels, an unknown one is NotFound)."""
+        if name not in BUILTIN_TEMPLATE_NAMES or name in self._builtins_here:
+            return
+        await self.ensure_template(name)
 
     async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
         """Make template `name` available. With an object store, a node that lacks the template base takes
@@ -75,6 +89,8 @@ class TemplatePreparation(SandboxSnapshots):
                         if manifest is None:
                             break
         info = await self.driver.ensure_template(name, progress)
+        if name in BUILTIN_TEMPLATE_NAMES:
+            self._builtins_here = self._builtins_here | {name}
         if self.store is not None and status is not None:
             status = await self.driver.template_base_status()
             assert status is not None
