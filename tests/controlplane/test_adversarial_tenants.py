@@ -30,7 +30,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from space.core.ids import new_api_key_id, new_sandbox_id, new_snapshot_id
+from space.core.ids import new_api_key_id, new_sandbox_id, new_snapshot_id, new_template_id
 from tests.support import cluster as c
 from tests.support.mcp_clients import over_http
 
@@ -49,6 +49,7 @@ RESOURCE_PARAMETERS = {
     "key_id": "key",
     "name": "credential",
     "project": "project",
+    "template": "template",  # a template's id or name (ADR 0055)
 }
 #: Operations without a resource parameter: they act on the caller's own scope (checked for leaks below).
 COLLECTIONS = {
@@ -57,6 +58,8 @@ COLLECTIONS = {
     "GET /v1/projects",
     "POST /v1/projects",
     "POST /v1/keys",
+    "GET /v1/templates",
+    "POST /v1/templates",
     "GET /v1/org/encryption-key",
     "PUT /v1/org/encryption-key",
     "POST /v1/org/encryption-key/rotate",
@@ -101,6 +104,7 @@ class Tenant:
     process_id: str
     key_id: str
     credential: str
+    template_id: str
 
     def values(self) -> dict[str, str]:
         return {
@@ -110,6 +114,7 @@ class Tenant:
             "key": self.key_id,
             "credential": self.credential,
             "project": self.project.name,
+            "template": self.template_id,
         }
 
 
@@ -121,6 +126,7 @@ def missing_values() -> dict[str, str]:
         "key": new_api_key_id(),
         "credential": f"no-such-{secrets.token_hex(4)}",
         "project": f"no-such-{secrets.token_hex(4)}",
+        "template": new_template_id(),
     }
 
 
@@ -139,13 +145,22 @@ def make_tenant(cluster: c.Cluster) -> Tenant:
         sb.files.write("a.txt", SECRET)
         snap = sb.snapshots.create()
         process = sb.processes.start("sleep 600")
-    return Tenant(made, admin_key, sb.id, snap.id, process.id, key_id, credential)
+    # A template of the tenant's own, recorded as a build in flight (held by no control plane of the cluster,
+    # so it stays so): what an attack could read, upload to or delete.
+    template = cluster.store.create_template(
+        made.id, f"t-{secrets.token_hex(4)}", spec={"from": "python", "steps": []}, source="python",
+        node_id=None, lease_owner="adversarial-test", lease_s=3600,
+    )  # fmt: skip
+    return Tenant(made, admin_key, sb.id, snap.id, process.id, key_id, credential, template.id)
 
 
 def drop_tenant(cluster: c.Cluster, tenant: Tenant) -> None:
     with tenant.project.sdk() as sp, contextlib.suppress(Exception):
         sp.sandboxes.get(tenant.sandbox_id).processes.signal(tenant.process_id, "SIGKILL")
     c.delete_all(cluster, tenant.project)
+    for template in cluster.store.list_templates(tenant.project.id):
+        cluster.store.mark_template_deleting(tenant.project.id, template.id)
+        cluster.store.purge_template(template.id)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +185,7 @@ class Picture:
     credentials: list[dict[str, Any]]
     sandboxes_in_store: list[str]
     keys_in_store: list[str] = field(default_factory=list)
+    templates_in_store: list[str] = field(default_factory=list)
 
 
 def picture(cluster: c.Cluster, tenant: Tenant) -> Picture:
@@ -212,6 +228,10 @@ def picture(cluster: c.Cluster, tenant: Tenant) -> Picture:
         egress=client.get(f"/v1/sandboxes/{tenant.sandbox_id}/egress").json(),
         credentials=sorted(credentials, key=lambda e: json.dumps(e, sort_keys=True)),
         sandboxes_in_store=sorted(sb.id for sb in cluster.store.list_sandboxes(tenant.project.id)),
+        templates_in_store=sorted(
+            f"{t.id}:{t.status}:{t.source}:{t.log_bytes}"
+            for t in cluster.store.list_templates(tenant.project.id)
+        ),
         keys_in_store=sorted(
             f"{k.id}:{k.role}:{k.revoked_at}"
             for k in cluster.store.list_api_keys(cluster.org_id, tenant.project.id)

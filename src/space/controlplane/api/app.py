@@ -38,6 +38,7 @@ from space.controlplane.api import (
     sandbox_metrics,
     sandboxes,
     snapshots,
+    templates,
 )
 from space.controlplane.api.deps import Services, authenticate_key
 from space.controlplane.api.mcp_endpoint import McpEndpoint
@@ -50,6 +51,7 @@ from space.controlplane.scheduler import freshness_bound
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import SnapshotKeeper
 from space.controlplane.store.store import Store
+from space.controlplane.template_builds import TemplateBuilds
 from space.core import errors
 from space.rest import errors as rest_errors
 
@@ -77,10 +79,13 @@ def create_app(
         if run_reconciler:
             services.reconciler.start()
             background.append(asyncio.create_task(jobs.housekeeping(services), name="housekeeping"))
+            # Settles template builds a dead control plane left, finishes deletions (ADR 0055).
+            background.append(asyncio.create_task(builds.run_forever(), name="template sweep"))
         async with mcp.running():  # the MCP SDK's session manager (ADR 0049)
             yield
         for task in background:
             task.cancel()
+        await builds.aclose()
         await services.reconciler.stop()
         await services.nodes.aclose()
 
@@ -88,6 +93,13 @@ def create_app(
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
     mcp.mount(app)  # /mcp: SPACE's tools over streamable HTTP, acting with the caller's key (ADR 0049)
     app.state.services = services
+    builds = TemplateBuilds(
+        store,
+        services.nodes.client,
+        owner=services.reconciler.owner,
+        fresh_s=freshness_bound(services.settings.node_lost_after_s),
+    )
+    app.state.templates = builds  # template builds driven by this process (ADR 0055)
     rest_errors.install(app, surface="control plane API")
     app.add_middleware(_Metrics, services=services)
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
@@ -95,6 +107,7 @@ def create_app(
     for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
         app.include_router(public, prefix="/v1")
     app.include_router(sandbox_metrics.router, prefix="/v1")  # ADR 0053
+    app.include_router(templates.router, prefix="/v1")  # ADR 0055
     app.include_router(code.router, prefix="/v1")  # run_code in the sandbox's kernel (ADR 0058)
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):
