@@ -74,10 +74,13 @@ _LONG_LIVED = [
     ("PUT", re.compile(rf"{_SANDBOX}/files")),
     ("GET", re.compile(rf"{_SANDBOX}/files/watch")),
     ("WEBSOCKET", re.compile(rf"{_SANDBOX}/pty")),
+    ("GET", re.compile(r"/v1/templates/[^/]+/logs")),  # a build log followed to its end (ADR 0055)
+    ("PUT", re.compile(r"/v1/templates/[^/]+/source")),
 ]
 _UPLOADS = [
     ("PUT", re.compile(rf"{_SANDBOX}/files")),
     ("POST", re.compile(rf"{_SANDBOX}/processes/[^/]+/stdin")),
+    ("PUT", re.compile(r"/v1/templates/[^/]+/source")),  # an OCI archive (ADR 0055; the route caps it lower)
 ]
 _DATA_PLANE = re.compile(rf"{_SANDBOX}/(exec|code|pty|files|processes)(/.*)?")
 
