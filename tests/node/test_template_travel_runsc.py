@@ -1,0 +1,164 @@
+"""A user template from an OCI image archive, travelling through the object store, on a real node (runsc,
+btrfs, the root helper): ADR 0056.
+
+- An OCI layout archive made here from the `python` template's own tree (one layer) plus a second layer
+  with a whiteout and an opaque directory is imported by the helper's verb; a real sandbox of the result
+  sees exactly what the layers say.
+- The template is published, removed from the node, and five concurrent creates of it on the node that
+  now lacks it read the template's stream from the store ONCE (a counting store), then all five run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import pathlib
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from space.node.agent import template_travel
+from space.objectstore.backends import open_store
+from space.objectstore.base import ObjectStore
+from tests.support.oci_archives import Image, directory, file, layer, oci_layout
+from tests.support.realnode import RealNode
+from tests.support.sandboxes import delete_quietly
+
+pytestmark = pytest.mark.root
+
+NAME = "tpl-0a0b0c0d0e0f0a0b"
+IMPORTED = template_travel.imported_name(NAME)
+# Big and irrelevant to the test: left out so the archive stays small (the daemon needs none of it).
+SKIP = ("usr/share/doc", "usr/share/man", "usr/share/locale", "usr/share/info", "var/cache", "var/lib/apt",
+        "opt/space")  # fmt: skip
+
+
+class CountingStore(ObjectStore):
+    """The filesystem store, counting every GET by key."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner, self.url, self.gets = inner, inner.url, []  # type: ignore[misc]
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def get(self, key: str) -> bytes:
+        self.gets.append(key)
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+
+def tree_layer(root: pathlib.Path) -> bytes:
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        name = info.name.removeprefix("./")
+        return None if any(name == s or name.startswith(s + "/") for s in SKIP) else info
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(os.listdir(root)):
+            tar.add(root / entry, arcname=entry, filter=keep)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def store_dir() -> Iterator[pathlib.Path]:
+    path = pathlib.Path(tempfile.mkdtemp(prefix="space-test-tplstore-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def imported(node: RealNode) -> Iterator[str]:
+    helper = node.agent.driver.helper  # type: ignore[attr-defined]
+    base = tree_layer(node.data_dir / "fs" / "templates" / "python")
+    top = layer([file("etc/.wh.debian_version", b""), directory("root"), file("root/.wh..wh..opq", b""),
+                 file("root/kept", b"from the second layer\n"), file("srv/added", b"added\n")])  # fmt: skip
+    archive = oci_layout(
+        Image([base, top], config={"config": {"Env": ["FROM_IMAGE=yes"], "WorkingDir": "/srv"}})
+    )
+    staged = node.run(helper.call("staging.prepare", {"kind": "oci-import", "template": IMPORTED}))
+    (pathlib.Path(staged["dir"]) / "source.tar").write_bytes(archive)
+    try:
+        result = node.run(
+            helper.call("template.import_oci", {"name": IMPORTED, "source": "oci:test"}), timeout=900
+        )
+    finally:
+        node.run(helper.call("staging.release", {"kind": "oci-import", "template": IMPORTED}))
+    assert result["metadata"]["env"] == {"FROM_IMAGE": "yes"} and result["metadata"]["workdir"] == "/srv"
+    yield IMPORTED
+    node.run(helper.call("template.delete", {"name": IMPORTED}))
+
+
+def test_sandbox_of_an_imported_image_sees_its_layers(node: RealNode, imported: str) -> None:
+    async def scenario() -> None:
+        handle = await node.agent.create(imported, warm=False)
+        try:
+            listing = await handle.session.exec(
+                "ls -A /root; cat /srv/added; test -e /etc/debian_version; echo $?"
+            )
+            assert listing.exit_code == 0, listing
+            assert listing.stdout.decode().split() == ["kept", "added", "1"]
+            py = await handle.session.exec(["python3", "-c", "print(6 * 7)"])
+            assert py.stdout.decode().strip() == "42"
+        finally:
+            await delete_quietly(node.agent, handle.sandbox_id)
+
+    node.run(scenario(), timeout=600)
+
+
+def test_concurrent_first_use_downloads_once(node: RealNode, imported: str, store_dir: pathlib.Path) -> None:
+    helper = node.agent.driver.helper  # type: ignore[attr-defined]
+    store = CountingStore(open_store(store_dir.as_uri()))
+    saved, node.agent.store = node.agent.store, store
+    created: list[str] = []
+
+    async def scenario() -> None:
+        # The imported tree under the travelling name: published, then gone from this node.
+        await helper.call("template.delete", {"name": NAME})
+        meta = await template_travel.held(node.agent, imported)
+        assert meta is not None
+        shutil_copy = await asyncio.to_thread(_snapshot_as, node, imported, NAME, meta)
+        assert shutil_copy
+        manifest = await template_travel.publish_template(node.agent, NAME)
+        await helper.call("template.delete", {"name": NAME})
+        assert await template_travel.held(node.agent, NAME) is None
+        stream_parts = {part.key for part in manifest.entries["template.stream"].parts}
+        store.gets.clear()
+        handles = await asyncio.gather(*(node.agent.create(NAME) for _ in range(5)))
+        created.extend(h.sandbox_id for h in handles)
+        part_gets = [key for key in store.gets if key in stream_parts]
+        assert sorted(part_gets) == sorted(stream_parts), "the stream was not read exactly once"
+        for handle in handles:
+            result = await handle.session.exec("cat /root/kept")
+            assert result.stdout == b"from the second layer\n"
+
+    try:
+        node.run(scenario(), timeout=900)
+    finally:
+        node.run(delete_quietly(node.agent, *created), timeout=300)
+        node.run(helper.call("template.delete", {"name": NAME}))
+        node.agent.store = saved
+
+
+def _snapshot_as(node: RealNode, source: str, name: str, meta: dict[str, object]) -> bool:
+    """A read-only copy of template `source` named `name`, with its metadata (as a build would commit)."""
+    import json
+
+    from space.node.volumes import btrfs
+
+    templates = node.data_dir / "fs" / "templates"
+    btrfs.snapshot(templates / source, templates / name, readonly=True)
+    (templates / f"{name}.json").write_text(json.dumps({**meta, "name": name}))
+    return True
