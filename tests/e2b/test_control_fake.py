@@ -154,7 +154,7 @@ def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Pro
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is True
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is False
     named = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "team/x:default"})
-    assert named.status_code == 501 and named.json()["code"] == 501
+    assert named.status_code == 400 and named.json()["code"] == 400  # no project or tag parts in a name
     # Network rules are SPACE's egress policy.
     sbx.update_network({"allow_out": ["example.com"], "deny_out": ["10.0.0.0/8"]})
     policy = project.http().get(f"/v1/sandboxes/{sbx.sandbox_id}/egress").json()
@@ -177,7 +177,7 @@ def test_first_api_shapes_and_idempotent_create(e2b_fake: E2bCluster, project: c
     created = api.post("/sandboxes", json=old_body)
     assert created.status_code == 201, created.text
     sandbox = Sandbox.from_dict(created.json())
-    assert sandbox.template_id == "python" and sandbox.envd_version >= "0.4.0" and sandbox.envd_access_token
+    assert sandbox.template_id == "base" and sandbox.envd_version >= "0.4.0" and sandbox.envd_access_token
     connected = api.post(f"/sandboxes/{sandbox.sandbox_id}/connect", json={"timeout": 300})
     assert connected.status_code == 200
     assert Sandbox.from_dict(connected.json()).envd_access_token == sandbox.envd_access_token  # stable

@@ -80,6 +80,12 @@ def create(  # noqa: PLR0917
         bool,
         typer.Option("--upload-checkpoints", help="Upload scheduled checkpoints (recovery on any node)."),
     ] = False,
+    from_snapshot: Annotated[
+        str | None,
+        typer.Option(
+            "--from-snapshot", metavar="ID|NAME", help="Start from a full snapshot (its source's template)."
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Create a sandbox and wait until it runs; prints its id."""
@@ -94,7 +100,8 @@ def create(  # noqa: PLR0917
     if storage_mb is not None:
         limits["storage_mb"] = storage_mb
     sp = client()
-    with progress(f"creating a sandbox from template {template}…"):
+    source = f"snapshot {from_snapshot}" if from_snapshot else f"template {template}"
+    with progress(f"creating a sandbox from {source}…"):
         sb = sp.sandboxes.create(
             template=template,
             env=env_vars,
@@ -107,6 +114,7 @@ def create(  # noqa: PLR0917
             snapshot_policy=_policy(disk_snapshot_every, checkpoint_every, upload_checkpoints),
             metadata=parse_pairs(metadata, "--metadata") if metadata else None,
             on_timeout=on_timeout,
+            from_snapshot=from_snapshot,
         )
     if as_json:
         print_json(sb.data)
@@ -341,12 +349,16 @@ def snapshot_create(
     full: Annotated[
         bool, typer.Option("--full", help="A full checkpoint (processes and memory too).")
     ] = False,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="Name a full snapshot (`sandbox create --from-snapshot NAME`)."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Snapshot a sandbox; prints the snapshot's id."""
     sb = client().sandboxes.ref(sandbox_id)
     with progress("checkpointing…" if full else "snapshotting…"):
-        snap = sb.snapshots.create(full=full)
+        snap = sb.snapshots.create(full=full, name=name)
     if as_json:
         print_json(snap.data)
     else:

@@ -74,8 +74,7 @@ class Project(Record):
 class ApiKey(Record):
     @property
     def key(self) -> str | None:
-        value = self.data.get("key")
-        return None if value is None else str(value)
+        return _opt_str(self.data.get("key"))
 
 
 class Credential(Record):
@@ -83,6 +82,11 @@ class Credential(Record):
 
 
 class Snapshot(Record):
+    @property
+    def name(self) -> str | None:
+        """The name it was given (full snapshots only; None: none)."""
+        return _opt_str(self.data.get("name"))
+
     @property
     def kind(self) -> str:
         return str(self.data.get("kind", ""))
@@ -366,8 +370,10 @@ def create_body(
     snapshot_policy: Mapping[str, Any] | None = None,
     metadata: Mapping[str, str] | None = None,
     on_timeout: str | None = None,
+    from_snapshot: str | None = None,
 ) -> dict[str, Any]:
-    body: dict[str, Any] = {"template": template, "env": dict(env or {})}
+    body: dict[str, Any] = {"from_snapshot": from_snapshot} if from_snapshot else {"template": template}
+    body["env"] = dict(env or {})
     if limits is not None:
         body["limits"] = dict(limits)
     if idle_timeout_s is not None:

@@ -36,6 +36,11 @@ class EgressSpec(_Body):
     credentials: list[str] = Field(default_factory=list)
 
 
+#: A snapshot's name: at most 128 characters, no path or tag separators (and never an id's `snap-` shape:
+#: checked by api/snapshots.take_snapshot, as pydantic's patterns have no look-ahead).
+SNAPSHOT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+
+
 class CreateSandbox(_Body):
     template: str = "python"
     env: dict[str, str] = Field(default_factory=dict)
@@ -51,6 +56,8 @@ class CreateSandbox(_Body):
     # store: 400 naming `metadata`), and what the deadline (ttl_s, or a timeout set later) does.
     metadata: dict[str, str] = Field(default_factory=dict)
     on_timeout: OnTimeout = "delete"
+    # A full snapshot's id or name: the sandbox starts from that checkpoint (api/snapshot_sandboxes.py).
+    from_snapshot: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class TimeoutBody(_Body):
@@ -78,6 +85,8 @@ class RollbackBody(_Body):
 
 class SnapshotBody(_Body):
     full: bool = False
+    # A name for a full snapshot: `from_snapshot` and E2B's templateID accept it (api/snapshot_sandboxes.py).
+    name: str | None = Field(default=None, pattern=SNAPSHOT_NAME_PATTERN)
 
 
 class PtyParameters(_Body):

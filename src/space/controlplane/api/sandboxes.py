@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
+from space.controlplane.api import snapshot_sandboxes
 from space.controlplane.api.bodies import CreateSandbox, EgressSpec, PatchSandbox, TimeoutBody
 from space.controlplane.api.deps import (
     Auth,
@@ -62,6 +63,8 @@ async def create_sandbox(
 ) -> JSONResponse:
     who.require("member")
     check_metadata(body.metadata)  # before anything is recorded (its egress policy)
+    if body.from_snapshot is not None:
+        return await snapshot_sandboxes.create_route(body, who, services, idem)
     # A disk no node can hold is refused now, not left waiting for a node forever (ADR 0027).
     await asyncio.to_thread(check_admissible, services.store, body.limits or SandboxLimits())
     spec = body.egress or EgressSpec()

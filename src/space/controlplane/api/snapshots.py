@@ -9,18 +9,21 @@ Invariants:
 - A fork takes ONE full checkpoint and creates its children as records the reconciler brings up on the
   parent's node (FORK -> creating -> running), like any other create.
 - A snapshot of another project's sandbox answers like a missing one (404).
+- A full snapshot may be given a name (not unique; `from_snapshot` and E2B's templateID take the newest
+  of that name: api/snapshot_sandboxes.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from space.controlplane.api.bodies import ForkBody, RollbackBody, SnapshotBody
+from space.controlplane.api.bodies import SNAPSHOT_NAME_PATTERN, ForkBody, RollbackBody, SnapshotBody
 from space.controlplane.api.deps import (
     Auth,
     IdempotencyKey,
@@ -35,7 +38,7 @@ from space.controlplane.api.deps import (
 from space.controlplane.api.views import Sandbox, Sandboxes, Snapshot, Snapshots, sandbox_view, snapshot_view
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
-from space.core.ids import parse_snapshot_id
+from space.core.ids import SNAPSHOT, parse_snapshot_id
 from space.core.lifecycle import Event, State
 from space.core.sandbox_options import check_metadata
 
@@ -48,11 +51,23 @@ ROLLBACK_LEASE_S = 120.0
 router = APIRouter()
 
 
-async def take_snapshot(services: Services, sb: SandboxRecord, *, full: bool) -> SnapshotRecord:
+async def take_snapshot(
+    services: Services, sb: SandboxRecord, *, full: bool, name: str | None = None
+) -> SnapshotRecord:
+    if name is not None and not full:
+        raise errors.InvalidArgument("only a full snapshot can have a name", field="name")
+    if name is not None and (
+        name.startswith(SNAPSHOT.prefix) or not re.fullmatch(SNAPSHOT_NAME_PATTERN, name)
+    ):
+        raise errors.InvalidArgument(
+            f"invalid snapshot name {name[:80]!r}: letters, digits, '.', '_', '-' (not 'snap-...')",
+            field="name",
+        )
     info = await services.nodes.client(node_of(sb)).create_snapshot(sb.id, full=full)
     snap = await asyncio.to_thread(
         services.store.create_snapshot, sb.id, "full" if full else "disk", node_id=sb.node_id,
         snapshot_id=info.snapshot_id, origin="user", exclusive_bytes=getattr(info, "exclusive_bytes", None),
+        name=name,
     )  # fmt: skip
     return await asyncio.to_thread(services.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
 
@@ -60,8 +75,10 @@ async def take_snapshot(services: Services, sb: SandboxRecord, *, full: bool) ->
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=Snapshot)
 async def create_snapshot(sandbox_id: str, body: SnapshotBody, who: Auth, services: Svc) -> dict[str, Any]:
     who.require("member")
+    if body.name is not None and not body.full:  # refused before the sandbox is touched
+        raise errors.InvalidArgument("only a full snapshot can have a name", field="name")
     sb = await running_sandbox(services, who, sandbox_id)
-    return snapshot_view(await take_snapshot(services, sb, full=body.full))
+    return snapshot_view(await take_snapshot(services, sb, full=body.full, name=body.name))
 
 
 async def _live_exclusive_bytes(

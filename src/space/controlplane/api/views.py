@@ -126,6 +126,7 @@ class Snapshot(_View):
     uploaded_at: str | None
     origin: str | None
     error: str | None
+    name: str | None = Field(default=None, description="The name it was given (full snapshots only).")
 
 
 class Snapshots(_View):
@@ -150,6 +151,7 @@ def snapshot_view(snap: SnapshotRecord, exclusive_bytes: int | None = None) -> d
         "uploaded_at": _iso(snap.uploaded_at),
         "origin": snap.origin,
         "error": snap.error,
+        "name": snap.name,
     }
 
 

@@ -1,16 +1,19 @@
-"""E2B's fork and snapshot routes, and a sandbox created from a snapshot (a snapshot id as `templateID`).
+"""E2B's fork and snapshot routes, and a sandbox created from a snapshot (a snapshot id or name as
+`templateID`).
 
 Invariants:
 - A fork is SPACE's fork (one full checkpoint, the children brought up by the reconciler on the
   parent's node) answered as E2B's `[{"sandbox": Sandbox}]`, 201; each child gets the fork's timeout.
-- An E2B snapshot is a SPACE full snapshot (memory and disk) of the sandbox; its E2B id is the SPACE
-  snapshot id, usable as `templateID`: the new sandbox starts from it like a fork child (on the source
-  sandbox's node, so the source must still exist: SPACE deletes a sandbox's snapshots with it); it
-  takes the given metadata (else its source's), and runs under its source's egress policy.
-- Only the caller's project's snapshots are seen, listed, used or deleted; any other id is a 404 (or an
-  empty list), exactly like a missing one.
-- Snapshot names are not stored by SPACE: a snapshot's only name is its id, and a create that asks for
-  a name is refused (501) rather than answered with a name nothing remembers.
+- An E2B snapshot is a SPACE full snapshot (memory and disk) of the sandbox, named when E2B's create asks
+  for a name (SPACE's named snapshots: not unique; a name used again names a newer snapshot, as E2B assigns
+  a new build to the existing template). Its E2B id is the SPACE snapshot id; `names` is its name, if any.
+  Either is usable as `templateID`: the new sandbox starts from the (newest) snapshot like a fork child
+  (api/snapshot_sandboxes.py: on the source sandbox's node, so the source must still exist: SPACE deletes
+  a sandbox's snapshots with it); it takes the given metadata (else its source's), and runs under its
+  source's egress policy.
+- Only the caller's project's snapshots are seen, listed, used or deleted; any other id or name is a 404
+  (or an empty list), exactly like a missing one. Deleting a name deletes every snapshot of that name (E2B
+  deletes the template with all its builds).
 - A list page token is opaque to the client and checked on the way in (a token that is not one of ours
   is a 400); it only says where the last page ended, never grants anything.
 """
@@ -26,15 +29,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse
 
+from space.controlplane.api import snapshot_sandboxes
 from space.controlplane.api import snapshots as space_snapshots
 from space.controlplane.api.bodies import ForkBody as SpaceForkBody
-from space.controlplane.api.deps import Principal, Services, Svc, running_sandbox, wait_settled
+from space.controlplane.api.deps import Principal, Services, Svc, running_sandbox
+from space.controlplane.api.snapshot_sandboxes import find_snapshot
 from space.controlplane.e2b import options
 from space.controlplane.e2b.auth import E2bAuth
 from space.controlplane.e2b.bodies import ForkBody, NewSandbox, SnapshotBody
 from space.controlplane.e2b.errors import NotSupported
 from space.controlplane.e2b.lookups import shown_sandbox
-from space.controlplane.e2b.views import sandbox_answer, visible
+from space.controlplane.e2b.views import E2B_DEFAULT_TEMPLATE, SPACE_DEFAULT_TEMPLATE, sandbox_answer
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.ids import SNAPSHOT, parse_snapshot_id
@@ -45,7 +50,7 @@ MAX_PAGE = 100
 
 
 def _info(snap: SnapshotRecord) -> dict[str, Any]:
-    return {"snapshotID": snap.id, "names": [snap.id]}
+    return {"snapshotID": snap.id, "names": [snap.name] if snap.name else [snap.id]}
 
 
 # -- fork ----------------------------------------------------------------------------------------------------
@@ -71,13 +76,10 @@ async def create_snapshot(
     sandbox_id: str, who: E2bAuth, services: Svc, body: SnapshotBody | None = None
 ) -> Any:
     who.require("member")
-    if body is not None and body.name is not None:
-        raise NotSupported(
-            "named snapshots are not supported by SPACE: a snapshot's name is its id", field="name"
-        )
+    name = body.name if body is not None else None
     sb = await shown_sandbox(services, who, sandbox_id)
     running = await running_sandbox(services, who, sb.id)
-    return _info(await space_snapshots.take_snapshot(services, running, full=True))
+    return _info(await space_snapshots.take_snapshot(services, running, full=True, name=name))
 
 
 def _page_token(last: SnapshotRecord) -> str:
@@ -99,13 +101,17 @@ def _after(token: str | None) -> str | None:
 async def _named_snapshots(
     services: Services, who: Principal, sandbox_id: str | None, name: str | None
 ) -> list[SnapshotRecord]:
-    """The snapshots a filter names: one sandbox's (few), or the one whose id is `name` (its only name)."""
+    """The snapshots a filter names: one sandbox's (few), the one whose id is `name`, or those called
+    `name`."""
     if name is not None:
-        try:
-            snap = await _project_snapshot(services, who, name)
-        except errors.NotFound:
-            return []
-        return [snap] if sandbox_id in (None, snap.sandbox_id) else []
+        if name.startswith(SNAPSHOT.prefix):
+            try:
+                snaps = [await _project_snapshot(services, who, name)]
+            except errors.NotFound:
+                return []
+        else:
+            snaps = await asyncio.to_thread(services.store.named_snapshots, who.project_id, name)
+        return [s for s in snaps if sandbox_id in (None, s.sandbox_id)]
     assert sandbox_id is not None
     try:
         sb = await shown_sandbox(services, who, sandbox_id)
@@ -140,54 +146,53 @@ async def list_snapshots(
     return JSONResponse([_info(s) for s in page], headers=headers)
 
 
-async def _project_snapshot(services: Services, who: Principal, snapshot_id: str) -> SnapshotRecord:
+async def _project_snapshot(services: Services, who: Principal, ref: str) -> SnapshotRecord:
+    """The caller's snapshot of that id or name (E2B calls it a template: so does the 404)."""
     try:
-        parse_snapshot_id(snapshot_id, field="templateID")
-    except errors.InvalidArgument as exc:
-        raise errors.NotFound(f"template {snapshot_id[:80]} not found") from exc
-    snap = await asyncio.to_thread(services.store.get_snapshot, snapshot_id, project_id=who.project_id)
-    if snap is None or snap.state != "ready" or snap.kind != "full":
-        raise errors.NotFound(f"template {snapshot_id} not found")
-    return snap
+        return await find_snapshot(services, who, ref, field="templateID")
+    except errors.NotFound as exc:
+        raise errors.NotFound(f"template {ref[:80]} not found") from exc
 
 
 @router.delete("/templates/{template_id:path}", status_code=204)
 async def delete_snapshot(template_id: str, who: E2bAuth, services: Svc) -> Response:
-    """E2B deletes a snapshot as a template; SPACE's templates are not deleted through this API."""
+    """E2B deletes a snapshot as a template: by id that snapshot, by name every snapshot of the name."""
     who.require("member")
-    snap = await _project_snapshot(services, who, template_id)
-    await asyncio.to_thread(services.store.delete_snapshot, snap.id)
+    if template_id.startswith(SNAPSHOT.prefix):
+        snaps = [await _project_snapshot(services, who, template_id)]
+    else:
+        snaps = await asyncio.to_thread(services.store.named_snapshots, who.project_id, template_id[:128])
+        if not snaps:
+            raise errors.NotFound(f"template {template_id[:80]} not found")
+    for snap in snaps:
+        await asyncio.to_thread(services.store.delete_snapshot, snap.id)
     return Response(status_code=204)
 
 
 # -- a sandbox from a snapshot -------------------------------------------------------------------------------
 async def snapshot_source(services: Services, who: Principal, template_id: str) -> SnapshotRecord | None:
-    """The caller's snapshot a create's `templateID` names (None: it names a template)."""
-    if not template_id.startswith(SNAPSHOT.prefix):
+    """The caller's snapshot a create's `templateID` names (None: it names a template). An id is always a
+    snapshot's; a name is a snapshot's when the project has a snapshot of that name, except the built-in
+    template names E2B's SDK and SPACE default to, which stay templates."""
+    if template_id.startswith(SNAPSHOT.prefix):
+        return await _project_snapshot(services, who, template_id)
+    if template_id in (E2B_DEFAULT_TEMPLATE, SPACE_DEFAULT_TEMPLATE):
         return None
-    return await _project_snapshot(services, who, template_id)
+    named = await asyncio.to_thread(services.store.named_snapshots, who.project_id, template_id[:128])
+    return named[-1] if named else None
 
 
 async def create_from_snapshot(
     services: Services, who: Principal, snap: SnapshotRecord, body: NewSandbox, *, sandbox_id: str | None
 ) -> SandboxRecord:
-    """The new sandbox (`sandbox_id`: the one an Idempotency-Key derives, so that a retry of a request that
-    died finds the sandbox it recorded), once it runs."""
+    """The new sandbox (`sandbox_id`: the one an Idempotency-Key derives), once it runs."""
     if body.network is not None or body.allow_internet_access is False:
         # A fork child runs under its source's egress policy (SPACE's rule for forks).
         raise NotSupported("a sandbox from a snapshot has its source's network settings", field="network")
-    source = await asyncio.to_thread(services.store.load_sandbox, snap.sandbox_id)
-    if source is None or not visible(source):
-        raise errors.NotFound(f"template {snap.id} not found (its sandbox is gone)")
-    env = {**source.env, **(body.env_vars or {})}
     try:
-        child = await asyncio.to_thread(
-            services.store.create_sandbox, who.project_id, source.template, env, source.limits,
-            idle_timeout_s=source.idle_timeout_s, ttl_s=body.timeout, forked_from=source.id,
-            fork_snapshot_id=snap.id, metadata=body.metadata, on_timeout=options.on_timeout(body),
-            sandbox_id=sandbox_id,
+        return await snapshot_sandboxes.create_from_snapshot(
+            services, who, snap, env=body.env_vars or {}, ttl_s=body.timeout, metadata=body.metadata,
+            on_timeout=options.on_timeout(body), sandbox_id=sandbox_id,
         )  # fmt: skip
-    except errors.AlreadyExists:
-        assert sandbox_id is not None
-        child = await shown_sandbox(services, who, sandbox_id)  # a retry: that row is its first request's
-    return await wait_settled(services, child.id)
+    except errors.NotFound as exc:
+        raise errors.NotFound(f"template {snap.id} not found (its sandbox is gone)") from exc

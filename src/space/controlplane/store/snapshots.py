@@ -10,6 +10,8 @@ Invariants:
   methods.
 - A snapshot counts as restorable only once its uploaded copy is known complete (`restorable`); restore
   and recovery use nothing else.
+- A snapshot may carry a user's `name` (not unique: a name used again names one more snapshot, and the
+  newest ready one of the project is the one the name means); names are looked up per project only.
 - A full checkpoint's row records the runtime it needs (`runtime`, ADR 0035): given by the caller, else the
   runtime its node reported, copied in the transaction that writes the row.
 """
@@ -43,8 +45,11 @@ SNAPSHOT_FIELDS: Final = frozenset(
         "error",
         "origin",
         "runtime",
+        "name",
     }
 )
+#: The most snapshots one name lists (E2B re-uses a name: each use is one more snapshot of it).
+MAX_NAMED = 1000
 _SNAPSHOT_KINDS: Final = frozenset(get_args(SnapshotKind))
 
 
@@ -127,6 +132,20 @@ class SnapshotRepository(Repository):
                 )
             rows = session.scalars(query.order_by(Snapshot.created_at, Snapshot.id).limit(limit))
             return [snapshot_record(row) for row in rows]
+
+    def named_snapshots(self, project_id: str, name: str) -> list[SnapshotRecord]:
+        """The project's ready full snapshots called `name` (of its live sandboxes), oldest first: the last
+        is the one the name means. At most MAX_NAMED (the newest)."""
+        with self._tx("finding a project's named snapshots") as session:
+            query = (
+                select(Snapshot)
+                .join(Sandbox, Sandbox.id == Snapshot.sandbox_id)
+                .where(Sandbox.project_id == project_id, Sandbox.deleted_at.is_(None))
+                .where(Snapshot.name == name, Snapshot.state == "ready", Snapshot.kind == "full")
+                .order_by(Snapshot.created_at.desc(), Snapshot.id.desc())
+                .limit(MAX_NAMED)
+            )
+            return [snapshot_record(row) for row in reversed(list(session.scalars(query)))]
 
     def mark_snapshot_ready(
         self, snapshot_id: str, size_bytes: int | None = None, *, node_id: str | None = None

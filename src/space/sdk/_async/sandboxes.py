@@ -60,10 +60,13 @@ class AsyncSandboxes:
         wait: bool = True,
         metadata: Mapping[str, str] | None = None,
         on_timeout: str | None = None,
+        from_snapshot: str | None = None,
     ) -> AsyncSandbox:
         """A new sandbox. `ttl_s` is its deadline in seconds (reset with `set_timeout`); at the deadline
         `on_timeout` "delete" (the default) deletes it, "pause" keeps it suspended (paused without object
-        storage) until it is used again. `metadata` labels it for `list(metadata=...)`."""
+        storage) until it is used again. `metadata` labels it for `list(metadata=...)`. `from_snapshot`
+        (a full snapshot's id or name) starts it from that checkpoint, with its source's template, limits
+        and egress policy."""
         body = create_body(
             template=template,
             env=env,
@@ -77,6 +80,7 @@ class AsyncSandboxes:
             snapshot_policy=snapshot_policy,
             metadata=metadata,
             on_timeout=on_timeout,
+            from_snapshot=from_snapshot,
         )
         data = await self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
         return AsyncSandbox(self._http, data)
@@ -382,12 +386,18 @@ class AsyncSnapshots:
         self._sandbox = sandbox
         self._http = sandbox._http
 
-    async def create(self, *, full: bool = False, idempotency_key: str | None = None) -> Snapshot:
-        """A disk snapshot, or with full=True a full checkpoint (processes and memory too)."""
+    async def create(
+        self, *, full: bool = False, name: str | None = None, idempotency_key: str | None = None
+    ) -> Snapshot:
+        """A disk snapshot, or with full=True a full checkpoint (processes and memory too). A full one may
+        have a `name` (not unique: the newest of a name is the one `create(from_snapshot=name)` uses)."""
+        body: dict[str, Any] = {"full": full}
+        if name is not None:
+            body["name"] = name
         answer = await self._http.json(
             "POST",
             f"{self._sandbox.path}/snapshots",
-            json_body={"full": full},
+            json_body=body,
             idempotency_key=idempotency_key,
         )
         return Snapshot(answer)

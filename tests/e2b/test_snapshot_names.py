@@ -1,0 +1,132 @@
+"""Named snapshots usable as templates: SPACE's API first (`name` on a full snapshot, `from_snapshot` on a
+create, by id or name, SDK and CLI), then E2B's `create_snapshot(name)`, `Sandbox.create(name)`,
+`list_snapshots(name=...)` and `delete_snapshot(name)` through the `e2b` SDK; another tenant's ids and
+names are 404 everywhere. On the fake driver (the checkpoint is the fake's; the real one is in
+test_gaps_real)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import e2b
+import httpx
+import pytest
+from e2b.api.client.models import Error
+
+from space.core import errors
+from space.sdk import Space
+from tests.support import cluster as c
+from tests.support.e2b_cluster import E2bCluster
+
+
+@pytest.fixture
+def tenants(e2b_fake: E2bCluster) -> Iterator[tuple[c.Project, c.Project]]:
+    mine, theirs = c.new_project(e2b_fake.cluster), c.new_project(e2b_fake.cluster)
+    try:
+        yield mine, theirs
+    finally:
+        for project in (mine, theirs):
+            c.delete_all(e2b_fake.cluster, project)
+
+
+def _e2b(e2b_fake: E2bCluster, key: str) -> httpx.Client:
+    return httpx.Client(base_url=e2b_fake.api_url, headers={"X-API-Key": key}, timeout=60)
+
+
+def _status(answer: httpx.Response, status: int) -> None:
+    assert answer.status_code == status, (answer.request.method, answer.request.url, answer.text)
+    assert Error.from_dict(answer.json()).code == status
+
+
+def _not_from_a_snapshot(e2b_fake: E2bCluster, client: httpx.Client) -> bool:
+    """Whether a create naming "e2b-named" made a plain sandbox of that template (the fake driver has every
+    template), not one from a snapshot."""
+    answer = client.post("/v2/sandboxes", json={"templateID": "e2b-named"})
+    assert answer.status_code == 201, answer.text
+    record = e2b_fake.cluster.store.load_sandbox(answer.json()["sandboxID"])
+    assert record is not None
+    return record.forked_from is None and record.fork_snapshot_id is None and record.template == "e2b-named"
+
+
+def test_space_api_names_a_full_snapshot_and_creates_from_it(
+    e2b_fake: E2bCluster, tenants: tuple[c.Project, c.Project]
+) -> None:
+    mine, theirs = tenants
+    with mine.sdk() as sp, theirs.sdk() as other:
+        source = sp.sandboxes.create(env={"FROM": "source"}, metadata={"role": "source"})
+        first = source.snapshots.create(full=True, name="golden")
+        assert first.name == "golden" and first.kind == "full"
+        assert [s.name for s in source.snapshots.list() if s.id == first.id] == ["golden"]
+        newer = source.snapshots.create(full=True, name="golden")  # a name used again: the newer one
+        child = sp.sandboxes.create(from_snapshot="golden", env={"EXTRA": "1"}, metadata={"role": "child"})
+        record = e2b_fake.cluster.store.load_sandbox(child.id)
+        assert record is not None and record.forked_from == source.id and record.fork_snapshot_id == newer.id
+        assert record.env == {"FROM": "source", "EXTRA": "1"} and child.metadata == {"role": "child"}
+        assert child.state == "running" and record.template == "python"
+        by_id = sp.sandboxes.create(from_snapshot=first.id)
+        by_id_record = e2b_fake.cluster.store.load_sandbox(by_id.id)
+        assert by_id_record is not None and by_id_record.fork_snapshot_id == first.id
+        _refusals(sp, other, source.id, first.id)
+
+
+def _refusals(sp: Space, other: Space, source_id: str, snapshot_id: str) -> None:
+    source = sp.sandboxes.ref(source_id)
+    with pytest.raises(errors.InvalidArgument):  # a disk snapshot has no name
+        source.snapshots.create(full=False, name="disk-one")
+    for bad in ("snap-looks-like-an-id", "team/x", "x:tag", "", "n" * 129, "-dash"):
+        with pytest.raises(errors.InvalidArgument):
+            source.snapshots.create(full=True, name=bad)
+    # What a sandbox from a snapshot takes from its source is not the create's to set.
+    with pytest.raises(errors.InvalidArgument) as fixed:
+        sp.sandboxes.create("python", from_snapshot="golden", limits={"cpus": 1})
+    assert fixed.value.details["field"] == "limits"
+    for missing in ("nothing-called-this", "snap-" + "0" * 26, "snap-../../v1", "golden%2f.."):
+        with pytest.raises(errors.NotFound):
+            sp.sandboxes.create(from_snapshot=missing)
+    # Another tenant: neither the name nor the id is theirs to use, and their own name is their own.
+    for ref in ("golden", snapshot_id):
+        with pytest.raises(errors.NotFound):
+            other.sandboxes.create(from_snapshot=ref)
+    with pytest.raises(errors.NotFound):
+        other.sandboxes.ref(source_id).snapshots.create(full=True, name="golden")
+
+
+def test_e2b_named_snapshots_through_the_sdk(
+    e2b_fake: E2bCluster, tenants: tuple[c.Project, c.Project], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mine, theirs = tenants
+    monkeypatch.setenv("E2B_API_KEY", mine.key)
+    monkeypatch.setenv("E2B_API_URL", e2b_fake.api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2b_fake.sandbox_url)
+    monkeypatch.setenv("E2B_DOMAIN", "space.invalid")
+    sbx = e2b.Sandbox.create()
+    snap = sbx.create_snapshot(name="e2b-named")
+    assert snap.names == ["e2b-named"] and snap.snapshot_id.startswith("snap-")
+    again = sbx.create_snapshot(name="e2b-named")
+    listed = e2b.Sandbox.list_snapshots(name="e2b-named").next_items()
+    assert [s.snapshot_id for s in listed] == [snap.snapshot_id, again.snapshot_id]
+    assert [s.snapshot_id for s in sbx.list_snapshots(name="e2b-named").next_items()] == [
+        snap.snapshot_id, again.snapshot_id,
+    ]  # fmt: skip
+    child = e2b.Sandbox.create("e2b-named")  # the name as a template: the newest snapshot of it
+    record = e2b_fake.cluster.store.load_sandbox(child.sandbox_id)
+    assert record is not None and record.fork_snapshot_id == again.snapshot_id
+    assert child.get_info().state.value == "running"
+    # Another tenant sees nothing of it and can use or delete none of it.
+    them = _e2b(e2b_fake, theirs.key)
+    assert them.get("/snapshots", params={"name": "e2b-named"}).json() == []
+    assert _not_from_a_snapshot(e2b_fake, them)  # for them the name is only a template name
+    _status(them.delete("/templates/e2b-named"), 404)
+    _status(them.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "e2b-named"}), 404)
+    assert len(e2b.Sandbox.list_snapshots(name="e2b-named").next_items()) == 2  # untouched
+    # Deleting the name deletes every snapshot of it (E2B deletes the template with its builds).
+    assert e2b.Sandbox.delete_snapshot("e2b-named") is True
+    assert e2b.Sandbox.list_snapshots(name="e2b-named").next_items() == []
+    assert e2b.Sandbox.delete_snapshot("e2b-named") is False
+    mine_api = _e2b(e2b_fake, mine.key)
+    assert _not_from_a_snapshot(e2b_fake, mine_api)  # the name is a template name again
+    oversized = mine_api.post(
+        f"/sandboxes/{sbx.sandbox_id}/snapshots", content=json.dumps({"name": "n" * 300})
+    )
+    _status(oversized, 400)
