@@ -26,7 +26,8 @@ from space.core.lifecycle import State
 ENVD_VERSION = "0.6.13"
 #: E2B requires a client id in every sandbox answer; it means nothing (E2B answers a constant too).
 CLIENT_ID = "space"
-#: E2B's template name for its default image, and the SPACE template it maps to until a real `base` exists.
+#: E2B's template name for its default image, which is SPACE's built-in `base` (user `user` in /home/user
+#: with passwordless sudo: ADR 0057), and SPACE's own default template.
 E2B_DEFAULT_TEMPLATE = "base"
 SPACE_DEFAULT_TEMPLATE = "python"
 #: A sandbox without a deadline still needs an `endAt` (a required field): this far after its start.
@@ -44,8 +45,8 @@ SPACE_STATES_OF: dict[str, tuple[State, ...]] = {
 
 
 def space_template(template_id: str) -> str:
-    """The SPACE template an E2B template id names (`base` is SPACE's default template)."""
-    return SPACE_DEFAULT_TEMPLATE if template_id == E2B_DEFAULT_TEMPLATE else template_id
+    """The SPACE template an E2B template id names: the same name (E2B's `base` is SPACE's `base`)."""
+    return template_id
 
 
 def visible(sb: SandboxRecord) -> bool:
