@@ -1,5 +1,7 @@
-"""How run_code runs Python in a sandbox: like a notebook cell (E2B's `run_code`), with the standard library
-of the sandbox's own python3 and nothing installed by SPACE.
+"""How run_code runs Python in a sandbox. In a sandbox of the code-interpreter template, in its Jupyter
+kernel (the API's `run_code`, ADR 0058: state kept between calls, rich results; `execution_text` renders
+it); in any other, like a notebook cell (E2B's `run_code`) with the standard library of the sandbox's own
+python3 and nothing installed by SPACE (CELL below).
 
 Invariants:
 - The code travels on the command's stdin, never in its argv (no length limit of the kernel's, nothing
@@ -11,7 +13,12 @@ Invariants:
 
 from __future__ import annotations
 
-__all__ = ["CELL", "run_code_argv"]
+import re
+
+from space.mcp.render import bounded
+from space.sdk.code import CodeExecution
+
+__all__ = ["CELL", "execution_text", "run_code_argv"]
 
 CELL = """\
 import ast, sys, traceback
@@ -41,3 +48,37 @@ except BaseException:
 def run_code_argv() -> list[str]:
     """The argv that runs the code given on stdin as a cell."""
     return ["python3", "-c", CELL]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+#: Result formats shown by their size only (an agent reading text gains nothing from base64).
+_BINARY_FORMATS = ("png", "jpeg", "pdf", "svg")
+
+
+def _image_line(kind: str, value: object) -> str:
+    return "[svg image]" if kind == "svg" else f"[{kind} image: {len(str(value))} characters of base64]"
+
+
+def execution_text(execution: CodeExecution) -> str:
+    """A kernel execution (the code-interpreter template, ADR 0058) as text: its outcome, its output, the
+    text of its results (images by kind and size), and its error with the traceback, colours removed."""
+    if execution.timed_out:
+        status = "timed out (interrupted)"
+    elif execution.error is not None:
+        status = f"error: {execution.error.name}: {execution.error.value}"
+    else:
+        status = "ok"
+    parts = [status]
+    for name, chunks in (("stdout", execution.stdout), ("stderr", execution.stderr)):
+        if chunks:
+            parts.append(f"--- {name} ---\n{bounded(''.join(chunks))}")
+    for result in execution.results:
+        label = "result" if result.get("is_main_result") else "display"
+        shown = [_image_line(kind, result[kind]) for kind in _BINARY_FORMATS if result.get(kind)]
+        text = result.get("text")
+        if text:
+            shown.insert(0, bounded(str(text)))
+        parts.append(f"--- {label} ---\n" + "\n".join(shown or ["(no text)"]))
+    if execution.error is not None and execution.error.traceback:
+        parts.append(f"--- traceback ---\n{bounded(_ANSI.sub('', execution.error.traceback))}")
+    return "\n".join(parts)

@@ -30,10 +30,10 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
 
-from space.core.errors import SpaceError
+from space.core.errors import Conflict, SpaceError
 from space.core.sandbox_options import MAX_METADATA_KEY, MAX_METADATA_KEYS, MAX_METADATA_VALUE
 from space.mcp import render
-from space.mcp.code import run_code_argv
+from space.mcp.code import execution_text, run_code_argv
 from space.sdk import AsyncSandbox, AsyncSpace
 
 __all__ = ["MAX_ARGUMENT_CHARS", "READ_LIMIT_BYTES", "WRITE_LIMIT_BYTES", "ClientSource", "build_server"]
@@ -259,7 +259,8 @@ class SpaceTools:
         ] = None,
         timeout: Timeout = 60,
     ) -> str:
-        """Run Python code like a notebook cell: what it prints, and the value of its last expression."""
+        """Run Python code like a notebook cell: what it prints, and the value of its last expression. In a
+        code-interpreter sandbox it runs in the sandbox's Jupyter kernel (variables stay between calls)."""
         async with self.acting(ctx) as space:
             if id is not None:
                 return await _run(space.sandboxes.ref(id), code, timeout)
@@ -320,8 +321,13 @@ class SpaceTools:
 
 
 async def _run(sb: AsyncSandbox, code: str, timeout: float) -> str:
-    result = await sb.exec(run_code_argv(), stdin=code.encode("utf-8"), timeout=timeout)
-    return render.exec_text(result)
+    """In the sandbox's kernel when its template has one (ADR 0058), else as a one-off cell."""
+    try:
+        execution = await sb.run_code(code, timeout=timeout)
+    except Conflict:  # the template has no kernel (the API names the code-interpreter template)
+        result = await sb.exec(run_code_argv(), stdin=code.encode("utf-8"), timeout=timeout)
+        return render.exec_text(result)
+    return execution_text(execution)
 
 
 def _decoded(content: str, encoding: Encoding) -> bytes:

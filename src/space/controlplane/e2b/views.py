@@ -8,7 +8,8 @@ Invariants:
   `paused`; every other live sandbox is `running` (including one being created, resumed or recovered: it
   will run without being asked). A deleted sandbox, or one wished deleted, is not shown at all.
 - Times are RFC 3339 in UTC with microseconds (E2B's `startedAfter` filter compares at that precision).
-- `envdAccessToken` is only in answers to keys that may change the sandbox (access.py).
+- `envdAccessToken` (and `trafficAccessToken`, the same token: ADR 0058) is only in answers to keys that may
+  change the sandbox (access.py).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def sandbox_answer(sb: SandboxRecord, who: Principal, node_token: str) -> dict[s
     }
     if who.role != "read-only":
         body["envdAccessToken"] = envd_access_token(node_token, sb.id)
+        # The code interpreter's SDK sends only this header on its context calls (port 49999, ADR 0058):
+        # the same token, the same rights in this one sandbox.
+        body["trafficAccessToken"] = body["envdAccessToken"]
     return body
 
 

@@ -19,6 +19,7 @@ from space.sdk._async.files import AsyncFiles
 from space.sdk._async.http import AsyncHTTP, AsyncSandboxRef
 from space.sdk._async.processes import AsyncProcesses
 from space.sdk._backend import AsyncBackend, AsyncOnData
+from space.sdk.code import CodeExecution
 from space.sdk.models import (
     Command,
     ExecResult,
@@ -342,6 +343,38 @@ class AsyncSandbox:
             timeout=self._http.timeout(None if timeout is None else timeout + 60),
         )
         return ExecResult.from_wire(answer)
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        on_event: Callable[[dict[str, Any]], object] | None = None,
+    ) -> CodeExecution:
+        """Run code in the sandbox's Jupyter kernel (a sandbox of the code-interpreter template): results in
+        every format the kernel gave (PNGs as base64), output and error; `context` names a kernel context
+        (default: the default one, whose variables stay between calls); `timeout` interrupts the kernel."""
+        body: dict[str, Any] = {"code": code, "language": language}
+        if context is not None:
+            body["context"] = context
+        if env:
+            body["env"] = dict(env)
+        if timeout is not None:
+            body["timeout"] = timeout
+        execution = CodeExecution()
+        async with self._http.stream(
+            "POST", f"{self.path}/code", json_body=body, timeout=self._http.timeout(None)
+        ) as response:
+            async for raw in self._http.iter_ndjson(response):
+                execution.take(raw)
+                if on_event is not None:
+                    await AsyncBackend.call(on_event, raw)
+        if not execution.finished:
+            raise SpaceError("the code stream ended before the end of the execution")
+        return execution
 
     async def exec_stream(
         self,

@@ -22,6 +22,7 @@ from space.sdk._backend import SyncBackend, SyncOnData
 from space.sdk._sync.files import Files
 from space.sdk._sync.http import SyncHTTP, SyncSandboxRef
 from space.sdk._sync.processes import Processes
+from space.sdk.code import CodeExecution
 from space.sdk.models import (
     Command,
     ExecResult,
@@ -341,6 +342,38 @@ class Sandbox:
             timeout=self._http.timeout(None if timeout is None else timeout + 60),
         )
         return ExecResult.from_wire(answer)
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: str | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        on_event: Callable[[dict[str, Any]], object] | None = None,
+    ) -> CodeExecution:
+        """Run code in the sandbox's Jupyter kernel (a sandbox of the code-interpreter template): results in
+        every format the kernel gave (PNGs as base64), output and error; `context` names a kernel context
+        (default: the default one, whose variables stay between calls); `timeout` interrupts the kernel."""
+        body: dict[str, Any] = {"code": code, "language": language}
+        if context is not None:
+            body["context"] = context
+        if env:
+            body["env"] = dict(env)
+        if timeout is not None:
+            body["timeout"] = timeout
+        execution = CodeExecution()
+        with self._http.stream(
+            "POST", f"{self.path}/code", json_body=body, timeout=self._http.timeout(None)
+        ) as response:
+            for raw in self._http.iter_ndjson(response):
+                execution.take(raw)
+                if on_event is not None:
+                    SyncBackend.call(on_event, raw)
+        if not execution.finished:
+            raise SpaceError("the code stream ended before the end of the execution")
+        return execution
 
     def exec_stream(
         self,
