@@ -11,6 +11,7 @@ from space.sdk._async.client import AsyncSpace
 from space.sdk._async.files import AsyncFiles
 from space.sdk._async.processes import AsyncProcess, AsyncProcesses
 from space.sdk._async.sandboxes import AsyncSandbox, AsyncSandboxes, AsyncSandboxPage, AsyncSnapshots
+from space.sdk._async.templates import AsyncTemplates
 
 __all__ = [
     "AsyncCredentials",
@@ -24,4 +25,5 @@ __all__ = [
     "AsyncSandboxes",
     "AsyncSnapshots",
     "AsyncSpace",
+    "AsyncTemplates",
 ]

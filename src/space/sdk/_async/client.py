@@ -21,6 +21,7 @@ import httpx
 from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
 from space.sdk._async.http import AsyncHTTP
 from space.sdk._async.sandboxes import AsyncSandboxes
+from space.sdk._async.templates import AsyncTemplates
 from space.sdk.config import resolve_config
 
 __all__ = ["AsyncSpace"]
@@ -58,6 +59,7 @@ class AsyncSpace:
         self.projects = AsyncProjects(self._http)
         self.keys = AsyncKeys(self._http)
         self.credentials = AsyncCredentials(self._http)
+        self.templates = AsyncTemplates(self._http)
 
     async def health(self) -> dict[str, Any]:
         """GET /healthz (unauthenticated)."""

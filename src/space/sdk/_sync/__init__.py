@@ -14,6 +14,7 @@ from space.sdk._sync.client import Space
 from space.sdk._sync.files import Files
 from space.sdk._sync.processes import Process, Processes
 from space.sdk._sync.sandboxes import Sandbox, Sandboxes, SandboxPage, Snapshots
+from space.sdk._sync.templates import Templates
 
 __all__ = [
     "Credentials",
@@ -27,4 +28,5 @@ __all__ = [
     "Sandboxes",
     "Snapshots",
     "Space",
+    "Templates",
 ]

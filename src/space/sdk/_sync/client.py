@@ -24,6 +24,7 @@ import httpx
 from space.sdk._sync.admin import Credentials, Keys, Projects
 from space.sdk._sync.http import SyncHTTP
 from space.sdk._sync.sandboxes import Sandboxes
+from space.sdk._sync.templates import Templates
 from space.sdk.config import resolve_config
 
 __all__ = ["Space"]
@@ -61,6 +62,7 @@ class Space:
         self.projects = Projects(self._http)
         self.keys = Keys(self._http)
         self.credentials = Credentials(self._http)
+        self.templates = Templates(self._http)
 
     def health(self) -> dict[str, Any]:
         """GET /healthz (unauthenticated)."""
