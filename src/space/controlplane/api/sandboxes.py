@@ -4,6 +4,8 @@ Invariants:
 - Lifecycle routes only *record desired state* (after checking the transition table allows the request,
   so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
   they never call a node themselves.
+- A create's `template` is a name or id the project sees (its own templates, the built-ins), recorded as
+  the node-level name of a ready template (space.controlplane.template_catalog, ADR 0055).
 - A create that waits takes the direct path (docs/adr/0046-direct-create-path.md): the request records the
   row, takes its work lease and runs the reconciler's own steps at once (Reconciler.drive: node chosen and
   incarnation recorded with the `create` swap, before the node call); it answers as soon as the sandbox
@@ -22,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -48,6 +51,8 @@ from space.controlplane.api.views import Sandbox, Sandboxes, sandbox_view
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_listing import DEFAULT_PAGE, MAX_PAGE, MAX_TOKEN_LENGTH, SandboxQuery
+from space.controlplane.template_catalog import find as find_template
+from space.controlplane.template_catalog import resolve_for_create
 from space.core import errors, lifecycle
 from space.core.ids import new_sandbox_id, parse_sandbox_id
 from space.core.lifecycle import Event, State, transition
@@ -90,9 +95,11 @@ async def _create(
     services: Services, who: Principal, body: CreateSandbox, env: dict[str, str], sandbox_id: str | None
 ) -> SandboxRecord:
     policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
+    # A name or id the project sees, as the node-level name of a READY template (404 / 409 naming its status).
+    template = await asyncio.to_thread(resolve_for_create, services.store, who.project_id, body.template)
     try:
         sb = await asyncio.to_thread(
-            services.store.create_sandbox, who.project_id, body.template, env, body.limits,
+            services.store.create_sandbox, who.project_id, template, env, body.limits,
             idle_timeout_s=body.idle_timeout_s, ttl_s=body.ttl_s, sandbox_id=sandbox_id,
             snapshot_policy=policy, metadata=body.metadata, on_timeout=body.on_timeout,
         )  # fmt: skip
@@ -128,6 +135,11 @@ async def list_sandboxes(
         datetime | None, Query(description="Only sandboxes created at or after this time (with its offset).")
     ] = None,
 ) -> JSONResponse:
+    if template is not None:  # a project template's name or id lists the sandboxes of its node-level name
+        with contextlib.suppress(errors.SpaceError):
+            template = (
+                await asyncio.to_thread(find_template, services.store, who.project_id, template)
+            ).node_name
     query = SandboxQuery(
         states=tuple(lifecycle.parse_state(s) for s in state), template=template,
         metadata=metadata_filters(metadata), order=order, limit=limit, page_token=page_token,
