@@ -4,14 +4,16 @@ btrfs, the root helper): ADR 0056.
 - An OCI layout archive made here from the `python` template's own tree (one layer) plus a second layer
   with a whiteout and an opaque directory is imported by the helper's verb; a real sandbox of the result
   sees exactly what the layers say.
-- The template is published, removed from the node, and five concurrent creates of it on the node that
-  now lacks it read the template's stream from the store ONCE (a counting store), then all five run.
+- A user template (committed as a build commits one) is published, removed from the node, and five
+  concurrent creates of it on the node that now lacks it read the template's stream from the store ONCE
+  (a counting store), then all five run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import pathlib
 import shutil
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 
 from space.node.agent import template_travel
+from space.node.volumes import btrfs
 from space.objectstore.backends import open_store
 from space.objectstore.base import ObjectStore
 from tests.support.oci_archives import Image, directory, file, layer, oci_layout
@@ -32,8 +35,11 @@ pytestmark = pytest.mark.root
 
 NAME = "tpl-0a0b0c0d0e0f0a0b"
 IMPORTED = template_travel.imported_name(NAME)
-# Big and irrelevant to the test: left out so the archive stays small (the daemon needs none of it).
-SKIP = ("usr/share/doc", "usr/share/man", "usr/share/locale", "usr/share/info", "var/cache", "var/lib/apt",
+# Big and irrelevant to the test: left out so the archive stays small (the daemon and the shell commands
+# of the test need python3, its standard library, coreutils and their libraries, none of these).
+SKIP = ("usr/share", "usr/lib/git-core", "usr/lib/apt", "usr/lib/x86_64-linux-gnu/perl",
+        "usr/lib/x86_64-linux-gnu/perl-base", "usr/lib/x86_64-linux-gnu/gconv", "usr/bin/git",
+        "usr/bin/scalar", "usr/bin/perl", "usr/bin/perl5.36.0", "var/cache", "var/lib/apt", "var/lib/dpkg",
         "opt/space")  # fmt: skip
 
 
@@ -118,19 +124,17 @@ def test_sandbox_of_an_imported_image_sees_its_layers(node: RealNode, imported: 
     node.run(scenario(), timeout=600)
 
 
-def test_concurrent_first_use_downloads_once(node: RealNode, imported: str, store_dir: pathlib.Path) -> None:
+def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.Path) -> None:
     helper = node.agent.driver.helper  # type: ignore[attr-defined]
     store = CountingStore(open_store(store_dir.as_uri()))
     saved, node.agent.store = node.agent.store, store
     created: list[str] = []
 
     async def scenario() -> None:
-        # The imported tree under the travelling name: published, then gone from this node.
+        # A user template as a build commits one (a snapshot of `python` plus what the build wrote),
+        # published, then gone from this node.
         await helper.call("template.delete", {"name": NAME})
-        meta = await template_travel.held(node.agent, imported)
-        assert meta is not None
-        shutil_copy = await asyncio.to_thread(_snapshot_as, node, imported, NAME, meta)
-        assert shutil_copy
+        await asyncio.to_thread(_commit_like_a_build, node, NAME)
         manifest = await template_travel.publish_template(node.agent, NAME)
         await helper.call("template.delete", {"name": NAME})
         assert await template_travel.held(node.agent, NAME) is None
@@ -140,9 +144,11 @@ def test_concurrent_first_use_downloads_once(node: RealNode, imported: str, stor
         created.extend(h.sandbox_id for h in handles)
         part_gets = [key for key in store.gets if key in stream_parts]
         assert sorted(part_gets) == sorted(stream_parts), "the stream was not read exactly once"
+        held = await template_travel.held(node.agent, NAME)
+        assert held is not None and held["workdir"] == "/srv" and held["received"]
         for handle in handles:
-            result = await handle.session.exec("cat /root/kept")
-            assert result.stdout == b"from the second layer\n"
+            result = await handle.session.exec("cat /srv/built")
+            assert result.stdout == b"by the build\n"
 
     try:
         node.run(scenario(), timeout=900)
@@ -152,13 +158,15 @@ def test_concurrent_first_use_downloads_once(node: RealNode, imported: str, stor
         node.agent.store = saved
 
 
-def _snapshot_as(node: RealNode, source: str, name: str, meta: dict[str, object]) -> bool:
-    """A read-only copy of template `source` named `name`, with its metadata (as a build would commit)."""
-    import json
-
-    from space.node.volumes import btrfs
-
+def _commit_like_a_build(node: RealNode, name: str) -> None:
+    """A read-only snapshot of `python` with a file added, and its metadata, as template `name`."""
     templates = node.data_dir / "fs" / "templates"
-    btrfs.snapshot(templates / source, templates / name, readonly=True)
-    (templates / f"{name}.json").write_text(json.dumps({**meta, "name": name}))
-    return True
+    work = templates / f".{name}.new"
+    btrfs.snapshot(templates / "python", work, readonly=False)
+    (work / "srv").mkdir(exist_ok=True)
+    (work / "srv" / "built").write_text("by the build\n")
+    btrfs.set_readonly(work, True)
+    os.rename(work, templates / name)
+    meta = json.loads((templates / "python.json").read_text())
+    meta.update({"name": name, "builtin": False, "from": "python", "workdir": "/srv", "env": {}})
+    (templates / f"{name}.json").write_text(json.dumps(meta))
