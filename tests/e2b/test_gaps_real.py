@@ -1,12 +1,13 @@
 """E2B gaps closed in round 2 of issue 13, through E2B's own SDK against a real installation (runsc):
-RENAME and CHMOD watch events, a process's envs and cwd in `commands.list()`, and `auto_resume` (a paused
-sandbox is brought back by its next use)."""
+RENAME and CHMOD watch events, a process's envs and cwd in `commands.list()`, a named snapshot used as a
+template, and `auto_resume` (a paused sandbox is brought back by its next use)."""
 
 from __future__ import annotations
 
 import secrets
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -17,13 +18,16 @@ from tests.support.cluster import RealCluster, real_cluster  # noqa: F401 - modu
 pytestmark = pytest.mark.root
 
 
+def _opts(real_cluster: RealCluster) -> dict[str, Any]:  # noqa: F811
+    return {
+        "api_key": real_cluster.api_key, "api_url": real_cluster.e2b_api_url,
+        "sandbox_url": real_cluster.e2b_sandbox_url, "domain": "space.invalid",
+    }  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def sbx(real_cluster: RealCluster) -> Iterator[Sandbox]:  # noqa: F811
-    made = Sandbox.create(
-        api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
-        sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
-        lifecycle={"on_timeout": "pause", "auto_resume": True},
-    )  # fmt: skip
+    made = Sandbox.create(**_opts(real_cluster), lifecycle={"on_timeout": "pause", "auto_resume": True})
     try:
         yield made
     finally:
@@ -88,6 +92,25 @@ def test_process_list_has_envs_and_cwd(sbx: Sandbox, real_cluster: RealCluster, 
         assert mine["config"].get("envs", {}) == {} and mine["config"]["cwd"] == "/tmp"
     finally:
         sbx.commands.kill(handle.pid)
+
+
+def test_named_snapshot_is_a_template(sbx: Sandbox, real_cluster: RealCluster) -> None:  # noqa: F811
+    """A full checkpoint with a name: a sandbox created from the name has the files and the processes."""
+    name = f"gaps-{secrets.token_hex(4)}"
+    sbx.files.write("/tmp/named.txt", "from the snapshot")
+    sleeper = sbx.commands.run("sleep 600", background=True, timeout=0)
+    snap = sbx.create_snapshot(name=name)
+    assert snap.names == [name]
+    child = Sandbox.create(name, **_opts(real_cluster))
+    try:
+        assert child.files.read("/tmp/named.txt") == "from the snapshot"
+        assert sleeper.pid in [p.pid for p in child.commands.list()]  # memory and processes came too
+        assert child.sandbox_id != sbx.sandbox_id
+    finally:
+        child.kill()
+        sbx.commands.kill(sleeper.pid)
+    assert Sandbox.delete_snapshot(name, **_opts(real_cluster)) is True
+    assert Sandbox.list_snapshots(name=name, **_opts(real_cluster)).next_items() == []
 
 
 def test_auto_resume_brings_a_paused_sandbox_back_on_use(sbx: Sandbox) -> None:

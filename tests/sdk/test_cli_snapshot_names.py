@@ -1,0 +1,25 @@
+"""`space snapshot create --name` and `space sandbox create --from-snapshot` (CLI and SDK bodies), against
+a fake API: the name goes with a full snapshot, a create from a snapshot sends no template."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.sdk_server import FakeServer, invoke, sandbox_json
+
+
+def test_snapshot_create_with_a_name(server: FakeServer) -> None:
+    snap = {"id": "snap-1", "sandbox_id": "sb-1", "kind": "full", "created_at": "t", "name": "golden"}
+    server.on("POST", "/v1/sandboxes/sb-1/snapshots", httpx.Response(201, json=snap))
+    result = invoke("snapshot", "create", "sb-1", "--full", "--name", "golden")
+    assert result.exit_code == 0 and result.stdout == "snap-1\n", result.output
+    assert server.body() == {"full": True, "name": "golden"}
+
+
+def test_sandbox_create_from_a_snapshot(server: FakeServer) -> None:
+    server.on("POST", "/v1/sandboxes", httpx.Response(201, json=sandbox_json("sb-child")))
+    result = invoke("sandbox", "create", "--from-snapshot", "golden", "--env", "A=1", "--metadata", "k=v")
+    assert result.exit_code == 0 and result.stdout == "sb-child\n", result.output
+    body = server.body()
+    assert body["from_snapshot"] == "golden" and "template" not in body  # the source's template
+    assert body["env"] == {"A": "1"} and body["metadata"] == {"k": "v"}
