@@ -45,9 +45,15 @@ SPACE_STATES_OF: dict[str, tuple[State, ...]] = {
 }
 
 
+#: E2B template names that are another name on SPACE: the code interpreter SDK's default template is the
+#: `code-interpreter` template (ADR 0058).
+E2B_ALIASES = {"code-interpreter-v1": "code-interpreter"}
+
+
 def space_template(template_id: str) -> str:
-    """The SPACE template an E2B template id names: the same name (E2B's `base` is SPACE's `base`)."""
-    return template_id
+    """The SPACE template an E2B template id names: the same name (E2B's `base` is SPACE's `base`), but
+    for E2B_ALIASES."""
+    return E2B_ALIASES.get(template_id, template_id)
 
 
 def visible(sb: SandboxRecord) -> bool:
