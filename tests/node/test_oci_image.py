@@ -255,3 +255,26 @@ def test_duplicate_outer_members_and_junk(tree: tuple[pathlib.Path, int]) -> Non
             info.size = 2
             tar.addfile(info, io.BytesIO(b"[]"))
     refused(raw.getvalue(), fd, "duplicate_entry")
+
+
+def test_oversized_pax_header_is_refused_before_it_is_read(tree: tuple[pathlib.Path, int]) -> None:
+    _root, fd = tree
+    import tarfile
+
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = tarfile.XHDTYPE, 2 << 30
+    forged = info.tobuf(tarfile.USTAR_FORMAT) + b"20 path=aaaaaaaaaaaa\n".ljust(512, b"\0") + bytes(1024)
+    with pytest.raises(errors.InvalidArgument) as caught:
+        unpack(docker_save(Image([layer(PYTHON), forged])), fd)
+    assert "extended header" in caught.value.message, caught.value
+
+
+def test_nesting_deeper_than_the_bound_is_refused(tree: tuple[pathlib.Path, int]) -> None:
+    _root, fd = tree
+    refused(docker_save(Image([layer([*PYTHON, file("a/" * 200 + "f")])])), fd, "bad_name")
+
+
+def test_a_layer_padded_with_a_zero_bomb_is_refused(tree: tuple[pathlib.Path, int]) -> None:
+    _root, fd = tree
+    padded = layer(PYTHON) + bytes(20 << 20)  # after the end-of-archive blocks: hashed, bounded
+    refused(oci_layout(Image([padded], gzip_layers=True)), fd, "bad_layer")

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pathlib
@@ -87,6 +88,12 @@ def install_guest(root_fd: int) -> int:
     return size
 
 
+def _disk_error(exc: OSError, name: str) -> errors.SpaceError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return errors.StorageExhausted(f"the node's disk filled up while unpacking {name}")
+    return errors.RuntimeFailure(f"unpacking {name} failed: {exc.strerror or exc}")
+
+
 def template_import_oci(ctx: HelperContext, params: OciImportParams, progress: Progress) -> dict[str, Any]:
     name = params.name
     if not name.startswith(USER_PREFIX):
@@ -111,6 +118,8 @@ def template_import_oci(ctx: HelperContext, params: OciImportParams, progress: P
                 with open(copy, "rb") as archive:
                     image = oci_image.unpack(archive, root_fd, budget)
                 guest_size = install_guest(root_fd)
+            except OSError as exc:
+                raise _disk_error(exc, name) from exc
             finally:
                 os.close(root_fd)
             btrfs.set_readonly(work, True)

@@ -31,6 +31,7 @@ from typing import IO, Any, BinaryIO, Protocol, cast
 
 from space.core import errors
 from space.node.volumes.oci_layer import (
+    BoundedTarInfo,
     Budget,
     LayerWriter,
     clean_path,
@@ -43,6 +44,7 @@ from space.node.volumes.oci_layer import (
 MAX_OUTER_MEMBERS = 100_000
 MAX_LAYERS = 128
 MAX_JSON = 4 << 20
+MAX_TRAILER = 16 << 20  # bytes after a layer's end-of-archive blocks (writers pad to a record; not a bomb)
 MIN_PYTHON = (3, 9)
 GUEST_PYTHON_PARTS = ("usr", "bin", "python3")
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
@@ -77,8 +79,8 @@ class Outer:
 
     def __init__(self, archive: BinaryIO) -> None:
         try:
-            self.tar = tarfile.open(fileobj=archive, mode="r:")  # noqa: SIM115 - closed by the caller
-        except tarfile.TarError as exc:
+            self.tar = tarfile.open(fileobj=archive, mode="r:", tarinfo=BoundedTarInfo)  # noqa: SIM115
+        except (tarfile.TarError, RecursionError) as exc:
             raise refuse(f"the archive is not a plain tar file: {exc}", "", "bad_archive") from exc
         self.members: dict[str, tarfile.TarInfo] = {}
         try:
@@ -89,7 +91,7 @@ class Outer:
                 if name in self.members and not info.isdir():
                     raise refuse(f"the archive holds {name!r} twice", name, "duplicate_entry")
                 self.members[name] = info
-        except tarfile.TarError as exc:
+        except (tarfile.TarError, RecursionError) as exc:
             raise refuse(f"the archive is truncated or corrupt: {exc}", "", "bad_archive") from exc
 
     def member(self, name: str, hops: int = 0) -> tarfile.TarInfo:
@@ -219,8 +221,12 @@ class HashingReader:
         return data
 
     def drain(self) -> str:
-        while self.read(1 << 20):
-            pass
+        """Hash what follows the tar's end (padding), refusing more than MAX_TRAILER bytes of it."""
+        trailer = 0
+        while chunk := self.read(1 << 20):
+            trailer += len(chunk)
+            if trailer > MAX_TRAILER:
+                raise refuse(f"a layer carries more than {MAX_TRAILER} bytes after its end", "", "bad_layer")
         return self.hash.hexdigest()
 
 

@@ -35,6 +35,10 @@ WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 MAX_COMPONENT = 255
 MAX_LINK_TARGET = 4096
+MAX_DEPTH = 128  # path components: removals recurse once per level
+MAX_META = 1 << 20  # bytes of one pax / GNU long-name record
+_META_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+               tarfile.GNUTYPE_LONGLINK)  # fmt: skip
 _COPY_CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -67,6 +71,16 @@ class Budget:
         self.skipped[kind] = self.skipped.get(kind, 0) + 1
 
 
+class BoundedTarInfo(tarfile.TarInfo):
+    """A header whose extension records (pax, GNU long names) are read into memory only when small: a
+    forged 2 GiB pax header is refused before tarfile reads it."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _META_TYPES and self.size > MAX_META:
+            raise tarfile.HeaderError(f"a {self.size}-byte extended header (at most {MAX_META})")
+        return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
+
+
 def refuse(message: str, name: str, reason: str) -> errors.InvalidArgument:
     return errors.InvalidArgument(message, field="image", entry=name[:256], reason=reason)
 
@@ -78,6 +92,8 @@ def clean_path(name: str, max_path: int) -> tuple[str, ...]:
     if name.startswith("/"):
         raise refuse(f"entry {name[:80]!r} is an absolute path", name, "absolute_path")
     parts = [part for part in name.split("/") if part not in ("", ".")]
+    if len(parts) > MAX_DEPTH:
+        raise refuse(f"entry {name[:80]!r} is nested deeper than {MAX_DEPTH}", name, "bad_name")
     for part in parts:
         if part == "..":
             raise refuse(f"entry {name[:80]!r} climbs out of the image with '..'", name, "path_traversal")
@@ -149,15 +165,15 @@ class LayerWriter:
 
     def apply(self, layer: IO[bytes]) -> None:
         try:
-            archive = tarfile.open(fileobj=layer, mode="r|")  # noqa: SIM115 - closed below
-        except tarfile.TarError as exc:
+            archive = tarfile.open(fileobj=layer, mode="r|", tarinfo=BoundedTarInfo)  # noqa: SIM115 - closed below
+        except (tarfile.TarError, RecursionError) as exc:
             raise refuse(f"a layer is not a tar stream: {exc}", "", "bad_layer") from exc
         members: list[tarfile.TarInfo] = vars(archive)["members"]
         with archive:
             while True:
                 try:
                     info = archive.next()
-                except tarfile.TarError as exc:
+                except (tarfile.TarError, RecursionError) as exc:  # RecursionError: a chain of pax headers
                     raise refuse(f"a layer is truncated or corrupt: {exc}", "", "corrupt_layer") from exc
                 if info is None:
                     break
