@@ -1,13 +1,15 @@
 """Request limits of the public API, applied before any route runs (a pure ASGI middleware, ADR 0025).
 
 Invariants:
-- A public request (/v1/..., except the node-facing /v1/nodes/...) is authenticated from its headers before
-  one byte of its body is read: no key, an unknown or revoked key is a 401 at once, with `Connection: close`
-  (the body is never read). Node-facing routes authenticate nodes themselves and get only the size limit.
+- A public request (/v1/... except the node-facing /v1/nodes/..., and /mcp) is authenticated from its
+  headers before one byte of its body is read: no key, an unknown or revoked key is a 401 at once, with
+  `Connection: close` (the body is never read). Node-facing routes authenticate nodes themselves and get
+  only the size limit.
 - Every body is bounded before it is parsed: a Content-Length over the route's limit is a 413 at once; a
   chunked body is counted while it streams in and cut at the limit (413 if nothing was answered yet).
   JSON routes get a small limit, file uploads and process stdin the large one.
-- Per API key, a token bucket of requests (429 `resource_exhausted` with `Retry-After` when empty) and a cap
+- Per API key, ONE token bucket of requests for /v1 and /mcp together (429 `resource_exhausted` with
+  `Retry-After` when empty; the /v1 calls an MCP tool makes in process take tokens too) and a cap
   on concurrent long-lived operations (exec, process output and stdin, file downloads and uploads, watch,
   PTY). A slot is held until the response has been sent whole (or the client went away).
 - A long-lived response whose client does not take a chunk for `send_stall_s` is cut: a reader that stopped
@@ -93,7 +95,15 @@ def is_node_facing(path: str) -> bool:
     return path == "/v1/nodes" or path.startswith("/v1/nodes/")
 
 
+#: The MCP endpoint (api/mcp_endpoint.py): a public surface of the same keys, in the same request bucket.
+MCP_PATH = "/mcp"
+
+
 def is_public(path: str) -> bool:
+    """A request of an API key: `/v1/...` (but the node-facing routes) and `/mcp`. Each takes a token of
+    its key's one bucket: a key has one request rate across both surfaces, never one per surface."""
+    if path in (MCP_PATH, MCP_PATH + "/"):
+        return True
     return (path == "/v1" or path.startswith("/v1/")) and not is_node_facing(path)
 
 

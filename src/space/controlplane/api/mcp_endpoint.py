@@ -5,8 +5,8 @@ Invariants:
 - A request is authenticated from its headers (`Authorization: Bearer <key>`, `X-Space-Project` for an
   org key) before MCP reads a byte of it: no key, an unknown or revoked key is a 401 with the API's
   error body, like /v1. Its body is bounded like any JSON route's (the limits middleware, and the MCP
-  SDK's own bound set to the same size); its rate per key like /v1's (429 with Retry-After), in a bucket
-  of its own.
+  SDK's own bound set to the same size); its rate per key is /v1's, in the same bucket (the limits
+  middleware counts /mcp as a public path: 429 with Retry-After), so a key has one rate across both.
 - The tools act through an SDK client whose transport is this same API app, in process, carrying the
   caller's own Authorization and X-Space-Project headers: every tool call is a /v1 request of the
   caller's key, with its role, its project, its rate and stream limits. Nothing here reads the store or
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from space.controlplane.api.deps import Services, authenticate
-from space.controlplane.api.limits import LimitSettings, TokenBuckets
+from space.controlplane.api.limits import MCP_PATH
 from space.core import errors
 from space.rest import errors as rest_errors
 
@@ -40,8 +39,6 @@ if TYPE_CHECKING:
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 __all__ = ["MCP_PATH", "McpEndpoint"]
-
-MCP_PATH = "/mcp"
 
 
 class McpEndpoint:
@@ -55,10 +52,6 @@ class McpEndpoint:
         self._manager_task: asyncio.Task[None] | None = None
         self._manager_ready = asyncio.Event()
         self._stop = asyncio.Event()
-        # The /mcp requests of a key, at the rate and burst of its /v1 requests (a bucket of their own: the
-        # /v1 calls a tool makes take tokens of the key's /v1 bucket as well).
-        limits = LimitSettings.of(services.settings)
-        self.buckets = TokenBuckets(limits.requests_per_s, limits.request_burst, limits.max_tracked_keys)
 
     def _build_manager(self) -> StreamableHTTPSessionManager:
         from mcp.server.transport_security import TransportSecuritySettings
@@ -127,17 +120,9 @@ class McpEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = _headers(scope)
         try:
-            who = await authenticate(
-                self.services, headers.get("authorization"), headers.get("x-space-project")
-            )
-            wait = self.buckets.take(who.key.id)
-            if wait > 0:
-                raise errors.ResourceExhausted(
-                    f"too many MCP requests for this API key (limit {self.buckets.rate:g}/s, burst"
-                    f" {self.buckets.burst:g}): retry after {math.ceil(wait)} s",
-                    limit="requests_per_s",
-                    retry_after_s=math.ceil(wait),
-                )
+            # The limits middleware has authenticated the key and taken its token; this keeps an app
+            # mounted without that middleware from serving an unauthenticated request.
+            await authenticate(self.services, headers.get("authorization"), headers.get("x-space-project"))
             manager = await self._started_manager()
         except errors.SpaceError as exc:
             # The body is never read: the connection closes after the refusal.
