@@ -217,8 +217,12 @@ class _Lines:
         self.total += len(data)
         if self.total > MAX_OUTPUT_BYTES:
             raise errors.TooLarge(f"the execution's output exceeds {MAX_OUTPUT_BYTES} bytes")
-        self.buffer += data
-        *complete, self.buffer = self.buffer.split(b"\n")
+        if b"\n" not in data:  # a long line in many chunks: no re-split of what is buffered
+            self.buffer += data
+            if len(self.buffer) > MAX_LINE_BYTES:
+                raise errors.TooLarge(f"an output of more than {MAX_LINE_BYTES} bytes")
+            return
+        *complete, self.buffer = (self.buffer + data).split(b"\n")
         if len(self.buffer) > MAX_LINE_BYTES:
             raise errors.TooLarge(f"an output of more than {MAX_LINE_BYTES} bytes")
         for line in complete:

@@ -64,14 +64,23 @@ FORMATS = {
     "application/json": "json",
     "application/javascript": "javascript",
 }
-_ENV_SET = (
-    "import os as _space_os, json as _space_json\n"
-    "_space_saved_env = {k: _space_os.environ.get(k) for k in _space_json.loads({keys!r})}\n"
-    "_space_os.environ.update(_space_json.loads({values!r}))\n"
-)
-_ENV_RESTORE = (
+
+
+def env_set_code(env: dict[str, str]) -> str:
+    """Kernel code that sets `env` and remembers what it replaced (for env_restore_code)."""
+    return (
+        "import os as _space_os\n"
+        f"_space_saved_env = {{_k: _space_os.environ.get(_k) for _k in {sorted(env)!r}}}\n"
+        f"_space_os.environ.update({dict(env)!r})\n"
+    )
+
+
+ENV_RESTORE = (
     "for _k, _v in _space_saved_env.items():\n"
-    "    _space_os.environ.pop(_k, None) if _v is None else _space_os.environ.__setitem__(_k, _v)\n"
+    "    if _v is None:\n"
+    "        _space_os.environ.pop(_k, None)\n"
+    "    else:\n"
+    "        _space_os.environ[_k] = _v\n"
     "del _space_saved_env\n"
 )
 
@@ -271,9 +280,13 @@ def translate(msg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _silent(client: Any, code: str) -> None:
+    """Run `code` without output or history, and wait for its reply (earlier replies are skipped)."""
     msg_id = client.execute(code, silent=True, store_history=False)
-    client.get_shell_msg(timeout=30)  # the reply; silent code shows nothing on iopub worth reading
-    _ = msg_id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        reply = client.get_shell_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if reply.get("parent_header", {}).get("msg_id") == msg_id:
+            return
 
 
 class Execution:
@@ -343,12 +356,12 @@ def execute(request: dict[str, Any]) -> None:
     run = Execution(client, context_id, float(timeout) if timeout else None)
     try:
         if env:
-            _silent(client, _ENV_SET.format(keys=json.dumps(list(env)), values=json.dumps(env)))
+            _silent(client, env_set_code(env))
         run.run(code)
     finally:
         if env:
             with contextlib.suppress(Exception):
-                _silent(client, _ENV_RESTORE)
+                _silent(client, ENV_RESTORE)
     if run.timed_out:
         emit({"type": "timeout"})
     emit({"type": "end_of_execution"})
@@ -377,6 +390,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         emit({"error": {"code": "invalid_argument", "message": f"malformed request: {exc}"}})
         return 2
+    except Exception as exc:  # the caller gets a line it can read, whatever went wrong
+        emit({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"[:1000]}})
+        raise
     return 0
 
 

@@ -22,7 +22,8 @@ TEMPLATE_NAME: Final = "code-interpreter"
 #: E2B's names for it: the SDK's default template and the name its docs use.
 E2B_NAMES: Final = ("code-interpreter-v1", "code-interpreter")
 BASE_TEMPLATE: Final = "base"
-BRIDGE_PATH: Final = "/opt/space/code-interpreter/bridge.py"
+BRIDGE_DIR: Final = "/opt/code-interpreter"
+BRIDGE_PATH: Final = f"{BRIDGE_DIR}/bridge.py"
 #: Where the bridge keeps its contexts: writable by the template's default user.
 STATE_DIR: Final = "/var/lib/space-code"
 PYTHON: Final = "python3"
@@ -32,8 +33,8 @@ PACKAGES: Final = (
     "ipykernel==7.4.0",
     "jupyter_client==8.10.0",
     "matplotlib==3.11.2",
-    "numpy==2.4.6",
-    "pandas==3.1.1",
+    "numpy==2.3.5",
+    "pandas==3.0.6",
 )
 
 
@@ -54,7 +55,7 @@ def code_interpreter_spec() -> TemplateBuildSpec:
             "steps": [
                 {"pip": list(PACKAGES)},
                 {"file": {"path": BRIDGE_PATH, "content_b64": _bridge_b64(), "mode": 0o755}},
-                {"run": f"mkdir -p {STATE_DIR} && chmod 1777 {STATE_DIR}"},
+                {"run": f"chmod 0755 {BRIDGE_DIR} && mkdir -p {STATE_DIR} && chmod 1777 {STATE_DIR}"},
             ],
             "user": "user",
             "start_cmd": f"{PYTHON} {BRIDGE_PATH} start </dev/null",
