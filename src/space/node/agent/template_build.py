@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import anyio
 from space.core import errors
 from space.core.ids import new_sandbox_id, parse_template_name
 from space.core.template_spec import TemplateBuildSpec, parse_build_spec
+from space.node.agent import template_travel
 from space.node.agent.egress_settings import EgressRequest
 from space.node.agent.service_core import ServiceCore
 from space.node.agent.template_build_sources import BuildSources, machine_sources
@@ -48,22 +48,13 @@ log = logging.getLogger(__name__)
 
 #: Helper calls that copy or walk a whole tree (commit) may take this long.
 COMMIT_TIMEOUT_S = 900.0
-#: The module of H3 (templates travelling between nodes and OCI imports), used when it is installed.
-TRAVEL_MODULE = "space.node.agent.template_travel"
 
 
 @dataclass
 class BuildRun:
     name: str
     spec: TemplateBuildSpec
-    base: str
-
-
-def _travel() -> Any | None:
-    try:
-        return importlib.import_module(TRAVEL_MODULE)
-    except ImportError:
-        return None
+    base: str | None  # None: an OCI archive, imported as a template of its own first (ADR 0056)
 
 
 class TemplateBuilds:
@@ -76,6 +67,10 @@ class TemplateBuilds:
         self.building: dict[str, str] = {}
         #: The built-in template names (the helper's table, learnt from every listing).
         self.builtin_names: frozenset[str] = frozenset({"python", "base"})
+
+    def use_sources(self, sources: BuildSources) -> None:
+        """Build from these sources instead of the machine's (an operator's mirror; tests)."""
+        self._sources = sources
 
     async def sources(self) -> BuildSources:
         """This node's build sources (read from the machine's configuration at the first build)."""
@@ -146,15 +141,13 @@ class TemplateBuilds:
             raise
         return BuildRun(name, spec, base)
 
-    async def _base(self, name: str, spec: TemplateBuildSpec, names: set[str]) -> str:
+    async def _base(self, name: str, spec: TemplateBuildSpec, names: set[str]) -> str | None:
+        """The template the build sandbox is made from; None for an OCI archive (imported in the build)."""
         base = spec.base_template
-        if base is None:
-            travel = _travel()
-            if travel is None or not hasattr(travel, "import_oci"):
-                raise errors.InvalidArgument("building from an OCI archive is not available on this node")
-            return str(await travel.import_oci(self.svc.agent, name, spec.oci_ref))
-        if base not in names:
+        if base is not None and base not in names:
             raise errors.NotFound(f"template {base!r} is not on this node", template=base)
+        if base is None and self.svc.agent.store is None:
+            raise errors.InvalidArgument("this node has no object store to read an OCI archive from")
         return base
 
     async def stream(self, run: BuildRun) -> AsyncGenerator[dict[str, Any], None]:
@@ -193,12 +186,15 @@ class TemplateBuilds:
             await self._destroy(str(claim["previous"]))
         egress = self.svc.egress
         try:
+            if run.base is None:
+                sink.note("importing the OCI archive")
+                run.base = await template_travel.import_oci(agent, run.name, run.spec.oci_ref)
             if egress is not None:
                 egress.remember(sandbox_id, EgressRequest(allow=sources.allow_hosts()))
-            sink.line(f"space: build sandbox {sandbox_id} from template {run.base}")
+            sink.note(f"build sandbox {sandbox_id} from template {run.base}")
             handle = await agent.create(run.base, limits=sources.limits, sandbox_id=sandbox_id, warm=False)
             await run_steps(StepRunner(handle.session, run.spec, sources, sink), egress=egress is not None)
-            sink.line("space: committing the root filesystem")
+            sink.note("committing the root filesystem")
             await agent.stop(sandbox_id)
             result = await helper.call("template.commit", self._commit_params(run, sandbox_id),
                                        timeout=COMMIT_TIMEOUT_S)  # fmt: skip
@@ -206,8 +202,10 @@ class TemplateBuilds:
             with anyio.CancelScope(shield=True):
                 await self._give_up(run.name, sandbox_id)
             raise
+        sink.note("committed; destroying the build sandbox")
         await self._destroy(sandbox_id)
         await self._after_commit(run.name, sink)
+        sink.note("ready")
         meta = result["metadata"]
         return {"name": run.name, "size_bytes": meta.get("size_bytes"), "metadata": meta}
 
@@ -231,18 +229,17 @@ class TemplateBuilds:
 
     async def _after_commit(self, name: str, sink: LogSink) -> None:
         """The warm start and the publication: the template works without either, so failures are logged."""
-        sink.line("space: preparing the warm start")
+        sink.note("preparing the warm start")
         try:
             await self.svc.agent.ensure_warm(name)
         except errors.SpaceError as exc:
-            sink.line(f"space: no warm start ({exc.message}); sandboxes of it boot cold")
-        travel = _travel()
-        if self.svc.agent.store is not None and travel is not None and hasattr(travel, "publish_template"):
-            sink.line("space: publishing to the object store")
+            sink.note(f"no warm start ({exc.message}); sandboxes of it boot cold")
+        if self.svc.agent.store is not None:
+            sink.note("publishing to the object store")
             try:
-                await travel.publish_template(self.svc.agent, name)
+                await template_travel.publish_template(self.svc.agent, name)
             except errors.SpaceError as exc:
-                sink.line(f"space: not published ({exc.message})")
+                sink.note(f"not published ({exc.message})")
         if name not in self.svc.templates:
             self.svc.templates.append(name)
 

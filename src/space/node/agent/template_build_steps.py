@@ -16,7 +16,9 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -54,10 +56,15 @@ class LogSink:
 
     def __init__(self, emit: Callable[[str], None]) -> None:
         self._emit = emit
+        self._started = time.monotonic()
         self._partial = b""
         self.total = 0
         self.dropped = 0
         self.tail = b""
+
+    def note(self, text: str) -> None:
+        """A line of SPACE's own about the build, with the seconds since it started."""
+        self.line(f"space: [{time.monotonic() - self._started:.1f} s] {text}")
 
     def line(self, text: str) -> None:
         if len(text) > MAX_LOG_LINE:
@@ -119,11 +126,11 @@ class StepRunner:
     async def run_all(self) -> None:
         if self.spec.user is not None and self.spec.user != "root":
             user = self.spec.user
-            self.sink.line(f"space: user {user}")
+            self.sink.note(f"user {user}")
             script = 'id -u "$1" >/dev/null 2>&1 || useradd -m -s /bin/bash "$1"'
             await self.exec("creating the user", ["sh", "-c", script, "sh", user])
         for index, step in enumerate(self.spec.steps, start=1):
-            self.sink.line(f"space: step {index}/{len(self.spec.steps)}: {step_kind(step)}")
+            self.sink.note(f"step {index}/{len(self.spec.steps)}: {step_kind(step)}")
             try:
                 await self._step(step)
             except BuildFailed as exc:
@@ -173,7 +180,7 @@ class StepRunner:
             ["python3", "-m", "pip", "--version"], user="root", cwd="/", max_output=0
         )
         if probe.exit_code != 0:
-            self.sink.line("space: the template has no pip: installing python3-pip with apt first")
+            self.sink.note("the template has no pip: installing python3-pip with apt first")
             await self.apt_install(["python3-pip"])
         # --break-system-packages: the template is an image, not a Debian system somebody upgrades with apt
         # later; installing beside apt's packages is what the user asked for (ADR 0054).
@@ -196,15 +203,21 @@ class StepRunner:
             await self.exec("handing the workdir to the user", ["sh", "-c", script, "sh", workdir, user])
 
     async def clean(self, egress: bool) -> None:
-        """Remove what the build put into the tree for itself (see the module invariants)."""
+        """Remove what the build put into the tree for itself (see the module invariants). The node's CA is
+        taken out of the bundle directly (its marked block, and its PEM wherever a ca-certificates trigger
+        copied it), not by `update-ca-certificates --fresh`, which took a minute in a loaded sandbox."""
+        self.sink.note("cleaning up")
+        ca = b""
+        if egress:
+            with contextlib.suppress(errors.NotFound):
+                ca = await self.session.read_file(egress_sandbox.CA_FILE_PATH)
         script = (
             f"rm -rf {BUILD_DIR}; if [ -d /var/lib/apt/lists ]; then apt-get clean; "
             "rm -rf /var/lib/apt/lists/*; fi"
         )
-        if egress:
+        if egress:  # the CA file, and the links a ca-certificates trigger made to it
             script += (
-                f"; rm -f {egress_sandbox.CA_FILE_PATH}; if command -v update-ca-certificates >/dev/null; "
-                "then update-ca-certificates --fresh >/dev/null 2>&1 || true; fi"
+                f"; rm -f {egress_sandbox.CA_FILE_PATH}; find /etc/ssl/certs -maxdepth 1 -xtype l -delete"
             )
         await self.exec("cleaning up", ["sh", "-c", script])
         if egress:
@@ -212,18 +225,22 @@ class StepRunner:
                 bundle = await self.session.read_file(egress_sandbox.CA_BUNDLE_PATH)
             except errors.NotFound:
                 return
-            cleaned = without_node_ca(bundle)
+            cleaned = without_node_ca(bundle, ca)
             if cleaned != bundle:
                 await self.session.write_file(egress_sandbox.CA_BUNDLE_PATH, cleaned, mode=0o644)
 
 
-def without_node_ca(bundle: bytes) -> bytes:
-    """`bundle` without the node's egress CA block (egress_sandbox.with_node_ca puts it there)."""
+def without_node_ca(bundle: bytes, ca_pem: bytes = b"") -> bytes:
+    """`bundle` without the node's egress CA: its marked block (egress_sandbox.with_node_ca puts it there)
+    and any other copy of `ca_pem` (update-ca-certificates appends local certificates verbatim)."""
     kept = bundle
     while egress_sandbox.CA_BEGIN in kept:
         head, _, rest = kept.partition(egress_sandbox.CA_BEGIN)
         _, found, tail = rest.partition(egress_sandbox.CA_END)
         kept = head + (tail if found else b"")
+    pem = ca_pem.strip()
+    if pem:
+        kept = kept.replace(pem + b"\n", b"").replace(pem, b"")
     return kept
 
 

@@ -1,0 +1,313 @@
+"""User template builds on a real node (runsc, btrfs, network = "sandbox" with the node's egress gateway),
+through the node RPC app: one build from `python` with an apt package, a pip package (pip itself comes from
+apt: the template has none), a file, a command, env, a workdir and a user, shared by the tests of this module;
+then a sandbox made from it sees all of them; the failure paths leave nothing behind; a build killed with its
+agent (its claim, build sandbox and half-made tree left on the node) does not stop the next build.
+
+The packages come from a mirror in a network namespace of this test (tests/support/build_mirror.py), which the
+build sandbox reaches through the gateway's allow-list (exactly the mirror's host): no traffic leaves the
+machine."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from space.core.ids import new_sandbox_id
+from space.node.agent.agent import NodeAgent
+from space.node.agent.app import create_app
+from space.node.agent.egress_sandbox import CA_BEGIN
+from space.node.agent.egress_settings import EgressSettings
+from space.node.agent.egress_wiring import install
+from space.node.agent.template_build import TemplateBuilds
+from space.node.agent.template_build_sources import BuildSources
+from space.node.egress import StaticResolver
+from space.node.helper.netaddr import node_tag
+from space.node.local import LocalNode
+from tests.support.build_mirror import PROBE_WHEEL, Mirror, make_content, start_mirror
+from tests.support.egress_net import leftovers
+from tests.support.host import network_traces
+from tests.support.loop import BackgroundLoop
+from tests.support.realnode import assert_no_leaks, make_data_dir, require_root, sandbox_ids_in
+from tests.support.sandboxes import delete_quietly
+
+pytestmark = pytest.mark.root
+
+TOKEN = "node-token-" + secrets.token_hex(8)
+VALUE = "probe-" + secrets.token_hex(6)
+FILE_TEXT = b"hello from the build\n"
+
+
+@dataclass
+class BuildNode:
+    local: LocalNode
+    agent: NodeAgent
+    loop: BackgroundLoop
+    app: Any
+    mirror: Mirror
+
+    @property
+    def builds(self) -> TemplateBuilds:
+        return self.app.state.template_builds  # type: ignore[no-any-return]
+
+    @property
+    def templates_dir(self) -> pathlib.Path:
+        return self.local.layout.templates
+
+    def run(self, coro, timeout: float = 600.0):  # type: ignore[no-untyped-def]
+        return self.loop.run(coro, timeout)
+
+    async def call(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        transport = httpx.ASGITransport(app=self.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://node", timeout=900) as client:
+            return await client.request(
+                method, f"/node/v1{path}", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+
+    def build(self, name: str, spec: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+        response = self.run(self.call("POST", f"/templates/{name}/build", spec), timeout=900)
+        if response.status_code != 200:
+            return response.status_code, [response.json()]
+        return 200, [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+def _name() -> str:
+    return "tpl-" + secrets.token_hex(8)
+
+
+@pytest.fixture(scope="module")
+def build_node(loop: BackgroundLoop) -> Iterator[BuildNode]:
+    require_root()
+    tag = f"spb{os.getpid() % 100000:05d}"
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="space-tplbuild-", dir="/var/tmp"))
+    data_dir = make_data_dir("tplbuild")
+    make_content(workdir / "www", VALUE)
+    mirror = start_mirror(tag, 77, workdir / "www")
+    local = LocalNode(data_dir, network="sandbox")
+    agent: NodeAgent | None = None
+    try:
+        agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
+        settings = EgressSettings(
+            state_dir=data_dir / "egress",
+            resolver=StaticResolver({mirror.host: [mirror.upstream.addr]}),
+            operator_allowed_networks=[ipaddress.ip_network("10.98.77.0/24")],
+        )
+        app = create_app(agent, TOKEN)
+        app.state.service.egress = loop.run(install(agent, settings))
+        assert app.state.service.egress is not None
+        app.state.template_builds.use_sources(
+            BuildSources(apt_sources=mirror.apt_sources, pip_index=mirror.pip_index)
+        )
+        yield BuildNode(local, agent, loop, app, mirror)
+    finally:
+        sandbox_ids = sandbox_ids_in(data_dir) | (set(agent.sandboxes) if agent is not None else set())
+        try:
+            if agent is not None:
+                loop.run(agent.delete_all(), timeout=300)
+            loop.run(local.stop(purge=True), timeout=300)
+        finally:
+            mirror.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+    assert_no_leaks(data_dir, sandbox_ids)
+    assert network_traces(node_tag(data_dir.resolve())) == []
+    assert leftovers(tag) == [], "the mirror's namespace left behind"
+
+
+SPEC: dict[str, Any] = {
+    "from": "python",
+    "steps": [
+        {"apt": ["space-build-probe"]},
+        {"pip": [f"{PROBE_WHEEL}==1.0"]},
+        {"file": {"path": "/etc/space-build/hello.txt", "content_b64": base64.b64encode(FILE_TEXT).decode(),
+                  "mode": 0o640}},
+        {"env": {"GREETING": "hi", "SECOND": "2"}},
+        {"workdir": "/srv/app"},
+        {"run": 'echo "ran as $(id -un) in $(pwd) with $GREETING" > /srv/app/ran.txt; echo run-step-output'},
+    ],
+    "user": "builder",
+    "start_cmd": "sleep infinity",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built(build_node: BuildNode) -> tuple[str, list[dict[str, Any]]]:
+    name = _name()
+    status, items = build_node.build(name, SPEC)
+    assert status == 200, items
+    assert "done" in items[-1], items[-20:]
+    return name, items
+
+
+def test_a_build_streams_its_steps_and_commits_a_template(
+    build_node: BuildNode, built: tuple[str, list[dict[str, Any]]]
+) -> None:
+    name, items = built
+    logs = [item["log"] for item in items[:-1]]
+    assert all(set(item) == {"log"} for item in items[:-1])
+    assert any("step 1/6: apt" in line for line in logs) and any("run-step-output" in line for line in logs)
+    assert any("installing python3-pip with apt first" in line for line in logs)
+    done = items[-1]["done"]
+    meta = done["metadata"]
+    assert done["name"] == name and done["size_bytes"] > 10 << 20
+    assert meta["from"] == "python" and meta["builtin"] is False
+    assert meta["default_user"] == "builder" and meta["workdir"] == "/srv/app"
+    assert meta["env"] == {"GREETING": "hi", "SECOND": "2"} and meta["start_cmd"] == "sleep infinity"
+    python_meta = json.loads((build_node.templates_dir / "python.json").read_text())
+    assert meta["guest_code_hash"] == python_meta["guest_code_hash"]
+    # listed by the node (and in what its heartbeat reports), complete on disk, read-only
+    listed = build_node.run(build_node.call("GET", "/templates")).json()["templates"]
+    assert {t["name"]: t["builtin"] for t in listed}[name] is False
+    assert name in build_node.app.state.service.info().templates
+    tree = build_node.templates_dir / name
+    assert json.loads((build_node.templates_dir / f"{name}.json").read_text()) == meta
+    assert subprocess.run(["btrfs", "property", "get", str(tree), "ro"], capture_output=True,
+                          text=True, check=True).stdout.strip() == "ro=true"  # fmt: skip
+    # what the build used for itself is not in the template: its apt sources, apt's lists, the node's CA
+    assert not (tree / "var/lib/space-build").exists()
+    assert list((tree / "var/lib/apt/lists").glob("*Packages*")) == []
+    assert CA_BEGIN not in (tree / "etc/ssl/certs/ca-certificates.crt").read_bytes()
+    assert not (tree / "usr/local/share/ca-certificates/space-egress-ca.crt").exists()
+    assert not (build_node.templates_dir / f".{name}.new").exists()
+    assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
+
+
+def test_a_sandbox_of_the_built_template_has_everything_and_runs_as_its_user(
+    build_node: BuildNode, built: tuple[str, list[dict[str, Any]]]
+) -> None:
+    name, _ = built
+
+    async def scenario() -> dict[str, Any]:
+        handle = await build_node.agent.create(name, sandbox_id=new_sandbox_id())
+        try:
+            session = handle.session
+            out: dict[str, Any] = {}
+            for key, cmd, user in (
+                ("probe", "space-build-probe", None),
+                ("wheel", f"python3 -c 'import {PROBE_WHEEL}; print({PROBE_WHEEL}.VALUE)'", None),
+                (
+                    "file",
+                    "stat -c '%a %U' /etc/space-build/hello.txt && cat /etc/space-build/hello.txt",
+                    "root",
+                ),
+                ("ran", "cat /srv/app/ran.txt", None),
+                ("whoami", "id -un; pwd; echo $GREETING $SECOND", None),  # the template's defaults
+            ):
+                result = await session.exec(cmd, user=user)
+                out[key] = (result.exit_code, result.stdout.decode(), result.stderr.decode())
+            return out
+        finally:
+            await delete_quietly(build_node.agent, handle.sandbox_id)
+
+    out = build_node.run(scenario())
+    assert out["probe"][:2] == (0, "space-build-probe ok\n"), out["probe"]
+    assert out["wheel"][:2] == (0, VALUE + "\n"), out["wheel"]
+    assert out["file"][:2] == (0, "640 root\n" + FILE_TEXT.decode()), out["file"]
+    assert out["ran"][:2] == (0, "ran as root in /srv/app with hi\n"), out["ran"]
+    assert out["whoami"][:2] == (0, "builder\n/srv/app\nhi 2\n"), out["whoami"]
+
+
+def test_requests_the_node_refuses_before_building(
+    build_node: BuildNode, built: tuple[str, list[dict[str, Any]]]
+) -> None:
+    name, _ = built
+    refused = {
+        "exists": build_node.build(name, {"from": "python"}),
+        "no base": build_node.build(_name(), {"from": "tpl-" + "0" * 16}),
+        "builtin": build_node.build("python", {"from": "python"}),
+    }
+    assert refused["exists"][0] == 409 and refused["exists"][1][0]["error"]["code"] == "already_exists"
+    assert refused["no base"][0] == 404
+    assert refused["builtin"][0] == 400
+    assert build_node.builds.building == {}
+
+
+def test_a_failing_step_fails_the_build_and_leaves_nothing(build_node: BuildNode) -> None:
+    name = _name()
+    before = set(build_node.agent.sandboxes)
+    runtimes_before = {r.sandbox_id for r in build_node.run(build_node.agent.driver.list())}
+    status, items = build_node.build(
+        name, {"from": "python", "steps": [{"run": "echo first"}, {"run": "echo boom >&2; exit 3"}]}
+    )
+    assert status == 200
+    error = items[-1]["error"]
+    assert error["code"] == "build_failed" and error["details"]["exit_code"] == 3
+    assert error["details"]["step"] == 2 and "boom" in error["details"]["tail"]
+    assert any("first" in item.get("log", "") for item in items)
+    # nothing half-built: no build sandbox (agent or runtime), no tree, no staging, no claim
+    assert set(build_node.agent.sandboxes) == before
+    assert {r.sandbox_id for r in build_node.run(build_node.agent.driver.list())} == runtimes_before
+    assert [p.name for p in build_node.templates_dir.iterdir() if name in p.name] == []
+    assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
+    assert build_node.builds.building == {}
+
+
+def test_a_build_killed_with_its_agent_does_not_stop_the_next_one(build_node: BuildNode) -> None:
+    """What a build killed at any point leaves (its claim, its build sandbox still running, a staging tree and
+    a committed tree without metadata) is cleaned up by the next build of the name, which succeeds."""
+    name = _name()
+    helper = build_node.builds._helper()
+    stale = new_sandbox_id()
+
+    async def kill_leftovers() -> None:
+        await helper.call("template.claim", {"name": name, "sandbox_id": stale})
+        await build_node.agent.create("python", sandbox_id=stale, warm=False)
+        # the agent that made it is gone: a new agent process does not know the build (fresh TemplateBuilds)
+
+    build_node.run(kill_leftovers())
+    python = build_node.templates_dir / "python"
+    for half in (f".{name}.new", name):
+        target = str(build_node.templates_dir / half)
+        subprocess.run(["btrfs", "subvolume", "snapshot", "-r", str(python), target], check=True,
+                       capture_output=True)  # fmt: skip
+    fresh = TemplateBuilds(build_node.app.state.service)
+    mirror = build_node.mirror
+    fresh.use_sources(BuildSources(apt_sources=mirror.apt_sources, pip_index=mirror.pip_index))
+    build_node.app.state.template_builds = fresh
+    status, items = build_node.build(name, {"from": "python", "steps": [{"run": "touch /rebuilt"}]})
+    assert status == 200 and "done" in items[-1], items[-5:]
+    assert stale not in build_node.agent.sandboxes
+    assert (build_node.templates_dir / name / "rebuilt").exists()
+    assert not (build_node.templates_dir / f".{name}.new").exists()
+    assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
+    assert build_node.run(build_node.call("DELETE", f"/templates/{name}")).status_code == 200
+
+
+def test_delete_keeps_sandboxes_made_from_the_template(
+    build_node: BuildNode, built: tuple[str, list[dict[str, Any]]]
+) -> None:
+    name, _ = built
+
+    async def scenario() -> tuple[int, int, int, int, str]:
+        handle = await build_node.agent.create(name, sandbox_id=new_sandbox_id())
+        try:
+            build_node.builds.building[name] = "sb-held"  # a build of the name in flight
+            busy = (await build_node.call("DELETE", f"/templates/{name}")).status_code
+            del build_node.builds.building[name]
+            builtin = (await build_node.call("DELETE", "/templates/python")).status_code
+            deleted = (await build_node.call("DELETE", f"/templates/{name}")).status_code
+            again = (await build_node.call("DELETE", f"/templates/{name}")).status_code
+            result = await handle.session.exec("space-build-probe")
+            return busy, builtin, deleted, again, result.stdout.decode()
+        finally:
+            await delete_quietly(build_node.agent, handle.sandbox_id)
+
+    busy, builtin, deleted, again, probe = build_node.run(scenario())
+    assert (busy, builtin, deleted, again) == (409, 400, 200, 404)
+    assert probe == "space-build-probe ok\n"
+    assert not (build_node.templates_dir / name).exists()
+    assert not (build_node.templates_dir / f"{name}.json").exists()
+    assert not (build_node.templates_dir / ".warm" / name).exists()
+    assert name not in build_node.app.state.service.info().templates
