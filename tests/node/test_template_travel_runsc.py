@@ -23,7 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from space.node.agent import template_travel
+from space.core import errors
+from space.node.agent import template_travel, transfer
 from space.node.volumes import btrfs
 from space.objectstore.backends import open_store
 from space.objectstore.base import ObjectStore
@@ -34,6 +35,7 @@ from tests.support.sandboxes import delete_quietly
 pytestmark = pytest.mark.root
 
 NAME = "tpl-0a0b0c0d0e0f0a0b"
+REF = "tpl_0a0b0c0d0e0f0a0b"  # the control plane's id of the template the archive was uploaded for
 IMPORTED = template_travel.imported_name(NAME)
 # Big and irrelevant to the test: left out so the archive stays small (the daemon and the shell commands
 # of the test need python3, its standard library, coreutils and their libraries, none of these).
@@ -86,7 +88,8 @@ def store_dir() -> Iterator[pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def imported(node: RealNode) -> Iterator[str]:
+def imported(node: RealNode, store_dir: pathlib.Path) -> Iterator[str]:
+    """The archive stored as the control plane stores an upload, imported through template_travel."""
     helper = node.agent.driver.helper  # type: ignore[attr-defined]
     base = tree_layer(node.data_dir / "fs" / "templates" / "python")
     top = layer([file("etc/.wh.debian_version", b""), directory("root"), file("root/.wh..wh..opq", b""),
@@ -94,15 +97,22 @@ def imported(node: RealNode) -> Iterator[str]:
     archive = oci_layout(
         Image([base, top], config={"config": {"Env": ["FROM_IMAGE=yes"], "WorkingDir": "/srv"}})
     )
-    staged = node.run(helper.call("staging.prepare", {"kind": "oci-import", "template": IMPORTED}))
-    (pathlib.Path(staged["dir"]) / "source.tar").write_bytes(archive)
+    upload = store_dir.parent / f"{store_dir.name}-upload"
+    upload.mkdir()
+    (upload / "source.tar").write_bytes(archive)
+    store = open_store(store_dir.as_uri())
+    transfer.upload(store, template_travel.source_prefix(REF), upload, {"source.tar": len(archive)},
+                    data_key=None, metadata={})  # fmt: skip
+    shutil.rmtree(upload)
+    saved, node.agent.store = node.agent.store, store
     try:
-        result = node.run(
-            helper.call("template.import_oci", {"name": IMPORTED, "source": "oci:test"}), timeout=900
-        )
+        name = node.run(template_travel.import_oci(node.agent, NAME, REF), timeout=900)
     finally:
-        node.run(helper.call("staging.release", {"kind": "oci-import", "template": IMPORTED}))
-    assert result["metadata"]["env"] == {"FROM_IMAGE": "yes"} and result["metadata"]["workdir"] == "/srv"
+        node.agent.store = saved
+    assert name == IMPORTED
+    meta = node.run(template_travel.held(node.agent, IMPORTED))
+    assert meta is not None and meta["env"] == {"FROM_IMAGE": "yes"} and meta["workdir"] == "/srv"
+    assert meta["from"] == f"oci:{REF}" and meta["layers"] == 2
     yield IMPORTED
     node.run(helper.call("template.delete", {"name": IMPORTED}))
 
@@ -170,3 +180,37 @@ def _commit_like_a_build(node: RealNode, name: str) -> None:
     meta = json.loads((templates / "python.json").read_text())
     meta.update({"name": name, "builtin": False, "from": "python", "workdir": "/srv", "env": {}})
     (templates / f"{name}.json").write_text(json.dumps(meta))
+
+
+def test_template_verbs_refuse_what_is_not_theirs(node: RealNode, imported: str) -> None:
+    """The helper's new verbs, called as a compromised agent could: built-ins, malformed names and refs,
+    metadata of another template, a staged symlink instead of an archive."""
+    helper = node.agent.driver.helper  # type: ignore[attr-defined]
+
+    async def refused(verb: str, params: dict[str, object], error: type[errors.SpaceError]) -> None:
+        with pytest.raises(error):
+            await helper.call(verb, params)
+
+    async def scenario() -> None:
+        await refused("template.import_oci", {"name": "python", "source": "oci:x"}, errors.InvalidArgument)
+        await refused("template.import_oci", {"name": "tpl-../x", "source": "oci:x"}, errors.InvalidArgument)
+        await refused("template.import_oci", {"name": "tpl-a", "source": "oci:../x"}, errors.InvalidArgument)
+        await refused("template.import_oci", {"name": imported, "source": "oci:x"}, errors.AlreadyExists)
+        await refused("template.export", {"name": "python"}, errors.InvalidArgument)
+        await refused("template.export", {"name": "tpl-absent"}, errors.NotFound)
+        meta = json.dumps({"name": "tpl-other"})
+        await refused("template.import", {"name": "tpl-b", "metadata_json": meta}, errors.InvalidArgument)
+        bad_user = json.dumps({"name": "tpl-b", "default_user": "root; rm -rf /"})
+        await refused("template.import", {"name": "tpl-b", "metadata_json": bad_user}, errors.InvalidArgument)
+        await refused("staging.prepare", {"kind": "oci-import"}, errors.InvalidArgument)
+        # a symlink staged in place of the archive is never followed
+        staged = await helper.call("staging.prepare", {"kind": "oci-import", "template": "tpl-c"})
+        try:
+            (pathlib.Path(staged["dir"]) / "source.tar").symlink_to("/etc/shadow")
+            await refused("template.import_oci", {"name": "tpl-c", "source": "oci:x"}, errors.InvalidArgument)
+        finally:
+            await helper.call("staging.release", {"kind": "oci-import", "template": "tpl-c"})
+        assert not (node.data_dir / "fs" / "templates" / "tpl-c").exists()
+        assert not (node.data_dir / "fs" / "templates" / ".tpl-c.oci").exists()
+
+    node.run(scenario(), timeout=120)
