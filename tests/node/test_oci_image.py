@@ -53,8 +53,10 @@ def tree(tmp_path: pathlib.Path) -> Iterator[tuple[pathlib.Path, int]]:
     assert list((tmp_path / "outside").iterdir()) == [], "something was written outside the tree"
 
 
-def unpack(archive: bytes, fd: int, **budget: int) -> oci_image.ImageResult:
-    return oci_image.unpack(io.BytesIO(archive), fd, Budget(**budget))
+def unpack(
+    archive: bytes, fd: int, max_bytes: int = 16 << 30, max_entries: int = 1_000_000
+) -> oci_image.ImageResult:
+    return oci_image.unpack(io.BytesIO(archive), fd, Budget(max_bytes=max_bytes, max_entries=max_entries))
 
 
 @pytest.mark.parametrize("wrap", [docker_save, oci_layout])
@@ -113,9 +115,9 @@ def test_layers_whiteouts_links_and_config(tree: tuple[pathlib.Path, int], wrap,
     assert meta["image_cmd"] == ["python3", "-m", "http.server"]
 
 
-def refused(archive: bytes, fd: int, reason: str, **budget: int) -> None:
+def refused(archive: bytes, fd: int, reason: str) -> None:
     with pytest.raises(errors.InvalidArgument) as caught:
-        unpack(archive, fd, **budget)
+        unpack(archive, fd)
     assert caught.value.details.get("reason") == reason, caught.value
 
 

@@ -49,7 +49,9 @@ class CountingStore(ObjectStore):
     """The filesystem store, counting every GET by key."""
 
     def __init__(self, inner: ObjectStore) -> None:
-        self.inner, self.url, self.gets = inner, inner.url, []  # type: ignore[misc]
+        self.inner = inner
+        self.url = inner.url
+        self.gets: list[str] = []
 
     def put(self, key: str, data: bytes) -> None:
         self.inner.put(key, data)
