@@ -74,7 +74,7 @@ def template_claim(ctx: HelperContext, params: TemplateClaimParams, _progress: P
         if params.sandbox_id is None:
             path.unlink(missing_ok=True)
         else:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_json_atomic(path, {"name": params.name, "sandbox_id": params.sandbox_id, "at": now()})
     prior = previous.get("sandbox_id")
     return {"name": params.name, "previous": prior if isinstance(prior, str) else None}
