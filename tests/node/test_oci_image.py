@@ -280,3 +280,21 @@ def test_a_layer_padded_with_a_zero_bomb_is_refused(tree: tuple[pathlib.Path, in
     _root, fd = tree
     padded = layer(PYTHON) + bytes(20 << 20)  # after the end-of-archive blocks: hashed, bounded
     refused(oci_layout(Image([padded], gzip_layers=True)), fd, "bad_layer")
+
+
+def test_zstd_layers(tree: tuple[pathlib.Path, int]) -> None:
+    import zstandard
+
+    root, fd = tree
+    raw = [layer([*PYTHON, file("z", b"zstd")])]
+    image = Image(raw)
+    image.blobs = lambda: [zstandard.ZstdCompressor().compress(b) for b in raw]  # type: ignore[method-assign]
+    unpack(oci_layout(image), fd)
+    assert (root / "z").read_bytes() == b"zstd"
+    cut = Image(raw)
+    cut.blobs = lambda: [zstandard.ZstdCompressor().compress(b)[:-40] for b in raw]  # type: ignore[method-assign]
+    with pytest.raises(
+        errors.InvalidArgument
+    ) as caught:  # an empty or short stream: whichever check sees it first
+        unpack(oci_layout(cut), fd)
+    assert caught.value.details["reason"] in {"bad_layer", "corrupt_layer", "digest_mismatch"}
