@@ -58,7 +58,7 @@ class NodeTemplateCalls(Protocol):
 
     def build_template(self, name: str, spec: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
 
-    async def delete_template(self, name: str) -> None: ...
+    async def delete_template(self, name: str) -> Any: ...
 
 
 NodeCalls = Callable[[str], NodeTemplateCalls]
@@ -147,8 +147,8 @@ class TemplateBuilds:
         return len(self._tasks)
 
     async def _drive(self, record: TemplateRecord, spec: TemplateBuildSpec) -> None:
-        renewing = asyncio.create_task(self._renew(record.id))
         logs = _LogWriter(self.store, record.id)
+        renewing = asyncio.create_task(self._renew(record.id, logs))
         outcome: str | None = "the node's build stream ended without a result"
         try:
             assert record.node_id is not None
@@ -157,6 +157,7 @@ class TemplateBuilds:
                 if "log" in item:
                     await logs.add(str(item["log"]))
                 elif "done" in item:
+                    await logs.flush()  # the node's lines before the last one
                     outcome = await self._finish(record, item["done"])
                     break
                 elif "error" in item:
@@ -191,18 +192,27 @@ class TemplateBuilds:
 
     async def _fail(self, record: TemplateRecord, reason: str) -> None:
         current = await asyncio.to_thread(self.store.get_template, record.project_id or "", record.id)
-        if current is None or current.status != TemplateStatus.BUILDING or current.lease_owner != self.owner:
+        if (
+            current is None
+            or current.status != TemplateStatus.BUILDING.value
+            or current.lease_owner != self.owner
+        ):
             return  # settled (or deleted) elsewhere
         await asyncio.to_thread(self.store.append_template_log, record.id, [f"build failed: {reason}"])
         failed = await asyncio.to_thread(self.store.fail_template, record.id, reason, owner=self.owner)
         if failed is not None:
             await self._drop_node_copy(failed)
 
-    async def _renew(self, template_id: str) -> None:
+    async def _renew(self, template_id: str, logs: _LogWriter) -> None:
+        """While the build runs: flush lines a quiet stream left waiting; renew the lease every RENEW_S."""
+        renewed = time.monotonic()
         while True:
-            await asyncio.sleep(RENEW_S)
+            await asyncio.sleep(LOG_FLUSH_S)
             with contextlib.suppress(errors.SpaceError):
-                await asyncio.to_thread(self.store.renew_template_lease, template_id, self.owner, LEASE_S)
+                await logs.flush()
+                if time.monotonic() - renewed >= RENEW_S:
+                    await asyncio.to_thread(self.store.renew_template_lease, template_id, self.owner, LEASE_S)
+                    renewed = time.monotonic()
 
     # -- delete -------------------------------------------------------------------------------------------
     async def delete(self, project_id: str, record: TemplateRecord) -> None:
@@ -299,19 +309,17 @@ class TemplateBuilds:
 
 
 class _LogWriter:
-    """Batches a build's log lines into the store (at most LOG_BATCH lines or LOG_FLUSH_S old)."""
+    """Batches a build's log lines into the store: LOG_BATCH lines at a time, and what waits every LOG_FLUSH_S
+    (the build's renewing task flushes)."""
 
     def __init__(self, store: Store, template_id: str) -> None:
         self.store = store
         self.template_id = template_id
         self.pending: list[str] = []
-        self.since = time.monotonic()
 
     async def add(self, line: str) -> None:
-        if not self.pending:
-            self.since = time.monotonic()
         self.pending.append(line[:MAX_LINE])
-        if len(self.pending) >= LOG_BATCH or time.monotonic() - self.since >= LOG_FLUSH_S:
+        if len(self.pending) >= LOG_BATCH:
             await self.flush()
 
     async def flush(self) -> None:
