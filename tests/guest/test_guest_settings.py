@@ -10,7 +10,7 @@ from space.guest.settings import GuestSettings
 
 def test_defaults_without_variables() -> None:
     assert GuestSettings.from_environ({}) == GuestSettings(
-        workdir="/work", log_path=None, reap_all=False, watch_poll=False, user=None
+        workdir="/work", log_path=None, reap_all=False, watch_poll=False, user=None, sudo_socket="space-sudo"
     )
 
 
@@ -22,9 +22,10 @@ def test_each_variable() -> None:
             "SPACED_REAP_ALL": "1",
             "SPACED_WATCH_POLL": "1",
             "SPACED_USER": "user",
+            "SPACED_SUDO_SOCKET": "sudo-test",
         }
     )
-    assert found == GuestSettings("/srv/work", "/tmp/spaced.log", True, True, "user")
+    assert found == GuestSettings("/srv/work", "/tmp/spaced.log", True, True, "user", "sudo-test")
 
 
 def test_flags_are_on_only_for_1_and_an_empty_log_is_none() -> None:

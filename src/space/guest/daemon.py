@@ -442,4 +442,9 @@ def main() -> int:
         signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     reap_all = is_init or SETTINGS.reap_all
     daemon = Daemon(channel_in, channel_out, reap_all)
+    if SETTINGS.user is not None:
+        # A template with a default user gives it passwordless sudo through the daemon (ADR 0057).
+        from space.guest import sudo
+
+        sudo.start(daemon.children)
     return daemon.serve()

@@ -7,6 +7,8 @@
     SPACED_USER         (unset)   the user (name or uid) a process runs as and a written file belongs to
                                   when the call names none (the template's `default_user`, ADR 0057);
                                   unset: root, the daemon's own user
+    SPACED_SUDO_SOCKET  space-sudo  the abstract unix socket name of the default user's sudo service
+                                  (space.guest.sudo); only tests running daemons side by side change it
     SPACED_LOG          (unset)   a file for the daemon's diagnostics (its fd 2); unset: /dev/null
     SPACED_REAP_ALL     (unset)   "1": reap every child with waitpid(-1) and become a child subreaper, as
                                   spaced does anyway when it is PID 1
@@ -36,6 +38,7 @@ class GuestSettings(NamedTuple):
     reap_all: bool = False
     watch_poll: bool = False
     user: str | None = None
+    sudo_socket: str = "space-sudo"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GuestSettings:
@@ -45,6 +48,7 @@ class GuestSettings(NamedTuple):
             reap_all=environ.get("SPACED_REAP_ALL") == "1",
             watch_poll=environ.get("SPACED_WATCH_POLL") == "1",
             user=environ.get("SPACED_USER") or None,
+            sudo_socket=environ.get("SPACED_SUDO_SOCKET") or "space-sudo",
         )
 
 

@@ -74,7 +74,7 @@ GUEST_ENV = {
     "HOME": "/root",
 }
 # Bumped when the guest layer recipe changes; part of the guest code hash, so it forces a cheap rebuild.
-GUEST_LAYER_VERSION = "guest-layer-1"
+GUEST_LAYER_VERSION = "guest-layer-2"
 
 
 def guest_command() -> list[str]:
@@ -100,6 +100,11 @@ class BuiltinTemplate:
 
 
 _USER_HOME = f"/home/{USER_NAME}"
+SUDO_WRAPPER = (
+    "#!/bin/sh\n"
+    "# SPACE (ADR 0057): setuid binaries do not gain privileges under gVisor; the sandbox's daemon runs it.\n"
+    f'exec {GUEST_PYTHON} -I -S -B {GUEST_LIB}/space/guest/sudo_client.py "$@"\n'
+)
 BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
     "python": BuiltinTemplate(
         name="python",
@@ -114,7 +119,12 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
         default_user=USER_NAME,
         workdir=_USER_HOME,
         env=(("HOME", _USER_HOME), ("USER", USER_NAME), ("LOGNAME", USER_NAME)),
-        files=((f"/etc/sudoers.d/{USER_NAME}", f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440),),
+        files=(
+            (f"/etc/sudoers.d/{USER_NAME}", f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440),
+            # gVisor ignores setuid bits, so Debian's sudo cannot work: this one (first on PATH) asks the
+            # sandbox's daemon, which serves the default user only (space.guest.sudo).
+            ("/usr/local/bin/sudo", SUDO_WRAPPER, 0o755),
+        ),
     ),
 }
 TEMPLATE_NAMES = tuple(BUILTIN_TEMPLATES)  # the names ensure_template builds
@@ -242,7 +252,9 @@ def _install_guest_code(root: Path, space_src: Path) -> int:
         dst.write_bytes(data)
         os.chmod(dst, 0o644)
         size += len(data)
-    for d in [lib, *(p for p in lib.rglob("*") if p.is_dir())]:
+    # /opt/space too (made with the helper's owner-only umask): a template's users run guest code (sudo).
+    ancestors = [parent for parent in lib.parents if parent.is_relative_to(root) and parent != root]
+    for d in [*ancestors, lib, *(p for p in lib.rglob("*") if p.is_dir())]:
         os.chmod(d, 0o755)  # noqa: S103 - world-readable code, writable by root only
     # Compile with the template's own interpreter (its magic number and paths); the template is read-only
     # afterwards, so without this every daemon start would compile from source.
