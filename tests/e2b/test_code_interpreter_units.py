@@ -130,7 +130,7 @@ def test_sdk_execution_and_mcp_text() -> None:
         {"type": "stdout", "text": "hi\n", "timestamp": 1},
         {"type": "result", "png": "aGVsbG8=", "text": "<Figure>", "is_main_result": False},
         {"type": "result", "text": "2", "is_main_result": True},
-        {"type": "error", "name": "E", "value": "v", "traceback": "\x1b[31mTrace\x1b[39m"},
+        {"type": "exception", "name": "E", "value": "v", "traceback": "\x1b[31mTrace\x1b[39m"},
         {"type": "something_new"},
         {"type": "end_of_execution"},
     ):

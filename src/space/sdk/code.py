@@ -1,8 +1,9 @@
 """What `run_code` answers: the events of one execution in the sandbox's Jupyter kernel (ADR 0058), gathered.
 
 Invariants:
-- Built only from the API's NDJSON events (`POST /v1/sandboxes/{id}/code`), in the order they came;
-  unknown event types are ignored (a newer server may add some).
+- Built only from the API's NDJSON events (`POST /v1/sandboxes/{id}/code`: E2B's shapes, but the code's
+  exception is `exception`), in the order they came; unknown event types are ignored (a newer server may
+  add some).
 - `results` keep every format the kernel gave (text, html, png as base64, ...); `text` is the main
   result's text (the cell's last expression), like E2B's `Execution.text`.
 """
@@ -47,7 +48,7 @@ class CodeExecution:
             self.results.append({k: v for k, v in event.items() if k != "type"})
         elif kind in ("stdout", "stderr"):
             (self.stdout if kind == "stdout" else self.stderr).append(str(event.get("text", "")))
-        elif kind == "error":
+        elif kind == "exception":
             self.error = CodeError(
                 str(event.get("name", "")), str(event.get("value", "")), str(event.get("traceback", ""))
             )

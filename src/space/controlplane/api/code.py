@@ -5,9 +5,10 @@ Invariants:
   data-plane call); the sandbox's template must carry the kernel bridge (the `code-interpreter` template),
   else 409 naming the template.
 - The answer is the bridge's events (`space.controlplane.code_runs`), one JSON object per line, in E2B's
-  shapes: stdout/stderr {"text"}, result {<format>: ..., "is_main_result"}, error {"name", "value",
-  "traceback"}, number_of_executions, and last end_of_execution; `timeout` comes before it when the
-  request's timeout interrupted the kernel. Errors found before the first event are the API's error body.
+  shapes but one: stdout/stderr {"text"}, result {<format>: ..., "is_main_result"}, `exception` {"name",
+  "value", "traceback"} (E2B's `error`: on SPACE's streams `error` is the stream's own failure),
+  number_of_executions, and last end_of_execution; `timeout` comes before it when the request's timeout
+  interrupted the kernel. Errors found before the first event are the API's error body.
 - The execution is bounded (code_runs: code size, output, deadline) and interrupted when the client goes
   away.
 """
@@ -66,6 +67,9 @@ async def run_code(sandbox_id: str, body: RunCodeRequest, who: Auth, services: S
 async def _ndjson(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     try:
         async for event in events:
-            yield json.dumps(event, separators=(",", ":")).encode() + b"\n"
+            # On SPACE's streams `error` is an in-band failure of the stream itself (the SDK raises it): the
+            # code's own exception is `exception`.
+            shown = {**event, "type": "exception"} if event.get("type") == "error" else event
+            yield json.dumps(shown, separators=(",", ":")).encode() + b"\n"
     finally:
         await events.aclose()  # type: ignore[attr-defined]
