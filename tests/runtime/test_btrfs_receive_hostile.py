@@ -4,14 +4,14 @@ with the real `btrfs receive` (root).
 Each stream starts as a real one, made by `btrfs send` from a crafted subvolume, and is then patched
 (path TLVs rewritten, commands inserted, the first command's parent swapped; CRCs recomputed): `..`
 components, absolute paths, a symlinked parent directory, a wrong parent UUID, a clone from another
-tenant's subvolume. Each goes to template.receive, snapshot.import and template.base_import through the
-verb table (`dispatch`, the helper's own entry point, with pydantic-validated arguments) and must fail
-with a clear typed error, leave no file outside staging (sentinel directories on the host and on the node's
-filesystem stay empty, the filesystem's tree outside subvolumes is unchanged, /etc/pwned never appears)
-and leave no staging behind. Unpatched controls of the same streams are accepted, so every refusal is
-the patch's doing. The layer behind the checker (`--chroot` into empty staging, then "staging holds the
-subvolume and nothing else") is attacked on its own with symlinks the *parent* holds, which no stream
-checker can see.
+tenant's subvolume. Each goes to template.receive, template.import (ADR 0056), snapshot.import and
+template.base_import through the verb table (`dispatch`, the helper's own entry point, with
+pydantic-validated arguments) and must fail with a clear typed error, leave no file outside staging
+(sentinel directories on the host and on the node's filesystem stay empty, the filesystem's tree outside
+subvolumes is unchanged, /etc/pwned never appears) and leave no staging behind. Unpatched controls of the
+same streams are accepted, so every refusal is the patch's doing. The layer behind the checker (`--chroot`
+into empty staging, then "staging holds the subvolume and nothing else") is attacked on its own with
+symlinks the *parent* holds, which no stream checker can see.
 """
 
 from __future__ import annotations
@@ -297,6 +297,32 @@ def _identity(node: Node) -> str:
 
 
 # --- snapshot.import ------------------------------------------------------------------------------------
+def _template_import(node: Node, data: bytes, name: str) -> dict[str, object]:
+    """template.import (ADR 0056): a user template's delta staged as the agent stages a fetched one."""
+    prepared = _call(node, "staging.prepare", {"kind": "template-import", "template": name})
+    assert prepared["ok"] is True, prepared
+    (staging.template_dir(node.ctx, "template-import", name) / "template.stream").write_bytes(data)
+    return _call(node, "template.import", {"name": name, "metadata_json": f'{{"name": "{name}"}}'})
+
+
+def test_template_import_refuses_every_hostile_stream(node: Node) -> None:
+    real = _named(_crafted_delta(node), "tpl-evil")
+    watch = Watch(node)
+    for attack, data in _hostile_variants(real, node.sentinel).items():
+        code, message = _failure(_template_import(node, data, "tpl-evil"))
+        assert code == "invalid_argument" and "send stream refused" in message, (attack, message)
+        assert not os.path.lexists(node.layout.template("tpl-evil")), attack
+        assert not (node.layout.templates / "tpl-evil.json").exists(), attack
+        watch.assert_nothing_escaped(allowed={"staging"})
+        _call(node, "staging.release", {"kind": "template-import", "template": "tpl-evil"})
+    answer = _template_import(node, real, "tpl-evil")  # the control: the same stream unpatched
+    assert answer["ok"] is True, answer
+    assert (node.layout.template("tpl-evil") / "work" / "hello").read_text() == "hello\n"
+    assert (node.layout.templates / "tpl-evil.json").exists()
+    btrfs.delete_subvolume(node.layout.template("tpl-evil"))
+    (node.layout.templates / "tpl-evil.json").unlink()
+
+
 def _snapshot_import(node: Node, data: bytes, sandbox_id: str, snapshot_id: str) -> dict[str, object]:
     prepared = _call(node, "staging.prepare", {"kind": "import", "sandbox_id": sandbox_id,
                                                "snapshot_id": snapshot_id})  # fmt: skip
