@@ -1,6 +1,6 @@
 """`space`: the command line of SPACE, thin over the SDK (entry point `space.cli.main:app`).
 
-Commands: sandbox, snapshot, exec, files, project, key, credential, bench, status (the local
+Commands: sandbox, snapshot, exec, files, project, key, credential, template, bench, status (the local
 installation); `up`/`down` come from space.cli.up when that module exists. Exit codes are documented
 in space.cli._common.
 """
@@ -16,6 +16,7 @@ from space.cli.data import exec_command, files_app
 from space.cli.mcp_server import mcp_command
 from space.cli.sandbox import sandbox_app, snapshot_app
 from space.cli.status import status
+from space.cli.templates import template_app
 
 app = typer.Typer(
     name="space",
@@ -47,6 +48,7 @@ app.add_typer(files_app, name="files")
 app.add_typer(project_app, name="project")
 app.add_typer(key_app, name="key")
 app.add_typer(credential_app, name="credential")
+app.add_typer(template_app, name="template")
 app.command(
     "exec",
     context_settings={"allow_interspersed_args": False},
