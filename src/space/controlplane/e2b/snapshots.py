@@ -39,10 +39,11 @@ from space.controlplane.e2b.auth import E2bAuth
 from space.controlplane.e2b.bodies import ForkBody, NewSandbox, SnapshotBody
 from space.controlplane.e2b.errors import NotSupported
 from space.controlplane.e2b.lookups import shown_sandbox
-from space.controlplane.e2b.views import E2B_DEFAULT_TEMPLATE, SPACE_DEFAULT_TEMPLATE, sandbox_answer
+from space.controlplane.e2b.views import E2B_ALIASES, sandbox_answer
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.ids import SNAPSHOT, parse_snapshot_id
+from space.node.volumes.templates import BUILTIN_TEMPLATES
 
 router = APIRouter()
 
@@ -173,10 +174,10 @@ async def delete_snapshot(template_id: str, who: E2bAuth, services: Svc) -> Resp
 async def snapshot_source(services: Services, who: Principal, template_id: str) -> SnapshotRecord | None:
     """The caller's snapshot a create's `templateID` names (None: it names a template). An id is always a
     snapshot's; a name is a snapshot's when the project has a snapshot of that name, except the built-in
-    template names E2B's SDK and SPACE default to, which stay templates."""
+    templates' names and E2B's aliases of them, which stay templates."""
     if template_id.startswith(SNAPSHOT.prefix):
         return await _project_snapshot(services, who, template_id)
-    if template_id in (E2B_DEFAULT_TEMPLATE, SPACE_DEFAULT_TEMPLATE):
+    if template_id in BUILTIN_TEMPLATES or template_id in E2B_ALIASES:
         return None
     named = await asyncio.to_thread(services.store.named_snapshots, who.project_id, template_id[:128])
     return named[-1] if named else None
