@@ -154,7 +154,7 @@ def test_fork_snapshots_metrics_and_network(e2b_fake: E2bCluster, project: c.Pro
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is True
     assert e2b.Sandbox.delete_snapshot(snapshot.snapshot_id) is False
     named = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "team/x:default"})
-    assert named.status_code == 501 and named.json()["code"] == 501
+    assert named.status_code == 400 and named.json()["code"] == 400  # no project or tag parts in a name
     # Network rules are SPACE's egress policy.
     sbx.update_network({"allow_out": ["example.com"], "deny_out": ["10.0.0.0/8"]})
     policy = project.http().get(f"/v1/sandboxes/{sbx.sandbox_id}/egress").json()
