@@ -28,7 +28,7 @@ from space.node.agent import template_travel, transfer
 from space.node.volumes import btrfs
 from space.objectstore.backends import open_store
 from space.objectstore.base import ObjectStore
-from tests.support.oci_archives import Image, directory, file, layer, oci_layout
+from tests.support.oci_archives import Image, directory, docker_save, file, layer, oci_layout, symlink
 from tests.support.realnode import RealNode
 from tests.support.sandboxes import delete_quietly
 
@@ -212,7 +212,17 @@ def test_template_verbs_refuse_what_is_not_theirs(node: RealNode, imported: str)
             await refused("template.import_oci", {"name": "tpl-c", "source": "oci:x"}, errors.InvalidArgument)
         finally:
             await helper.call("staging.release", {"kind": "oci-import", "template": "tpl-c"})
-        assert not (node.data_dir / "fs" / "templates" / "tpl-c").exists()
-        assert not (node.data_dir / "fs" / "templates" / ".tpl-c.oci").exists()
+        # a hostile image (a symlink out, then a write through it) fails after the tree was begun: nothing
+        # of it stays (no tree, no half-made subvolume, no private copy, no metadata)
+        hostile = docker_save(Image([layer([symlink("a", "/etc"), file("a/pwned")])]))
+        staged = await helper.call("staging.prepare", {"kind": "oci-import", "template": "tpl-c"})
+        try:
+            (pathlib.Path(staged["dir"]) / "source.tar").write_bytes(hostile)
+            await refused("template.import_oci", {"name": "tpl-c", "source": "oci:x"}, errors.InvalidArgument)
+        finally:
+            await helper.call("staging.release", {"kind": "oci-import", "template": "tpl-c"})
+        assert not pathlib.Path("/etc/pwned").exists()
+        templates = node.data_dir / "fs" / "templates"
+        assert [p.name for p in templates.iterdir() if "tpl-c" in p.name] == []
 
     node.run(scenario(), timeout=120)
