@@ -199,6 +199,12 @@ async def serve(
         adopted = await agent.recover()
         if adopted:
             log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
+        # Builds a killed agent left: their build sandboxes (just adopted as ordinary ones) are destroyed,
+        # and the user templates held here join the node's reported templates before its first heartbeat.
+        try:
+            await app.state.template_builds.held()
+        except errors.SpaceError as exc:
+            log.warning("the sweep of interrupted template builds failed, retried at the next build: %s", exc)
         start_pools(agent, service, pools, settings)
         app.state.metrics.start()  # the metrics history (ADR 0053) of the sandboxes just adopted onwards
         server = _Server(
