@@ -70,10 +70,20 @@ class CountingStore(ObjectStore):
         self.inner.delete(key)
 
 
+# Libraries of apt, git, curl and perl (python3, its standard library, coreutils and the shells need none).
+LIB_DIR = "usr/lib/x86_64-linux-gnu/"
+LIB_SKIP = ("libapt", "libstdc++", "libdb-5.3", "libgnutls", "libp11-kit", "libunistring", "libgcrypt",
+            "libperl", "libsqlite3", "libcurl", "libgssapi", "libkrb5", "libk5crypto", "libldap", "libssh2",
+            "libnghttp2", "librtmp", "libsasl2", "libhogweed", "libnettle", "libgmp", "libidn2", "libtasn1",
+            "libbrotli")  # fmt: skip
+
+
 def tree_layer(root: pathlib.Path) -> bytes:
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         name = info.name.removeprefix("./")
-        return None if any(name == s or name.startswith(s + "/") for s in SKIP) else info
+        if any(name == s or name.startswith(s + "/") for s in SKIP):
+            return None
+        return None if name.startswith(LIB_DIR) and name[len(LIB_DIR) :].startswith(LIB_SKIP) else info
 
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
