@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner, Result
 
+from space.cli import main as cli_main
 from space.controlplane.api.app import create_app
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.engine import sqlite_url
@@ -357,3 +360,86 @@ def test_sweep_fails_abandoned_builds(world: World) -> None:
     still = world.store.get_template(world.project, alive.id)
     assert still is not None and still.status == "building"
     assert world.loop.run(world.builds.sweep()) == []  # idempotent
+
+
+def _cli(world: World, *args: str) -> Result:
+    return CliRunner().invoke(cli_main.app, ["--url", world.url, "--api-key", world.key, "template", *args])
+
+
+def test_the_cli_builds_from_options_and_files_and_fails_with_the_reason(
+    world: World, tmp_path: pathlib.Path
+) -> None:
+    (tmp_path / "tool.py").write_bytes(b"print('tool')\n")
+    world.node.script = [{"log": "step 1: file"}, {"done": {"name": "x", "size_bytes": 1, "metadata": {}}}]
+    built = _cli(
+        world,
+        "build",
+        "opts",
+        "--from",
+        "python",
+        "--apt",
+        "jq",
+        "--pip",
+        "six==1.16.0",
+        "--file",
+        f"{tmp_path / 'tool.py'}:/opt/tool.py",
+        "--run",
+        "echo a",
+        "--run",
+        "echo b",
+        "--env",
+        "K=V",
+        "--workdir",
+        "/opt",
+        "--user",
+        "agent",
+        "--start-cmd",
+        "sleep 1",
+    )
+    assert built.exit_code == 0, built.output
+    assert built.stdout.strip().startswith("tpl_") and "step 1: file" in built.stderr
+    assert world.node.builds[-1][1] == {
+        "from": "python",
+        "steps": [
+            {"file": {"path": "/opt/tool.py", "content_b64": "cHJpbnQoJ3Rvb2wnKQo=", "mode": 0o644}},
+            {"apt": ["jq"]}, {"pip": ["six==1.16.0"]}, {"env": {"K": "V"}}, {"workdir": "/opt"},
+            {"run": "echo a"}, {"run": "echo b"},
+        ],
+        "user": "agent",
+        "start_cmd": "sleep 1",
+    }  # fmt: skip
+    (tmp_path / "space-template.toml").write_text(
+        'name = "declared"\nfrom = "opts"\nuser = "agent"\n'
+        '[[steps]]\nfile = { src = "tool.py", path = "/opt/t.py", mode = 0o755 }\n'
+        '[[steps]]\nrun = "echo declared"\n'
+    )
+    declared = _cli(world, "build", "-f", str(tmp_path / "space-template.toml"))
+    assert declared.exit_code == 0, declared.output
+    spec = world.node.builds[-1][1]
+    tool = {"path": "/opt/t.py", "content_b64": "cHJpbnQoJ3Rvb2wnKQo=", "mode": 0o755}
+    assert spec["steps"] == [{"file": tool}, {"run": "echo declared"}]
+    assert spec["from"] == world.store.find_template(world.project, "opts").node_name  # type: ignore[union-attr]
+    (tmp_path / "typo.toml").write_text('name = "t"\nfrom = "python"\n[[steps]]\nrn = "x"\n')
+    typo = _cli(world, "build", "-f", str(tmp_path / "typo.toml"))
+    assert typo.exit_code == 2 and "rn" in typo.stderr
+    world.node.script = [
+        {"log": "boom"},
+        {"error": {"code": "build_failed", "message": "step 1 (run) exited with 7"}},
+    ]
+    failed = _cli(world, "build", "bad", "--from", "python", "--run", "exit 7")
+    assert failed.exit_code == 1, failed.output
+    assert (
+        "error: build_failed: template 'bad' failed to build: build_failed: step 1 (run) exited with 7"
+        in failed.stderr
+    )
+    listed = _cli(world, "list")
+    rows = {line.split()[1]: line.split()[2] for line in listed.stdout.splitlines()[1:]}
+    assert (rows["opts"], rows["declared"], rows["bad"], rows["python"]) == (
+        "ready",
+        "ready",
+        "failed",
+        "ready",
+    )
+    assert _cli(world, "delete", "bad").exit_code == 0
+    missing = _cli(world, "get", "bad")
+    assert missing.exit_code == 3 and "not_found" in missing.stderr
