@@ -11,6 +11,9 @@ import pytest
 
 from space.core import errors
 from space.node.agent import template_travel
+from space.node.agent.pools import WarmPools
+from space.node.agent.runtime_names import RuntimeNames
+from space.node.drivers.base import SandboxSpec
 
 
 class Agent:
@@ -74,3 +77,51 @@ def test_names_outside_user_templates_are_left_to_the_create() -> None:
 
     asyncio.run(template_travel.ensure_template_here(NoStore(), "python"))  # type: ignore[arg-type]
     asyncio.run(template_travel.ensure_template_here(NoStore(), "tpl-0123456789abcdef"))  # type: ignore[arg-type]
+
+
+def test_a_pool_fetches_its_template_before_filling_and_backs_off_when_it_cannot() -> None:
+    """WarmPools' before_fill (wired to ensure_template_here by launch.start_pools): awaited before each
+    fill, and a failure is a failed fill (backed off), not a member."""
+
+    class Channel:
+        on_lost = None
+
+        async def close(self) -> None:
+            pass
+
+    class Driver:
+        name = "stand-in"
+
+        def __init__(self) -> None:
+            self.names = RuntimeNames(None)
+            self.created: list[str] = []
+
+        async def create_pooled(self, spec: SandboxSpec) -> Channel:
+            assert fetched == [spec.template] * len(fetched) and fetched, "filled before the fetch"
+            self.created.append(spec.sandbox_id)
+            return Channel()
+
+        async def destroy(self, sandbox_id: str) -> None:
+            pass
+
+    fetched: list[str] = []
+    attempts = {"n": 0}
+
+    async def before_fill(template: str) -> None:
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise errors.NotFound(f"template {template!r} is neither on this node nor published")
+        fetched.append(template)
+
+    async def scenario() -> None:
+        driver = Driver()
+        pools = WarmPools(lambda: driver, {"tpl-0123456789abcdef": 1}, fill_yield_s=0.0,  # type: ignore[arg-type,return-value]
+                          before_fill=before_fill)  # fmt: skip
+        pools.start()
+        async with asyncio.timeout(20):
+            while pools.counts() != {"tpl-0123456789abcdef": 1}:
+                await asyncio.sleep(0.01)
+        assert pools.stats["fill_failures"] == 1 and len(driver.created) == 1
+        await pools.close(destroy=True)
+
+    asyncio.run(scenario())

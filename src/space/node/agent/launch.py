@@ -33,6 +33,7 @@ import uvicorn
 
 from space.core import errors
 from space.core.settings import DiskReserve
+from space.node.agent import template_travel
 from space.node.agent.agent import NodeAgent
 from space.node.agent.app import create_app
 from space.node.agent.egress_settings import EgressSettings
@@ -244,6 +245,7 @@ def start_pools(
     agent.pools = WarmPools(
         lambda: agent.driver, sizes, busy=lambda: agent.steps_in_flight > 0, room=service.has_room,
         fill_yield_s=settings.pool_fill_yield_s, fill_concurrency=settings.pool_fill_concurrency,
+        before_fill=lambda template: template_travel.ensure_template_here(agent, template),
     )  # fmt: skip
     agent.pools.start()
     log.info("warm pools: %s", ", ".join(f"{t}={n}" for t, n in sizes.items()))

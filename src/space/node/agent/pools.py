@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -90,9 +90,13 @@ class WarmPools:
         fill_yield_s: float = 0.5,
         fill_concurrency: int = 1,
         limits: SandboxLimits | None = None,
+        before_fill: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         # The driver is read at each use: the egress wiring wraps the agent's driver after start-up.
         self._driver_of = driver_of
+        # Awaited before each fill: a user template the node lacks is fetched first (ADR 0056); its
+        # failure is a failed fill (backed off).
+        self._before_fill = before_fill
         self.sizes = {parse_template_name(t): n for t, n in sizes.items()}
         self.limits = limits or SandboxLimits()
         self._busy = busy
@@ -240,6 +244,8 @@ class WarmPools:
         assert names is not None, "WarmPools runs only over a driver that keeps them (launch.start_pools)"
         runtime_id = new_sandbox_id()
         try:
+            if self._before_fill is not None:
+                await self._before_fill(template)
             names.add_member(runtime_id, template)  # recorded before anything exists: never leaked
             spec = SandboxSpec(sandbox_id=runtime_id, template=template, limits=self.limits, env={})
             channel = await driver.create_pooled(spec)
