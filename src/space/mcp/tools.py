@@ -124,13 +124,22 @@ class SpaceTools:
         idle_timeout_s: Annotated[int | None, Field(gt=0, description="Pause it when idle this long.")] = (
             None
         ),
+        from_snapshot: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=128,
+                description="Start from this full snapshot (its id or name): its files, memory and "
+                "processes, with its source's template and limits.",
+            ),
+        ] = None,
     ) -> str:
         """Create a sandbox and wait until it runs; answers its id."""
         wanted = limits.model_dump(exclude_none=True) if limits is not None else None
         async with self.acting(ctx) as space:
             sb = await space.sandboxes.create(
                 template, env=env, limits=wanted or None, ttl_s=ttl_s, idle_timeout_s=idle_timeout_s,
-                metadata=metadata, on_timeout=on_timeout,
+                metadata=metadata, on_timeout=on_timeout, from_snapshot=from_snapshot,
             )  # fmt: skip
         return f"Created sandbox {sb.id}: {render.sandbox_line(sb.data)}"
 
@@ -189,10 +198,23 @@ class SpaceTools:
             Literal["disk", "full"],
             Field(description="disk: the files; full: files, memory and processes (a checkpoint)."),
         ] = "disk",
+        name: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=128,
+                description="A name for a full snapshot, to start new sandboxes from (create_sandbox).",
+            ),
+        ] = None,
     ) -> str:
-        """Take a snapshot of a sandbox to roll back to later."""
+        """Take a snapshot of a sandbox to roll back to later (a named full one: to start sandboxes from)."""
         async with self.acting(ctx) as space:
-            snap = await space.sandboxes.ref(id).snapshots.create(full=kind == "full")
+            snap = await space.sandboxes.ref(id).snapshots.create(full=kind == "full", name=name)
+        if name is not None:
+            return (
+                f"Snapshot {snap.id} ({snap.kind}, named {name}) of {id}; roll back to it with rollback, or"
+                f" start sandboxes from it with create_sandbox(from_snapshot={name!r})."
+            )
         return f"Snapshot {snap.id} ({snap.kind}) of {id}; roll back to it with rollback."
 
     async def list_snapshots(self, ctx: ToolContext, *, id: SandboxId) -> str:
