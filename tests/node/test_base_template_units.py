@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import json
+import os
+import pwd
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from space.core.errors import RuntimeFailure
+from space.node.agent.agent import NodeAgent
+from space.node.agent.app import create_app
+from space.node.drivers.fake import FakeDriver
+from space.node.rpc_client import NodeClient
 from space.node.volumes import templates
+from tests.support.loop import BackgroundLoop
+from tests.support.node_capability import NodeAuth
+from tests.support.node_rpc import TOKEN, Rpc, serve_in
 
 
 def _environment(tmp_path: Path, meta: dict[str, Any] | None) -> dict[str, str]:
@@ -68,3 +79,65 @@ def test_defaults_become_the_daemon_s_settings(tmp_path: Path) -> None:
 def test_hostile_metadata_is_refused(tmp_path: Path, meta: dict[str, Any]) -> None:
     with pytest.raises(RuntimeFailure):
         _environment(tmp_path, meta)
+
+
+# --- the `user` of file writes and mkdir through the node RPC (fake driver: spaced as a host process) -------
+@pytest.fixture(scope="module")
+def rpc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rpc]:
+    loop = BackgroundLoop()
+    agent = NodeAgent(FakeDriver(tmp_path_factory.mktemp("node")))
+    loop.run(agent.prepare())
+    server, future, url = serve_in(loop, create_app(agent, TOKEN))
+
+    async def make_client() -> NodeClient:
+        return NodeClient(url, TOKEN)
+
+    client = loop.run(make_client())
+    http = httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=30)
+    try:
+        yield Rpc(loop, agent, url, client, http)
+    finally:
+        http.close()
+        loop.run(client.aclose())
+        server.should_exit = True
+        future.result(15)
+        loop.run(agent.delete_all())
+        loop.run(agent.close())
+        loop.close()
+
+
+HOSTILE_USERS = ("bad user", "../etc", "-rf", "x" * 65, "a\0b", "", "1" * 10, "%2e%2e", "root\n")
+
+
+def test_a_hostile_user_is_refused_before_the_sandbox_sees_it(rpc: Rpc) -> None:
+    sandbox_id = rpc.new()
+    try:
+        url = f"/node/v1/sandboxes/{sandbox_id}/files"
+        for user in HOSTILE_USERS:
+            answer = rpc.http.put(url, params={"path": "f.txt", "user": user}, content=b"x")
+            assert answer.status_code in (400, 422), (user, answer.text)
+            made = rpc.http.post(f"{url}/mkdir", json={"path": "d", "user": user})
+            assert made.status_code in (400, 422), (user, made.text)
+        listed = rpc.run(rpc.client.list_files(sandbox_id, "."))
+        assert {entry["name"] for entry in listed} & {"f.txt", "d"} == set()
+    finally:
+        rpc.run(rpc.agent.delete(sandbox_id))
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_named_user_owns_what_the_write_creates(rpc: Rpc) -> None:
+    nobody = pwd.getpwnam("nobody")
+    sandbox_id = rpc.new()
+    try:
+        rpc.run(rpc.client.write_file(sandbox_id, "by/nobody.txt", b"x", user="nobody"))
+        rpc.run(rpc.client.mkdir(sandbox_id, "made/by", user=str(nobody.pw_uid)))
+        rpc.run(rpc.client.write_file(sandbox_id, "root.txt", b"x"))
+        driver = rpc.agent.driver
+        assert isinstance(driver, FakeDriver)
+        work = driver.base_dir / "sandboxes" / sandbox_id / "work"
+        for path in ("by", "by/nobody.txt", "made", "made/by"):
+            assert os.lstat(work / path).st_uid == nobody.pw_uid, path
+        assert os.lstat(work / "root.txt").st_uid == 0
+    finally:
+        rpc.run(rpc.agent.delete(sandbox_id))
