@@ -4,7 +4,8 @@
 
 Invariants:
 - Only user templates (`tpl-...`) travel this way; built-ins have their own base (space.node.helper.transfer).
-- An export is complete iff its `export.json` exists (written last); a repeat returns it.
+- An export is complete iff its `export.json` exists (written last); a repeat returns it while it names the
+  template's current metadata (a deleted and rebuilt namesake is exported afresh).
 - A received template is a delta onto this node's template base creating exactly `templates/<name>`, read
   from the agent's staged stream opened once without following symlinks; its metadata (what the publishing
   node wrote, checked here field by field) is written last, so a killed import leaves a tree without
@@ -56,15 +57,15 @@ def template_export(ctx: HelperContext, params: TemplateTravelParams, _progress:
     _user_template(name)
     out = staging.template_dir(ctx, "template-export", name)
     marker = out / "export.json"
-    with contextlib.suppress(OSError, json.JSONDecodeError):
-        done = json.loads(marker.read_text())
-        if isinstance(done, dict):
-            return done
     with ctx.lock(f"template:{name}"):
         meta = read_json(ctx.layout.templates / f"{name}.json")
         target = ctx.layout.template(name)
         if meta is None or not btrfs.is_subvolume(target) or not btrfs.get_readonly(target):
             raise errors.NotFound(f"template {name!r} is not on this node", template=name)
+        with contextlib.suppress(OSError, json.JSONDecodeError, KeyError, TypeError):
+            done = json.loads(marker.read_text())
+            if done["metadata"]["template_metadata"] == meta:  # this very template (not a deleted namesake)
+                return dict(done)
         identity = base_identity(ctx)
         staging.fresh_dir(ctx, out)
         with open(out / STREAM, "wb") as f:
