@@ -19,6 +19,7 @@ import pathlib
 import shutil
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -156,6 +157,10 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
         # A user template as a build commits one (a snapshot of `python` plus what the build wrote),
         # published, then gone from this node.
         await helper.call("template.delete", {"name": NAME})
+        # A namesake exported by a publish killed before its upload, then deleted: never published later.
+        await asyncio.to_thread(_commit_like_a_build, node, NAME, "by a deleted namesake\n")
+        await helper.call("template.export", {"name": NAME})
+        await helper.call("template.delete", {"name": NAME})
         await asyncio.to_thread(_commit_like_a_build, node, NAME)
         manifest = await template_travel.publish_template(node.agent, NAME)
         await helper.call("template.delete", {"name": NAME})
@@ -180,17 +185,18 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
         node.agent.store = saved
 
 
-def _commit_like_a_build(node: RealNode, name: str) -> None:
+def _commit_like_a_build(node: RealNode, name: str, content: str = "by the build\n") -> None:
     """A read-only snapshot of `python` with a file added, and its metadata, as template `name`."""
     templates = node.data_dir / "fs" / "templates"
     work = templates / f".{name}.new"
     btrfs.snapshot(templates / "python", work, readonly=False)
     (work / "srv").mkdir(exist_ok=True)
-    (work / "srv" / "built").write_text("by the build\n")
+    (work / "srv" / "built").write_text(content)
     btrfs.set_readonly(work, True)
     os.rename(work, templates / name)
     meta = json.loads((templates / "python.json").read_text())
-    meta.update({"name": name, "builtin": False, "from": "python", "workdir": "/srv", "env": {}})
+    meta.update({"name": name, "builtin": False, "from": "python", "workdir": "/srv", "env": {},
+                 "created": str(time.time())})  # fmt: skip
     (templates / f"{name}.json").write_text(json.dumps(meta))
 
 
