@@ -110,8 +110,11 @@ def run(fields: dict[str, object], command: list[str], flags: str) -> int:
         sys.stderr.write(f"sudo: cannot reach the sandbox's sudo service: {exc.strerror or exc}\n")
         return 1
     with conn:
-        sent = socket.send_fds(conn, [payload[: 60 << 10]], _stdio())
-        conn.sendall(payload[sent:])
+        try:
+            sent = socket.send_fds(conn, [payload[: 60 << 10]], _stdio())
+            conn.sendall(payload[sent:])
+        except OSError:
+            pass  # refused before the request was read: the answer waits in the socket, read below
 
         def forward(signum: int, _frame: object) -> None:
             with contextlib.suppress(OSError):
@@ -125,6 +128,8 @@ def run(fields: dict[str, object], command: list[str], flags: str) -> int:
                 chunk = conn.recv(4096)
             except InterruptedError:
                 continue
+            except OSError:
+                chunk = b""
             if not chunk:
                 sys.stderr.write("sudo: the sandbox's sudo service went away\n")
                 return 1
