@@ -11,6 +11,7 @@ machine."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import ipaddress
 import json
 import os
@@ -18,6 +19,7 @@ import pathlib
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +40,7 @@ from space.node.egress import StaticResolver
 from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode
 from tests.support.build_mirror import PROBE_WHEEL, Mirror, make_content, start_mirror
+from tests.support.cluster import Service, free_port, wait_for
 from tests.support.egress_net import leftovers
 from tests.support.host import network_traces
 from tests.support.loop import BackgroundLoop
@@ -99,7 +102,9 @@ def build_node(loop: BackgroundLoop) -> Iterator[BuildNode]:
     local = LocalNode(data_dir, network="sandbox")
     agent: NodeAgent | None = None
     try:
-        agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
+        # The python template without its warm start: builds boot their sandboxes cold (never a warm start)
+        agent = loop.run(local.start(progress=lambda line: None, templates=()), timeout=1800)
+        loop.run(agent.ensure_template("python"), timeout=1800)
         settings = EgressSettings(
             state_dir=data_dir / "egress",
             resolver=StaticResolver({mirror.host: [mirror.upstream.addr]}),
@@ -254,37 +259,6 @@ def test_a_failing_step_fails_the_build_and_leaves_nothing(build_node: BuildNode
     assert build_node.builds.building == {}
 
 
-def test_a_build_killed_with_its_agent_does_not_stop_the_next_one(build_node: BuildNode) -> None:
-    """What a build killed at any point leaves (its claim, its build sandbox still running, a staging tree and
-    a committed tree without metadata) is cleaned up by the next build of the name, which succeeds."""
-    name = _name()
-    helper = build_node.builds._helper()
-    stale = new_sandbox_id()
-
-    async def kill_leftovers() -> None:
-        await helper.call("template.claim", {"name": name, "sandbox_id": stale})
-        await build_node.agent.create("python", sandbox_id=stale, warm=False)
-        # the agent that made it is gone: a new agent process does not know the build (fresh TemplateBuilds)
-
-    build_node.run(kill_leftovers())
-    python = build_node.templates_dir / "python"
-    for half in (f".{name}.new", name):
-        target = str(build_node.templates_dir / half)
-        subprocess.run(["btrfs", "subvolume", "snapshot", "-r", str(python), target], check=True,
-                       capture_output=True)  # fmt: skip
-    fresh = TemplateBuilds(build_node.app.state.service)
-    mirror = build_node.mirror
-    fresh.use_sources(BuildSources(apt_sources=mirror.apt_sources, pip_index=mirror.pip_index))
-    build_node.app.state.template_builds = fresh
-    status, items = build_node.build(name, {"from": "python", "steps": [{"run": "touch /rebuilt"}]})
-    assert status == 200 and "done" in items[-1], items[-5:]
-    assert stale not in build_node.agent.sandboxes
-    assert (build_node.templates_dir / name / "rebuilt").exists()
-    assert not (build_node.templates_dir / f".{name}.new").exists()
-    assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
-    assert build_node.run(build_node.call("DELETE", f"/templates/{name}")).status_code == 200
-
-
 def test_delete_keeps_sandboxes_made_from_the_template(
     build_node: BuildNode, built: tuple[str, list[dict[str, Any]]]
 ) -> None:
@@ -311,3 +285,83 @@ def test_delete_keeps_sandboxes_made_from_the_template(
     assert not (build_node.templates_dir / f"{name}.json").exists()
     assert not (build_node.templates_dir / ".warm" / name).exists()
     assert name not in build_node.app.state.service.info().templates
+
+
+def test_a_build_killed_with_its_agent_does_not_stop_the_next_one(build_node: BuildNode) -> None:
+    """The node's agent, as its own process, is SIGKILLed while a build runs a step (and, as if it had also
+    died in a commit, a staging tree and a tree without metadata are left); the agent starts again, adopts
+    the orphaned build sandbox and sweeps it away at start, and a rebuild of the same name works and
+    leaves nothing else behind.
+    Last in the module: the in-process agent's egress gateway gives its ports to the agent process."""
+    name = _name()
+    data_dir = build_node.local.layout.data_dir
+    build_node.run(build_node.app.state.service.egress.close())
+    token_file = data_dir / "kill-test.token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "space.node.agent.server",
+        "--data-dir",
+        str(data_dir),
+        "--no-prepare",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--rpc-token-file",
+        str(token_file),
+        "--log-level",
+        "info",  # the start-up sweep is logged
+    ]
+    agent = Service("agent", argv, data_dir / "kill-test-agent.log")
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}/node/v1", timeout=300,
+                          headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+
+    def up() -> bool:
+        agent.check_alive()
+        with contextlib.suppress(httpx.HTTPError):
+            return client.get("/info").status_code == 200
+        return False
+
+    try:
+        agent.start()
+        wait_for(up, timeout=120, what="the agent process")
+        spec = {"from": "python", "steps": [{"run": "echo started; sleep 600"}]}
+        with client.stream("POST", f"/templates/{name}/build", json=spec) as stream:
+            for line in stream.iter_lines():
+                if "started" in line:
+                    break
+            agent.kill()  # mid-step: the build sandbox runs on, its claim stays, nobody cleans up
+        python = build_node.templates_dir / "python"
+        for half in (f".{name}.new", name):  # what a kill inside a commit leaves
+            target = str(build_node.templates_dir / half)
+            subprocess.run(["btrfs", "subvolume", "snapshot", "-r", str(python), target], check=True,
+                           capture_output=True)  # fmt: skip
+        claims = list((build_node.templates_dir / ".builds").glob("*.json"))
+        assert [c.stem for c in claims] == [name]
+        orphan = json.loads(claims[0].read_text())["sandbox_id"]
+        helper = build_node.builds._helper()
+        running = build_node.run(helper.call("sandbox.list"))["sandboxes"]
+        assert [(s["sandbox_id"], s["runtime"]) for s in running] == [(orphan, "running")]  # the kill left it
+        agent.start()
+        wait_for(up, timeout=120, what="the agent process, again")
+        # the new agent process adopted the orphan and swept it at start, before it served anything
+        assert client.get("/sandboxes").json()["sandboxes"] == []
+        assert build_node.run(helper.call("sandbox.list"))["sandboxes"] == []
+        assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
+        assert orphan in agent.log_path.read_text()  # "cleaning up after a build that did not finish"
+        response = client.post(
+            f"/templates/{name}/build", json={"from": "python", "steps": [{"run": "touch /rebuilt"}]}
+        )
+        items = [json.loads(line) for line in response.text.splitlines() if line.strip()]
+        assert response.status_code == 200 and "done" in items[-1], items[-5:]
+        assert client.get("/sandboxes").json()["sandboxes"] == []  # the orphan and the new build sandbox
+        assert (build_node.templates_dir / name / "rebuilt").exists()
+        assert not (build_node.templates_dir / f".{name}.new").exists()
+        assert list((build_node.templates_dir / ".builds").glob("*.json")) == []
+        assert client.delete(f"/templates/{name}").status_code == 200
+    finally:
+        client.close()
+        agent.stop()
+        build_node.agent.sandboxes.clear()  # the in-process agent's view is stale: the process had the node
