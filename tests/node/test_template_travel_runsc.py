@@ -6,7 +6,9 @@ btrfs, the root helper): ADR 0056.
   sees exactly what the layers say.
 - A user template (committed as a build commits one) is published, removed from the node, and five
   concurrent creates of it on the node that now lacks it read the template's stream from the store ONCE
-  (a counting store), then all five run.
+  (a counting store), then all five run; an unpublished template is NotFound, a flipped part is
+  ArtifactCorrupt and leaves nothing; an export left by a deleted namesake is never uploaded.
+- The new verbs refuse what a compromised agent could send them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tests.support.sandboxes import delete_quietly
 pytestmark = pytest.mark.root
 
 NAME = "tpl-0a0b0c0d0e0f0a0b"
+OTHER = "tpl-0a0b0c0d0e0f0a0c"
 REF = "tpl_0a0b0c0d0e0f0a0b"  # the control plane's id of the template the archive was uploaded for
 IMPORTED = template_travel.imported_name(NAME)
 # Big and irrelevant to the test: left out so the archive stays small (the daemon and the shell commands
@@ -176,12 +179,28 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
         for handle in handles:
             result = await handle.session.exec("cat /srv/built")
             assert result.stdout == b"by the build\n"
+        # Never published: NotFound. A part flipped in the store: refused before the helper receives it,
+        # and nothing is left (no template, no staging).
+        with pytest.raises(errors.NotFound):
+            await node.agent.create("tpl-ffffffffffffffff")
+        await asyncio.to_thread(_commit_like_a_build, node, OTHER)
+        other = await template_travel.publish_template(node.agent, OTHER)
+        await helper.call("template.delete", {"name": OTHER})
+        part = store_dir / other.entries["template.stream"].parts[0].key
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        part.write_bytes(bytes(data))
+        with pytest.raises(errors.ArtifactCorrupt):
+            await node.agent.create(OTHER)
+        assert await template_travel.held(node.agent, OTHER) is None
+        assert not (node.data_dir / "fs" / "staging" / f"template-import-{OTHER}").exists()
 
     try:
         node.run(scenario(), timeout=900)
     finally:
         node.run(delete_quietly(node.agent, *created), timeout=300)
         node.run(helper.call("template.delete", {"name": NAME}))
+        node.run(helper.call("template.delete", {"name": OTHER}))
         node.agent.store = saved
 
 
