@@ -69,7 +69,9 @@ COLLECTIONS = {
 #: that name (or is refused by role); the audit is a query by name there (an empty list for any name the
 #: scope never used). What must hold: the same answer as for a missing name, and the victim's untouched.
 #: Every other operation with a resource must answer 404.
-NAMED_IN_OWN_SCOPE = {"PUT /v1/credentials/{name}", "GET /v1/credentials/{name}/audit"}
+#: A list's `template` filter is such a query too: another project's template lists what a missing one does
+#: (nothing), and the foreign and missing answers must still be the same (ADR 0055).
+NAMED_IN_OWN_SCOPE = {"PUT /v1/credentials/{name}", "GET /v1/credentials/{name}/audit", "GET /v1/sandboxes"}
 #: Answers that are not 404 for a reason that has nothing to do with the ids (the same for a missing id).
 NOT_404 = {
     # this cluster has no object store: suspend is refused before any lookup
