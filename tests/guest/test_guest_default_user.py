@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.guest_harness import Guest
+from tests.support.guest_harness import SRC, Guest
 
 pytestmark = [
     pytest.mark.root,
@@ -115,3 +116,11 @@ def test_without_a_default_user_root_stays_the_default(plain_guest: Guest, tmp_p
     named = tmp_path / "n" / "q.txt"
     assert plain_guest.call("files.write", {"path": str(named), "user": "nobody"}, body=b"x").ok
     assert _owner(named) == _owner(named.parent) == (NOBODY.pw_uid, NOBODY.pw_gid)
+
+
+def test_without_a_default_user_there_is_no_sudo_service(plain_guest: Guest) -> None:
+    client = f"{SRC}/space/guest/sudo_client.py"
+    name = f"space-sudo-none-{secrets.token_hex(4)}"  # whatever name: no daemon without a default user serves
+    command = {"cmd": f"python3 -I -S -B {client} true; echo rc=$?", "env": {"SPACE_SUDO_SOCKET": name}}
+    reply = plain_guest.call("process.start", command, timeout=30)
+    assert reply.stdout == b"rc=1\n" and b"cannot reach" in reply.stderr

@@ -62,12 +62,9 @@ def test_uploads_belong_to_the_user_unless_they_name_another(sbx: Sandbox) -> No
     assert sbx.commands.run(f"echo more >> /home/user/{name}/notes.txt && echo ok").stdout == "ok\n"
 
 
-def test_space_s_api_writes_as_the_user_it_names(real_cluster: RealCluster) -> None:  # noqa: F811
-    sandbox = real_cluster.sdk().sandboxes.create(template="base")
-    try:
-        sandbox.files.write("/tmp/api-default.txt", b"x")
-        sandbox.files.write("/tmp/api-root.txt", b"x", user="root")
-        owners = sandbox.exec("stat -c %U /tmp/api-default.txt /tmp/api-root.txt; whoami").stdout
-        assert owners.split() == ["user", "root", "user"]
-    finally:
-        sandbox.delete()
+def test_space_s_api_writes_as_the_user_it_names(real_cluster: RealCluster, sbx: Sandbox) -> None:  # noqa: F811
+    sandbox = real_cluster.sdk().sandboxes.get(sbx.sandbox_id)  # the same sandbox through SPACE's own API
+    sandbox.files.write("/tmp/api-default.txt", b"x")
+    sandbox.files.write("/tmp/api-root.txt", b"x", user="root")
+    owners = sandbox.exec("stat -c %U /tmp/api-default.txt /tmp/api-root.txt; whoami").stdout
+    assert owners.split() == ["user", "root", "user"]

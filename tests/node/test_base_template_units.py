@@ -109,35 +109,34 @@ def rpc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rpc]:
 HOSTILE_USERS = ("bad user", "../etc", "-rf", "x" * 65, "a\0b", "", "1" * 10, "%2e%2e", "root\n")
 
 
-def test_a_hostile_user_is_refused_before_the_sandbox_sees_it(rpc: Rpc) -> None:
-    sandbox_id = rpc.new()
-    try:
-        url = f"/node/v1/sandboxes/{sandbox_id}/files"
-        for user in HOSTILE_USERS:
-            answer = rpc.http.put(url, params={"path": "f.txt", "user": user}, content=b"x")
-            assert answer.status_code in (400, 422), (user, answer.text)
-            made = rpc.http.post(f"{url}/mkdir", json={"path": "d", "user": user})
-            assert made.status_code in (400, 422), (user, made.text)
-        listed = rpc.run(rpc.client.list_files(sandbox_id, "."))
-        assert {entry["name"] for entry in listed} & {"f.txt", "d"} == set()
-    finally:
-        rpc.run(rpc.agent.delete(sandbox_id))
+@pytest.fixture(scope="module")
+def sandbox_id(rpc: Rpc) -> Iterator[str]:
+    made = rpc.new()
+    yield made
+    rpc.run(rpc.agent.delete(made))
+
+
+def test_a_hostile_user_is_refused_before_the_sandbox_sees_it(rpc: Rpc, sandbox_id: str) -> None:
+    url = f"/node/v1/sandboxes/{sandbox_id}/files"
+    for user in HOSTILE_USERS:
+        answer = rpc.http.put(url, params={"path": "f.txt", "user": user}, content=b"x")
+        assert answer.status_code in (400, 422), (user, answer.text)
+        made = rpc.http.post(f"{url}/mkdir", json={"path": "d", "user": user})
+        assert made.status_code in (400, 422), (user, made.text)
+    listed = rpc.run(rpc.client.list_files(sandbox_id, "."))
+    assert {entry["name"] for entry in listed} & {"f.txt", "d"} == set()
 
 
 @pytest.mark.root
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
-def test_a_named_user_owns_what_the_write_creates(rpc: Rpc) -> None:
+def test_a_named_user_owns_what_the_write_creates(rpc: Rpc, sandbox_id: str) -> None:
     nobody = pwd.getpwnam("nobody")
-    sandbox_id = rpc.new()
-    try:
-        rpc.run(rpc.client.write_file(sandbox_id, "by/nobody.txt", b"x", user="nobody"))
-        rpc.run(rpc.client.mkdir(sandbox_id, "made/by", user=str(nobody.pw_uid)))
-        rpc.run(rpc.client.write_file(sandbox_id, "root.txt", b"x"))
-        driver = rpc.agent.driver
-        assert isinstance(driver, FakeDriver)
-        work = driver.base_dir / "sandboxes" / sandbox_id / "work"
-        for path in ("by", "by/nobody.txt", "made", "made/by"):
-            assert os.lstat(work / path).st_uid == nobody.pw_uid, path
-        assert os.lstat(work / "root.txt").st_uid == 0
-    finally:
-        rpc.run(rpc.agent.delete(sandbox_id))
+    rpc.run(rpc.client.write_file(sandbox_id, "by/nobody.txt", b"x", user="nobody"))
+    rpc.run(rpc.client.mkdir(sandbox_id, "made/by", user=str(nobody.pw_uid)))
+    rpc.run(rpc.client.write_file(sandbox_id, "root.txt", b"x"))
+    driver = rpc.agent.driver
+    assert isinstance(driver, FakeDriver)
+    work = driver.base_dir / "sandboxes" / sandbox_id / "work"
+    for path in ("by", "by/nobody.txt", "made", "made/by"):
+        assert os.lstat(work / path).st_uid == nobody.pw_uid, path
+    assert os.lstat(work / "root.txt").st_uid == 0
