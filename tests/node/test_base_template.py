@@ -154,6 +154,16 @@ def test_the_template_metadata_and_its_own_layer(node: RealNode, base_sandbox: s
     assert not (tdir / "python" / "etc/sudoers.d/user").exists()  # python's user has no sudo entry
 
 
+def test_a_fork_keeps_the_defaults_and_sudo(rpc: Rpc, base_sandbox: str) -> None:
+    """A child restored from a full checkpoint resumes the daemon that booted with the defaults, its sudo
+    socket included."""
+    (child,) = rpc.run(rpc.agent.fork(base_sandbox), timeout=300)
+    try:
+        assert _lines(rpc, child.sandbox_id, "whoami; pwd; sudo -n id -u") == ["user", "/home/user", "0"]
+    finally:
+        rpc.run(rpc.agent.delete(child.sandbox_id))
+
+
 def test_python_is_unchanged(rpc: Rpc) -> None:
     sandbox_id = rpc.new(template="python")
     try:
