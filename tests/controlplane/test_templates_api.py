@@ -13,6 +13,7 @@ import json
 import pathlib
 import secrets
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,11 +120,20 @@ def world(served: Served) -> Iterator[World]:
     served.node.builds.clear()
     served.node.deleted.clear()
     store = served.store
-    # (Again) a ready node with a fresh heartbeat: the builds' node choice takes no other.
-    store.register_node(
+    # (Again) a ready node with a fresh heartbeat, kept fresh while the test runs (a slow machine may take
+    # longer than the scheduler's freshness bound between two builds): the builds' node choice takes no other.
+    node = store.register_node(
         "http://127.0.0.1:9/node", "t" * 32, capacity={"cpus": 2, "memory_mb": 4096, "sandboxes": 8},
         templates=["python", "base"],
     )  # fmt: skip
+    beating = threading.Event()
+
+    def heartbeats() -> None:
+        while not beating.wait(1.0):
+            store.heartbeat(node.id, used={}, templates=["python", "base"])
+
+    beater = threading.Thread(target=heartbeats, daemon=True)
+    beater.start()
     org = store.create_org(f"o-{secrets.token_hex(4)}")
     mine, theirs = store.create_project(org.id, "mine"), store.create_project(org.id, "theirs")
     _k1, key = store.create_api_key(mine.id, org.id, "member")
@@ -133,6 +143,8 @@ def world(served: Served) -> Iterator[World]:
     )
     if served.node.released is not None:
         served.node.release()  # no build of this test stays held
+    beating.set()
+    beater.join(10)
 
 
 def _build(

@@ -215,8 +215,10 @@ class TemplateBuilds:
                     renewed = time.monotonic()
 
     # -- delete -------------------------------------------------------------------------------------------
-    async def delete(self, project_id: str, record: TemplateRecord) -> None:
-        """Delete a project template: refused (409) while sandboxes of it exist; its build is stopped."""
+    async def delete(self, project_id: str, record: TemplateRecord) -> bool:
+        """Delete a project template: refused (409) while sandboxes of it exist; its build is stopped. True:
+        gone; False: `deleting`, a node still holds a copy (or is still winding its build down), and the
+        sweep finishes the deletion when it answers."""
         in_use = await asyncio.to_thread(self.store.sandboxes_of_template, project_id, record.node_name)
         if in_use:
             raise errors.Conflict(
@@ -230,7 +232,12 @@ class TemplateBuilds:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await self._remove(marked)
+        try:
+            await self._remove(marked)
+        except errors.Unavailable as exc:
+            log.info("template %s: deletion left to the sweep: %s", record.id, exc.message)
+            return False
+        return True
 
     async def _remove(self, record: TemplateRecord) -> None:
         await self._drop_node_copy(record, strict=True)

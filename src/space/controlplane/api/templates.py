@@ -65,7 +65,9 @@ class Template(BaseModel):
     workdir: str | None
     error: str | None
     log_truncated: bool
-    source_upload: str | None = Field(description="Where to PUT the OCI archive while the build waits for it.")
+    source_upload: str | None = Field(
+        description="Where to PUT the OCI archive while the build waits for it."
+    )
     created_at: str | None
     updated_at: str | None
 
@@ -81,7 +83,9 @@ class DeletedTemplate(BaseModel):
 
     id: str
     name: str
-    deleted: bool
+    deleted: bool = Field(
+        description="False: it is `deleting`; a node still holds a copy, removed when it answers."
+    )
 
 
 def _iso(value: Any) -> str | None:
@@ -89,7 +93,7 @@ def _iso(value: Any) -> str | None:
 
 
 def template_view(record: TemplateRecord) -> dict[str, Any]:
-    awaiting = record.status == TemplateStatus.BUILDING and record.source == OCI_UPLOAD
+    awaiting = record.status == TemplateStatus.BUILDING.value and record.source == OCI_UPLOAD
     return {
         "id": record.id,
         "name": record.name,
@@ -147,7 +151,9 @@ async def get_template(template: Ref, who: Auth, services: Svc) -> dict[str, Any
 @router.get(
     "/templates/{template}/logs",
     response_class=StreamingResponse,
-    responses={200: {"content": {"application/x-ndjson": {}}, "description": "NDJSON log lines, then the template."}},
+    responses={
+        200: {"content": {"application/x-ndjson": {}}, "description": "NDJSON log lines, then the template."}
+    },
 )
 async def template_logs(
     template: Ref,
@@ -157,7 +163,9 @@ async def template_logs(
     after: Annotated[int, Query(ge=0, le=2**62)] = 0,
 ) -> StreamingResponse:
     record = await find_template(services, who, template)
-    return StreamingResponse(_log_items(services, who.project_id, record, follow, after), media_type="application/x-ndjson")
+    return StreamingResponse(
+        _log_items(services, who.project_id, record, follow, after), media_type="application/x-ndjson"
+    )
 
 
 def _line(item: dict[str, Any]) -> bytes:
@@ -169,9 +177,11 @@ async def _log_items(
 ) -> AsyncIterator[bytes]:
     cursor, current = after, record
     while not record.builtin:
-        settled = current.status != TemplateStatus.BUILDING or not follow
+        settled = current.status != TemplateStatus.BUILDING.value or not follow
         while True:  # everything written so far (after a settled status: everything there is)
-            lines = await asyncio.to_thread(services.store.template_log, record.id, after=cursor, limit=LOG_PAGE)
+            lines = await asyncio.to_thread(
+                services.store.template_log, record.id, after=cursor, limit=LOG_PAGE
+            )
             for line in lines:
                 cursor = line.id
                 yield _line({"log": line.line, "seq": line.id, "at": line.at.isoformat()})
@@ -200,5 +210,5 @@ async def upload_source(template: Ref, who: Auth, services: Svc, request: Reques
 async def delete_template(template: Ref, who: Auth, services: Svc, request: Request) -> dict[str, Any]:
     who.require("member")
     record = await _own(services, who, template, "be deleted")
-    await builds_of(request).delete(who.project_id, record)
-    return {"id": record.id, "name": record.name, "deleted": True}
+    deleted = await builds_of(request).delete(who.project_id, record)
+    return {"id": record.id, "name": record.name, "deleted": deleted}
