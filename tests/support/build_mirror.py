@@ -5,7 +5,8 @@ and the package index of the Internet (tests send no traffic anywhere else).
 What it serves, all made here from what the test machine has, so nothing is downloaded:
 - `debian/`: a flat apt repository (`deb [trusted=yes] http://<host>/debian ./`) with `space-build-probe`, a
   tiny package made with dpkg-deb (one script, /usr/bin/space-build-probe), and `python3-pip`, made from the
-  pip this test process runs (the python template has no pip; a build's pip step installs it with apt);
+  pip this test process runs, as one zip on python3's path (the python template has no pip; a build's pip
+  step installs it with apt);
 - `simple/`: a PEP 503 index holding `spaceprobe`, a pure-python wheel made here.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import pathlib
 import shutil
 import subprocess
@@ -46,7 +48,7 @@ class Mirror:
 
 
 def _deb(root: pathlib.Path, name: str, version: str, depends: str, files: dict[str, tuple[bytes, int]],
-         out: pathlib.Path, trees: dict[str, pathlib.Path] | None = None) -> pathlib.Path:  # fmt: skip
+         out: pathlib.Path) -> pathlib.Path:  # fmt: skip
     pkg = root / f"{name}-pkg"
     (pkg / "DEBIAN").mkdir(parents=True)
     control = (
@@ -59,13 +61,22 @@ def _deb(root: pathlib.Path, name: str, version: str, depends: str, files: dict[
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(content)
         target.chmod(mode)
-    for path, source in (trees or {}).items():
-        shutil.copytree(source, pkg / path.lstrip("/"), ignore=shutil.ignore_patterns("__pycache__"))
     deb = out / f"{name}_{version}_all.deb"
     subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "-z1", "--build", str(pkg), str(deb)],
                    check=True, capture_output=True)  # fmt: skip
     shutil.rmtree(pkg)
     return deb
+
+
+def _pip_zip() -> bytes:
+    """The pip this process runs, as a zip with `pip/` at its top (byte code left out)."""
+    source = pathlib.Path(pip.__file__).parent
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        for path in sorted(source.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                archive.write(path, "pip/" + str(path.relative_to(source)))
+    return buffer.getvalue()
 
 
 def _packages_index(debs: list[pathlib.Path]) -> str:
@@ -109,8 +120,12 @@ def make_content(www: pathlib.Path, value: str) -> None:
     probe = b"#!/bin/sh\necho space-build-probe ok\n"
     debs = [
         _deb(www, PROBE_DEB, "1.0", "dash", {"/usr/bin/space-build-probe": (probe, 0o755)}, debian),
-        _deb(www, "python3-pip", f"{pip.__version__}-0space1", "python3", {}, debian,
-             trees={"/usr/lib/python3/dist-packages/pip": pathlib.Path(pip.__file__).parent}),
+        # pip as one zip on python3's path (pip runs from a zip, as get-pip's does): two files to unpack
+        # instead of pip's thousand, which in gVisor is most of what installing pip costs
+        _deb(www, "python3-pip", f"{pip.__version__}-0space1", "python3", {
+            "/usr/lib/python3/pip.zip": (_pip_zip(), 0o644),
+            "/usr/lib/python3/dist-packages/pip-zip.pth": (b"/usr/lib/python3/pip.zip\n", 0o644),
+        }, debian),
     ]  # fmt: skip
     (debian / "Packages").write_text(_packages_index(debs))
     files = www / "files"
