@@ -107,6 +107,10 @@ def files_write(
     sandbox_id: SandboxId,
     path: PathArg,
     mode: Annotated[str | None, typer.Option("--mode", help="File mode in octal, e.g. 0644.")] = None,
+    user: Annotated[
+        str | None,
+        typer.Option("--user", help="Who a new file belongs to (default: the template's user)."),
+    ] = None,
 ) -> None:
     """Write stdin to a file in the sandbox (streamed): space files write ID PATH < data."""
     file_mode: int | None = None
@@ -115,7 +119,7 @@ def files_write(
             file_mode = int(mode, 8)
         except ValueError:
             raise typer.BadParameter(f"not an octal mode: {mode!r}", param_hint="--mode") from None
-    client().sandboxes.ref(sandbox_id).files.write(path, binary_stream("stdin"), mode=file_mode)
+    client().sandboxes.ref(sandbox_id).files.write(path, binary_stream("stdin"), mode=file_mode, user=user)
 
 
 @files_app.command("read")
