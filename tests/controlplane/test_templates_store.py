@@ -15,8 +15,9 @@ from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.store import Store, open_store
 from space.controlplane.store.templates import TEMPLATE_LOG_BYTES, TEMPLATE_LOG_LINE
 from space.controlplane.template_builds import OCI_UPLOAD, TemplateBuilds
-from space.controlplane.template_sources import SOURCE_ENTRY, receive_source, source_prefix
+from space.controlplane.template_sources import SOURCE_ENTRY, receive_source
 from space.core import errors
+from space.node.agent.template_travel import source_prefix
 from space.objectstore.artifacts import read_entry_bytes
 from space.objectstore.backends import open_store as open_objects
 from space.objectstore.manifest import read_manifest
@@ -149,3 +150,9 @@ def test_an_oci_archive_is_stored_once_then_built(store: Store, tmp_path: pathli
         asyncio.run(
             builds.start(project, "x", {"from": f"oci:{made.id}", "steps": []})
         )  # another's staged archive
+    # Deleting it removes its archive (and a published copy, had the node published one) from the store.
+    builds.objects = objects
+    assert asyncio.run(builds.delete(project, made)) is True
+    with pytest.raises(errors.NotFound):
+        read_manifest(objects, source_prefix(made.id))
+    assert store.find_template(project, "imported") is None

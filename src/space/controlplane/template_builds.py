@@ -14,7 +14,8 @@ Invariants:
 - Convergence (`sweep`, at start-up and every SWEEP_S): a `building` row whose lease passed, or whose
   owner is a dead control-plane process of this host (same pid and start time test as the reconciler's
   leases), is failed and the node asked to drop any copy; a `deleting` row has its node copies removed,
-  then the row. Both are idempotent and safe on several replicas (every change is a guarded swap).
+  then its uploaded archive and published copy in the object store, then the row. Both are idempotent
+  and safe on several replicas (every change is a guarded swap).
 - A template is deleted only when none of its project's sandboxes (not deleted) was made from it: a
   suspended or stopped sandbox still needs its template to be restored or started elsewhere (409).
 - `from` names what the user sees (a built-in, a project template's name or id, `oci:<ref>`); the node gets
@@ -39,6 +40,9 @@ from space.controlplane.store.store import Store
 from space.core import errors, ids
 from space.core.template_spec import TemplateBuildSpec, parse_build_spec
 from space.core.template_states import TemplateStatus
+from space.node.agent.template_travel import published_prefix, source_prefix
+from space.objectstore.artifacts import delete_artifact
+from space.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +92,22 @@ def _dead_local_owner(owner: str | None) -> bool:
 class TemplateBuilds:
     """Every template build this control plane drives, and the sweep that converges the others."""
 
-    def __init__(self, store: Store, nodes: NodeCalls, *, owner: str, fresh_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        nodes: NodeCalls,
+        *,
+        owner: str,
+        fresh_s: float | None = None,
+        objects: ObjectStore | None = None,
+    ) -> None:
+        """`objects`: the object store a deletion removes the template's uploaded archive and published copy
+        from (None: there is none)."""
         self.store = store
         self.nodes = nodes
         self.owner = owner
         self.fresh_s = fresh_s
+        self.objects = objects
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- build --------------------------------------------------------------------------------------------
@@ -241,6 +256,9 @@ class TemplateBuilds:
 
     async def _remove(self, record: TemplateRecord) -> None:
         await self._drop_node_copy(record, strict=True)
+        if self.objects is not None:  # its uploaded archive and its published copy (docs/adr/0056)
+            for prefix in (source_prefix(record.id), published_prefix(record.node_name)):
+                await asyncio.to_thread(delete_artifact, self.objects, prefix)
         await asyncio.to_thread(self.store.purge_template, record.id)
 
     async def _drop_node_copy(self, record: TemplateRecord, *, strict: bool = False) -> None:

@@ -26,6 +26,7 @@ from typing import BinaryIO, Final
 from space.controlplane.store.records import TemplateRecord
 from space.controlplane.template_builds import LEASE_S, OCI_UPLOAD, SOURCE_WINDOW_S, TemplateBuilds
 from space.core import errors
+from space.node.agent.template_travel import source_prefix  # where the node's importer reads it
 from space.objectstore.artifacts import ArtifactWriter
 from space.objectstore.base import ObjectStore
 
@@ -33,11 +34,6 @@ UPLOADING: Final = "oci:uploading"
 UPLOADED: Final = "oci:archive"
 SOURCE_ENTRY: Final = "source.tar"
 MAX_SOURCE_BYTES: Final = 4 << 30
-
-
-def source_prefix(template_id: str) -> str:
-    """Where a template's uploaded archive is stored (the format agreed with the node's importer)."""
-    return f"templates/{template_id}/source"
 
 
 def _store(objects: ObjectStore, template_id: str, spool: BinaryIO) -> None:
@@ -94,9 +90,13 @@ async def receive_source(
     except BaseException:
         await asyncio.shield(
             asyncio.to_thread(
-                builds.store.move_template_source, record.id, expected=UPLOADING, to=OCI_UPLOAD,
-                owner=builds.owner, lease_s=SOURCE_WINDOW_S,
-            )  # fmt: skip
+                builds.store.move_template_source,
+                record.id,
+                expected=UPLOADING,
+                to=OCI_UPLOAD,
+                owner=builds.owner,
+                lease_s=SOURCE_WINDOW_S,
+            )
         )
         raise
     uploaded = await asyncio.to_thread(

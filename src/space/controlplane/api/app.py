@@ -98,6 +98,7 @@ def create_app(
         services.nodes.client,
         owner=services.reconciler.owner,
         fresh_s=freshness_bound(services.settings.node_lost_after_s),
+        objects=services.reconciler.objects,
     )
     app.state.templates = builds  # template builds driven by this process (ADR 0055)
     rest_errors.install(app, surface="control plane API")
