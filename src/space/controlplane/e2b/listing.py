@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import urllib.parse
 from datetime import UTC, datetime
@@ -26,6 +27,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
+from space.controlplane import template_catalog
 from space.controlplane.api.deps import Principal, Services, Svc
 from space.controlplane.e2b.auth import E2bAuth
 from space.controlplane.e2b.views import SPACE_STATES_OF, e2b_state, listed_answer, space_template, visible
@@ -106,6 +108,13 @@ async def list_v2(
     next_token: Annotated[str | None, Query(alias="nextToken", max_length=MAX_TOKEN_LENGTH)] = None,
 ) -> JSONResponse:
     named = space_template(template) if template is not None else None
+    if (
+        named is not None and len(named) <= MAX_TEMPLATE
+    ):  # a project template's name or id: its node-level name
+        with contextlib.suppress(errors.SpaceError):
+            named = (
+                await asyncio.to_thread(template_catalog.find, services.store, who.project_id, named)
+            ).node_name
     query = SandboxQuery(
         template=named, metadata=parse_metadata(metadata), order=order, limit=limit, page_token=next_token,
         created_after=_started_after(started_after),
