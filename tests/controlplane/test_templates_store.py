@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from space.controlplane.e2b.templates import template_alias
 from space.controlplane.store.engine import sqlite_url
 from space.controlplane.store.store import Store, open_store
 from space.controlplane.store.templates import TEMPLATE_LOG_BYTES, TEMPLATE_LOG_LINE
@@ -156,3 +158,23 @@ def test_an_oci_archive_is_stored_once_then_built(store: Store, tmp_path: pathli
     with pytest.raises(errors.NotFound):
         read_manifest(objects, source_prefix(made.id))
     assert store.find_template(project, "imported") is None
+
+
+def test_e2b_alias_lookup_sees_the_projects_templates_and_the_built_ins_only(store: Store) -> None:
+    mine, theirs = _project(store, "mine"), _project(store, "theirs")
+    own = store.create_template(
+        mine, "own", spec=SPEC, source="python", node_id=None, lease_owner="a", lease_s=60
+    )
+    other = store.create_template(
+        theirs, "other", spec=SPEC, source="python", node_id=None, lease_owner="a", lease_s=60
+    )
+    services: Any = SimpleNamespace(store=store)
+
+    def lookup(alias: str) -> dict[str, Any]:
+        return asyncio.run(template_alias(alias, cast(Any, SimpleNamespace(project_id=mine)), services))
+
+    assert lookup("own") == lookup(own.id) == lookup(own.node_name) == {"templateID": own.id, "public": False}
+    assert lookup("base") == {"templateID": "base", "public": True}
+    for alias in ("other", other.id, other.node_name, "Not/A/Name", "no-such-template"):
+        with pytest.raises(errors.NotFound):
+            lookup(alias)
