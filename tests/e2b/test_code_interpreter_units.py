@@ -140,3 +140,10 @@ def test_sdk_execution_and_mcp_text() -> None:
     text = execution_text(execution)
     assert text.startswith("error: E: v") and "hi" in text and "[png image: 8 characters of base64]" in text
     assert "Trace" in text and "\x1b" not in text
+
+
+def test_the_bridge_stops_showing_a_flood_at_its_budget() -> None:
+    run = kb.Execution(client=None, context_id="no-such-context", timeout=None, max_output=200)
+    shown = [e for _ in range(10) for e in run.admit({"type": "stdout", "text": "x" * 50, "timestamp": 1})]
+    assert [e["type"] for e in shown] == ["stdout", "stdout", "error"]
+    assert shown[-1]["name"] == "OutputLimitExceeded" and run.flooded and run.interrupted_at is not None

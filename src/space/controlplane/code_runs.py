@@ -3,8 +3,9 @@ shared by SPACE's `POST /v1/sandboxes/{id}/code` and the E2B front's port-49999 
 
 Invariants:
 - The control plane never talks to the sandbox's network: every call runs the template's bridge program
-  (`space.node.code_interpreter.spec.BRIDGE_ARGV`) through the node's process calls, the request as JSON
-  on the process's stdin, the answers as JSON lines on its stdout.
+  (`space.node.code_interpreter.spec.BRIDGE_ARGV`) through the node's exec calls, the request as JSON on
+  the process's stdin, the answers as JSON lines on its stdout. An execution is a streamed (foreground)
+  exec, so the daemon holds the bridge's output for it: a flooding cell is slowed down, never loses lines.
 - Context ids fullmatch CONTEXT_ID before they reach the bridge (which checks them again).
 - An execution's output is bounded: a line longer than MAX_LINE_BYTES or more than MAX_OUTPUT_BYTES in all
   ends it (the bridge is told to interrupt the kernel, and the caller gets an `OutputLimitExceeded` error
@@ -32,8 +33,8 @@ from space.node.rpc_client import NodeClient
 
 CONTEXT_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 DEFAULT_CONTEXT: Final = "default"
-MAX_LINE_BYTES: Final = 8 << 20
-MAX_OUTPUT_BYTES: Final = 32 << 20
+MAX_LINE_BYTES: Final = 4 << 20
+MAX_OUTPUT_BYTES: Final = 20 << 20
 MAX_CODE_BYTES: Final = 1 << 20
 MAX_ENV_VARS: Final = 64
 MAX_EXECUTION_S: Final = 3600.0
@@ -105,11 +106,17 @@ class KernelBridge:
         """Start an execution; raises before yielding anything if it cannot start (unknown context, no
         bridge), then yields its events (E2B's shapes) up to and including `end_of_execution`."""
         request = execute_request(code, context_id, env_vars, timeout)
-        started = await self.node.start_process(self.sandbox_id, [*BRIDGE_ARGV, "execute"], stdin=True)
-        process_id = started.process_id
+        # A foreground exec: the daemon holds the bridge's output for this reader (a fast cell is slowed
+        # down, never loses output), and the first event names the process for the clean-up.
+        stream = self.node.exec_stream(
+            self.sandbox_id, [*BRIDGE_ARGV, "execute"], stdin=json.dumps(request).encode()
+        )
+        started = await anext(stream, None)
+        process_id = str((started or {}).get("process_id") or "")
+        if not process_id:
+            raise errors.Internal("the sandbox did not start the kernel bridge")
         try:
-            await self.node.write_stdin(self.sandbox_id, process_id, json.dumps(request).encode(), eof=True)
-            lines = self._lines(process_id)
+            lines = _Lines(stream)
             first = await anext(lines, None)
             if first is None or "ok" not in first:
                 raise self._start_error(first, lines)
@@ -140,12 +147,12 @@ class KernelBridge:
         except errors.TooLarge as exc:
             yield {"type": "error", "name": "OutputLimitExceeded", "value": str(exc), "traceback": ""}
             yield {"type": "end_of_execution"}
+        except errors.SpaceError as exc:  # the node call failed mid-way: the caller still gets an ending
+            yield {"type": "error", "name": "KernelBridgeError", "value": str(exc), "traceback": ""}
+            yield {"type": "end_of_execution"}
         finally:
             if not finished:
                 self._abandon(process_id)
-
-    def _lines(self, process_id: str) -> _Lines:
-        return _Lines(self.node.attach(self.sandbox_id, process_id, offset=0, follow=True))
 
     def _abandon(self, process_id: str) -> None:
         """SIGTERM now (the bridge interrupts the kernel), SIGKILL after DRAIN_S; never awaited by the
@@ -178,6 +185,8 @@ def execute_request(
         "context_id": check_context_id(context_id) if context_id else DEFAULT_CONTEXT,
         "env_vars": env,
         "timeout": deadline,
+        # The bridge stops a flood at the kernel below the front's own bound, which stays as the backstop.
+        "max_output_bytes": MAX_OUTPUT_BYTES - MAX_LINE_BYTES,
     }
 
 

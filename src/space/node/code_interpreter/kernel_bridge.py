@@ -27,6 +27,9 @@ Invariants:
   interrupt), then the bridge waits at most DRAIN_S for the kernel to go idle and ends: a client that goes
   away never leaves a cell running.
 - Env vars of an execution are set in the kernel before the code and restored after it.
+- An execution shows at most `max_output_bytes` of events: beyond, the kernel is interrupted at once (a
+  flood stops at its source, not after it has filled the bridge's queues) and one `OutputLimitExceeded`
+  error is shown.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -50,6 +54,8 @@ DEFAULT_CONTEXT = "default"
 LANGUAGES = ("python",)
 KERNEL_START_S = 120.0
 DRAIN_S = 5.0
+#: The output an execution may show (the control plane asks for less): past it the cell is interrupted.
+MAX_OUTPUT_BYTES = 64 << 20
 POLL_S = 0.25
 #: Jupyter MIME types -> E2B's result fields; any other type goes to `extra`.
 FORMATS = {
@@ -292,12 +298,15 @@ def _silent(client: Any, code: str) -> None:
 class Execution:
     """One execute request and the iopub messages of its parent id, until the kernel goes idle."""
 
-    def __init__(self, client: Any, context_id: str, timeout: float | None) -> None:
+    def __init__(self, client: Any, context_id: str, timeout: float | None, max_output: int) -> None:
         self.client = client
         self.context_id = context_id
         self.deadline = time.monotonic() + timeout if timeout else None
         self.interrupted_at: float | None = None
         self.timed_out = False
+        self.max_output = max_output
+        self.output = 0
+        self.flooded = False
 
     def interrupt(self) -> None:
         if self.interrupted_at is not None:
@@ -309,20 +318,57 @@ class Execution:
                 os.kill(pid, signal.SIGINT)
 
     def run(self, code: str) -> None:
+        """Show the execution's events until the kernel is idle (or the interrupt's drain time is over). A
+        reader thread drains the kernel's messages all along, so a cell that floods while stdout is slow
+        is cut at its budget at once instead of filling queues (and the sandbox's memory)."""
         msg_id = self.client.execute(code, store_history=True, allow_stdin=False)
-        while True:
+        events: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        done = threading.Event()
+        reader = threading.Thread(target=self._read, args=(msg_id, events, done), daemon=True)
+        reader.start()
+        try:
+            while True:
+                try:
+                    event = events.get(timeout=POLL_S)
+                except queue.Empty:
+                    event = {}
+                if event is None:
+                    return
+                if event:
+                    emit(event)
+                if self._expired() and events.empty():
+                    return
+        finally:
+            done.set()
+            reader.join(timeout=2)
+
+    def _read(self, msg_id: str, events: queue.Queue[dict[str, Any] | None], done: threading.Event) -> None:
+        while not done.is_set():
             try:
                 msg = self.client.get_iopub_msg(timeout=POLL_S)
             except queue.Empty:
-                msg = None
-            if msg is not None and msg.get("parent_header", {}).get("msg_id") == msg_id:
-                if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-                    return
-                event = translate(msg)
-                if event is not None:
-                    emit(event)
-            if self._expired():
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                events.put(None)
                 return
+            event = translate(msg)
+            for shown in self.admit(event) if event is not None else []:
+                events.put(shown)
+
+    def admit(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        """What to show of `event` within the output budget: past it the cell is interrupted (at its
+        source: the kernel stops producing) and only one OutputLimitExceeded error is shown."""
+        if self.flooded:
+            return []
+        self.output += len(json.dumps(event))
+        if self.output <= self.max_output:
+            return [event]
+        self.flooded = True
+        self.interrupt()
+        value = f"the execution's output exceeds {self.max_output} bytes; it was interrupted"
+        return [{"type": "error", "name": "OutputLimitExceeded", "value": value, "traceback": ""}]
 
     def _expired(self) -> bool:
         now = time.monotonic()
@@ -353,7 +399,8 @@ def execute(request: dict[str, Any]) -> None:
     client = _client(where, deadline=time.monotonic() + KERNEL_START_S)
     emit({"ok": {"context_id": context_id}})
     signal.signal(signal.SIGTERM, _on_term)
-    run = Execution(client, context_id, float(timeout) if timeout else None)
+    max_output = int(request.get("max_output_bytes") or MAX_OUTPUT_BYTES)
+    run = Execution(client, context_id, float(timeout) if timeout else None, max_output)
     try:
         if env:
             _silent(client, env_set_code(env))

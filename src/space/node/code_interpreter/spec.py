@@ -61,3 +61,13 @@ def code_interpreter_spec() -> TemplateBuildSpec:
             "start_cmd": f"{PYTHON} {BRIDGE_PATH} start </dev/null",
         }
     )
+
+
+def main() -> None:
+    """`python -m space.node.code_interpreter.spec`: the spec as JSON, for `space.templates.build(...)` or
+    the API's `POST /v1/templates`."""
+    print(code_interpreter_spec().canonical_json())
+
+
+if __name__ == "__main__":
+    main()
