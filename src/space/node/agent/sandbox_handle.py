@@ -49,6 +49,10 @@ class SandboxHandle:
     suspended_at: str | None = None
     #: How a create made it here: "pool", "warm" or "cold" (None: not made by a create of this agent).
     created_from: Literal["pool", "warm", "cold"] | None = None
+    #: The daemon process id of the template's start command this create started (space.node.agent.
+    #: template_start), and why it failed to start or run (None: it did not fail, or there was none).
+    start_process: str | None = None
+    start_error: str | None = None
 
     def attach(self, channel: GuestChannel | None) -> None:
         """Adopt a new channel; if it ends without the node closing it, the runtime died: `crash`."""

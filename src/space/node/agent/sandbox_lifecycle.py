@@ -13,6 +13,9 @@ Invariants:
   environment, egress policy, reseed, environment) and the binding made durable only once all of it is
   done; a bind that fails destroys the member and creates the usual way. `created_from` says which.
 - A deleted sandbox's alias (a bound pooled runtime's name) is forgotten with it.
+- A sandbox booted cold runs its template's start command before it is handed out (unless the caller
+  says `start=False`: a template build's sandbox); one restored from the warm start or the pool already
+  holds what it started (space.node.agent.template_start). Its failure is recorded, never fatal.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from space.core import errors
 from space.core.ids import new_sandbox_id
 from space.core.lifecycle import Event, State
 from space.core.settings import SandboxLimits
-from space.node.agent import template_travel
+from space.node.agent import template_start, template_travel
 from space.node.agent.channel import GuestChannel
 from space.node.agent.guest import GuestSession
 from space.node.agent.pools import Member, clean_leftovers
@@ -80,6 +83,7 @@ class SandboxLifecycle(SandboxRegistry):
         env: dict[str, str] | None = None,
         sandbox_id: str | None = None,
         warm: bool = True,
+        start: bool = True,
     ) -> SandboxHandle:
         spec = SandboxSpec(
             sandbox_id=sandbox_id or new_sandbox_id(),
@@ -110,8 +114,10 @@ class SandboxLifecycle(SandboxRegistry):
                     handle.created_from = "cold"
                     await self.driver.create(spec)
                     handle.attach(await self.driver.start(spec.sandbox_id))
-                    return
-                await self._personalise(handle, channel)
+                else:
+                    await self._personalise(handle, channel)
+                if start and handle.created_from == "cold":
+                    await self._run_start_command(handle)
 
             try:
                 await self._step(handle, Event.CREATE, Event.CREATED, effect)
@@ -121,6 +127,19 @@ class SandboxLifecycle(SandboxRegistry):
                 self.sandboxes.pop(spec.sandbox_id, None)
                 raise
         return handle
+
+    async def _run_start_command(self, handle: SandboxHandle) -> None:
+        """Start the template's start command in a sandbox booted cold; a failure is recorded on `handle`."""
+        template = handle.spec.template
+        try:
+            command = await self.driver.start_command(template)
+        except errors.SpaceError as exc:
+            log.warning("template %s: its start command could not be read: %s", template, exc.message)
+            handle.start_error = exc.message
+            return
+        if command is not None:
+            started = await template_start.start(handle.session, template, command, self.driver.start_log)
+            handle.start_process, handle.start_error = started
 
     async def _personalise(self, handle: SandboxHandle, channel: GuestChannel) -> None:
         """A sandbox restored from a checkpoint: its own randomness and its own environment."""

@@ -192,7 +192,9 @@ class TemplateBuilds:
             if egress is not None:
                 egress.remember(sandbox_id, EgressRequest(allow=sources.allow_hosts()))
             sink.note(f"build sandbox {sandbox_id} from template {run.base}")
-            handle = await agent.create(run.base, limits=sources.limits, sandbox_id=sandbox_id, warm=False)
+            handle = await agent.create(
+                run.base, limits=sources.limits, sandbox_id=sandbox_id, warm=False, start=False
+            )  # the base's start command must not run into the committed tree
             await run_steps(StepRunner(handle.session, run.spec, sources, sink), egress=egress is not None)
             sink.note("committing the root filesystem")
             await agent.stop(sandbox_id)

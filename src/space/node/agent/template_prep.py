@@ -9,6 +9,8 @@ Invariants:
   sandbox used to make it is destroyed afterwards, whatever happened.
 - The node's runtime descriptor (`node_runtime`, ADR 0035) is read once the driver has prepared the node
   and kept; until it can be read it is None (unknown), and asked again next time.
+- A template's start command, started by the cold boot a warm start is made from, has exited or run for
+  template_start.START_SETTLE_S before the checkpoint is taken (its processes are in the warm start).
 - A built-in template the node was not told to prepare (`base` on a node started with `python` only) is
   built on its first create (`ensure_builtin_here`: a snapshot of the shared base, ~1 s; ADR 0057), once
   per agent; it has no warm start unless prepared.
@@ -22,7 +24,7 @@ import logging
 from typing import Any
 
 from space.core import errors, runtimes
-from space.node.agent import runtime_info, transfer
+from space.node.agent import runtime_info, template_start, transfer
 from space.node.agent.sandbox_snapshots import SandboxSnapshots
 from space.node.drivers.base import Progress
 from space.objectstore.artifacts import Manifest
@@ -141,6 +143,8 @@ class TemplatePreparation(SandboxSnapshots):
         handle = await self.create(template, warm=False)
         try:
             session = handle.session
+            if handle.start_process is not None:  # its start command's work goes into the warm start
+                await template_start.settle(session, template, handle.start_process)
             await session.processes()  # loads the daemon's process code, as the first exec would
             await session.stat("/")  # and its file code
             record = await self.checkpoint(handle.sandbox_id)

@@ -93,6 +93,14 @@ class Driver(abc.ABC):
     async def warm_ready(self, template: str) -> bool:
         return False
 
+    #: Where a template's start command writes its output inside a sandbox (space.node.agent.template_start).
+    start_log: str = "/tmp/space-start.log"
+
+    async def start_command(self, template: str) -> str | None:
+        """The `start_cmd` of `template`'s metadata (ADR 0054); None: it has none (or this driver keeps no
+        template metadata)."""
+        return None
+
     async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
         """Start a pooled sandbox under runtime id `spec.sandbox_id` (already a member of `names`), from the
         template's warm checkpoint when there is one; it belongs to nobody yet (no policy, no user env)."""

@@ -49,6 +49,10 @@ class FakeDriver(Driver):
         self.specs: dict[str, SandboxSpec] = {}
         #: (total, free) bytes to report instead of the host filesystem's (tests of the disk reserve).
         self.disk_override: tuple[int, int] | None = None
+        #: template -> its start command (the fake driver keeps no template metadata; tests set these).
+        self.start_commands: dict[str, str] = {}
+        # Its sandboxes are host processes: their start commands' output stays under the driver's directory.
+        self.start_log = str(base_dir / "start.log")
 
     def state_file(self, name: str) -> pathlib.Path | None:
         return self.base_dir / "agent" / name
@@ -64,6 +68,9 @@ class FakeDriver(Driver):
 
     async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
         return {"name": name, "fake": True}
+
+    async def start_command(self, template: str) -> str | None:
+        return self.start_commands.get(template)
 
     async def create(self, spec: SandboxSpec) -> None:
         root = self._dir(spec.sandbox_id)

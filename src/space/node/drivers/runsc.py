@@ -81,6 +81,13 @@ class RunscDriver(Driver):
     async def warm_ready(self, template: str) -> bool:
         return bool((await self.helper.call("template.warm_status", {"name": template}))["ready"])
 
+    async def start_command(self, template: str) -> str | None:
+        for held in (await self.helper.call("template.list", {}))["templates"]:
+            if held["name"] == template:
+                value = held["metadata"].get("start_cmd")
+                return value if isinstance(value, str) and value else None
+        return None
+
     async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
         await self.helper.call(
             "template.adopt_warm", {"name": template, "sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
