@@ -42,8 +42,11 @@ if TYPE_CHECKING:  # the installation's machinery is imported by the commands th
     # other `space` command starts without loading the control plane, the node agent and SQLAlchemy.
     from space.controlplane.local import LocalCluster
 
-#: Warm pools of a one-machine installation (ADR 0047): two python sandboxes ready, about 70 MB of memory.
-DEFAULT_POOLS = "python=2"
+#: Warm pools of a one-machine installation (ADR 0047): two python sandboxes and one `base` (E2B's default
+#: template, ADR 0057) ready, about 105 MB of memory.
+DEFAULT_POOLS = "python=2,base=1"
+#: Built-in templates `space up` prepares with their warm starts (a template without one boots cold: ~1.5 s).
+TEMPLATES = ("python", "base")
 #: Where the E2B front listens by default: the two ports after SPACE's (8471 and 8472 beside 8470), so
 #: that two installations on two ports do not collide (docs/e2b.md).
 E2B_API_PORT_OFFSET = 1
@@ -96,7 +99,12 @@ def _supervise(
     """Run SPACE in this process until SIGTERM/SIGINT, restarting what dies. `announce=False` (the
     detached supervisor, whose output is a log file): say where SPACE listens, never the key."""
     cluster = _local_cluster(
-        data_dir, port=port, pools=pools, e2b_api_port=e2b_ports[0], e2b_sandbox_port=e2b_ports[1]
+        data_dir,
+        port=port,
+        pools=pools,
+        templates=TEMPLATES,
+        e2b_api_port=e2b_ports[0],
+        e2b_sandbox_port=e2b_ports[1],
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

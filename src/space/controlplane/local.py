@@ -104,6 +104,8 @@ class LocalCluster:
     cgroup_parent: str = "space"  # several installations on one machine need their own (space.node.local)
     #: The agent's --pools: warm pool sizes per template, "TEMPLATE=N,..." (ADR 0047); empty: none.
     pools: str = ""
+    #: Built-in templates prepared at start (each with its warm start); others are built on their first use.
+    templates: tuple[str, ...] = ("python",)
     #: Ports of the E2B front on 127.0.0.1 (docs/e2b.md): its control API and its in-sandbox API, served by
     #: the control plane beside SPACE's API; 0: not served (`space up` serves both).
     e2b_api_port: int = 0
@@ -169,14 +171,15 @@ class LocalCluster:
         uid, gid = self._agent_uid()
         secure_data_dir(self.data_dir, gid)
         _secret_file(self.data_dir / "node.token", lambda: secrets.token_urlsafe(32), owner_uid=uid)
-        progress("starting the node helper (root) and preparing storage and the python template")
+        names = ", ".join(self.templates)
+        progress(f"starting the node helper (root) and preparing storage and templates ({names})")
         self.node = LocalNode(
             self.data_dir, agent_user=uid, network=self.network, cgroup_parent=self.cgroup_parent
         )
         self.node.start_helper()
         assert self.node.helper_process is not None
         self.processes["helper"] = self.node.helper_process
-        _prepare_node(self.node, progress)
+        _prepare_node(self.node, progress, templates=self.templates)
         progress("migrating the database")
         filemodes.create_private_file(self.data_dir / SQLITE_FILENAME)  # its WAL copies its mode
         migrate(sqlite_url(self.data_dir))
@@ -230,7 +233,7 @@ class LocalCluster:
              "--bootstrap-token-file", str(self.data_dir / "node.token"),
              # --store-url: templates from the store (warm starts).
              "--control-plane", self.url, "--store-url", self.store_url, *egress_args,
-             *(["--pools", self.pools] if self.pools else [])],
+             "--templates", ",".join(self.templates), *(["--pools", self.pools] if self.pools else [])],
             user=self._agent_uid(),
         )  # fmt: skip
 
