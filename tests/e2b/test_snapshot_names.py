@@ -99,6 +99,9 @@ def test_e2b_named_snapshots_through_the_sdk(
     assert [s.snapshot_id for s in sbx.list_snapshots(name="e2b-named").next_items()] == [
         snap.snapshot_id, again.snapshot_id,
     ]  # fmt: skip
+    assert e2b.Template.exists("e2b-named") and e2b.Template.exists(again.snapshot_id)  # as templates
+    alias = _e2b(e2b_fake, mine.key).get("/templates/aliases/e2b-named").json()
+    assert alias == {"templateID": again.snapshot_id, "public": False}
     child = e2b.Sandbox.create("e2b-named")  # the name as a template: the newest snapshot of it
     record = e2b_fake.cluster.store.load_sandbox(child.sandbox_id)
     assert record is not None and record.fork_snapshot_id == again.snapshot_id
@@ -108,12 +111,15 @@ def test_e2b_named_snapshots_through_the_sdk(
     assert them.get("/snapshots", params={"name": "e2b-named"}).json() == []
     _status(them.post("/v2/sandboxes", json={"templateID": "e2b-named"}), 404)  # for them: no such template
     _status(them.delete("/templates/e2b-named"), 404)
+    for ref in ("e2b-named", again.snapshot_id):  # not a template of theirs either
+        _status(them.get(f"/templates/aliases/{ref}"), 404)
     _status(them.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "e2b-named"}), 404)
     assert len(e2b.Sandbox.list_snapshots(name="e2b-named").next_items()) == 2  # untouched
     # Deleting the name deletes every snapshot of it (E2B deletes the template with its builds).
     assert e2b.Sandbox.delete_snapshot("e2b-named") is True
     assert e2b.Sandbox.list_snapshots(name="e2b-named").next_items() == []
     assert e2b.Sandbox.delete_snapshot("e2b-named") is False
+    assert not e2b.Template.exists("e2b-named") and not e2b.Template.exists(again.snapshot_id)
     mine_api = _e2b(e2b_fake, mine.key)
     _status(mine_api.post("/v2/sandboxes", json={"templateID": "e2b-named"}), 404)  # a template name again
     oversized = mine_api.post(
