@@ -131,6 +131,13 @@ def build_node(loop: BackgroundLoop) -> Iterator[BuildNode]:
     assert leftovers(tag) == [], "the mirror's namespace left behind"
 
 
+#: Starts a server writing a marker and exits once the marker is there (as a server's readiness).
+START_CMD = (
+    "sh -c 'echo \"$(id -un) $(pwd) $GREETING\" > /tmp/started.txt; exec sleep infinity' & "
+    "while [ ! -s /tmp/started.txt ]; do sleep 0.1; done"
+)
+#: How many processes of the sandbox run `sleep infinity` (what START_CMD leaves).
+SERVERS = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -c '^sleep infinity'"
 SPEC: dict[str, Any] = {
     "from": "python",
     "steps": [
@@ -143,7 +150,8 @@ SPEC: dict[str, Any] = {
         {"run": 'echo "ran as $(id -un) in $(pwd) with $GREETING" > /srv/app/ran.txt; echo run-step-output'},
     ],
     "user": "builder",
-    "start_cmd": "sleep infinity",
+    # It leaves a server behind (a marker saying who, where and with what it runs) and exits (ADR 0054).
+    "start_cmd": START_CMD,
 }  # fmt: skip
 
 
@@ -169,7 +177,7 @@ def test_a_build_streams_its_steps_and_commits_a_template(
     assert done["name"] == name and done["size_bytes"] > 10 << 20
     assert meta["from"] == "python" and meta["builtin"] is False
     assert meta["default_user"] == "builder" and meta["workdir"] == "/srv/app"
-    assert meta["env"] == {"GREETING": "hi", "SECOND": "2"} and meta["start_cmd"] == "sleep infinity"
+    assert meta["env"] == {"GREETING": "hi", "SECOND": "2"} and meta["start_cmd"] == START_CMD
     python_meta = json.loads((build_node.templates_dir / "python.json").read_text())
     assert meta["guest_code_hash"] == python_meta["guest_code_hash"]
     # listed by the node (and in what its heartbeat reports), complete on disk, read-only
@@ -209,9 +217,14 @@ def test_a_sandbox_of_the_built_template_has_everything_and_runs_as_its_user(
                 ),
                 ("ran", "cat /srv/app/ran.txt", None),
                 ("whoami", "id -un; pwd; echo $GREETING $SECOND", None),  # the template's defaults
+                # what the start command started in the warm start's boot runs here (restored, not rerun)
+                ("started", "cat /tmp/started.txt", None),
+                ("server", SERVERS, None),
+                ("start log", "stat -c %U /tmp/space-start.log", None),
             ):
                 result = await session.exec(cmd, user=user)
                 out[key] = (result.exit_code, result.stdout.decode(), result.stderr.decode())
+            out["how"] = (handle.created_from, handle.start_process, handle.start_error)
             return out
         finally:
             await delete_quietly(build_node.agent, handle.sandbox_id)
@@ -222,6 +235,10 @@ def test_a_sandbox_of_the_built_template_has_everything_and_runs_as_its_user(
     assert out["file"][:2] == (0, "640 root\n" + FILE_TEXT.decode()), out["file"]
     assert out["ran"][:2] == (0, "ran as root in /srv/app with hi\n"), out["ran"]
     assert out["whoami"][:2] == (0, "builder\n/srv/app\nhi 2\n"), out["whoami"]
+    assert out["how"] == ("warm", None, None)  # restored from the warm start: the command is not run again
+    assert out["started"][:2] == (0, "builder /srv/app hi\n"), out["started"]
+    assert out["server"][:2] == (0, "1\n"), out["server"]
+    assert out["start log"][:2] == (0, "builder\n"), out["start log"]
 
 
 def test_requests_the_node_refuses_before_building(
