@@ -9,8 +9,11 @@ import hashlib
 import pytest
 
 from space.core.ids import new_sandbox_id
+from space.node.agent import template_travel
 from space.node.helper.context import HelperContext
+from space.node.helper.params import TemplateCommitParams
 from space.node.helper.server import dispatch
+from space.node.helper.template_build_verbs import IMPORTED_SUFFIX, committed_defaults
 from tests.support import helper_context
 
 ctx = helper_context.ctx  # a helper context without root
@@ -92,3 +95,45 @@ def test_claims_are_recorded_answered_and_dropped(ctx: HelperContext) -> None:
     _call(ctx, "template.claim", {"name": NAME})
     assert _call(ctx, "template.list", {})["result"]["claims"] == []  # type: ignore[index]
     assert _call(ctx, "template.delete", {"name": NAME})["result"] == {"name": NAME, "existed": False}
+
+
+def test_a_commit_inherits_its_base_s_defaults_under_its_own() -> None:
+    image = {"env": {"PATH": "/usr/local/bin:/usr/bin", "LANG": "C.UTF-8"}, "workdir": "/app",
+             "default_user": "app", "start_cmd": "not inherited"}  # fmt: skip
+    params = TemplateCommitParams.model_validate(_commit())
+    assert committed_defaults(image, params) == {
+        "env": {"PATH": "/usr/local/bin:/usr/bin", "LANG": "C.UTF-8"},
+        "workdir": "/app", "default_user": "app",
+    }  # fmt: skip
+    own = TemplateCommitParams.model_validate(
+        _commit(
+            env={"LANG": "en_US.UTF-8", "MINE": "1"}, workdir="/srv", default_user="builder", start_cmd="go"
+        )
+    )
+    assert committed_defaults(image, own) == {
+        "env": {"PATH": "/usr/local/bin:/usr/bin", "LANG": "en_US.UTF-8", "MINE": "1"},
+        "workdir": "/srv", "default_user": "builder", "start_cmd": "go",
+    }  # fmt: skip
+    as_root = TemplateCommitParams.model_validate(_commit(default_user="root"))
+    assert "default_user" not in committed_defaults(image, as_root)  # the build said root: no default user
+    hostile = {"env": ["not", "a", "map"], "workdir": 7, "default_user": None}
+    assert committed_defaults(hostile, params) == {"env": {}}
+
+
+def test_deleting_a_template_deletes_its_imported_image(ctx: HelperContext) -> None:
+    templates = ctx.layout.templates
+    imported = NAME + IMPORTED_SUFFIX
+    assert imported == template_travel.imported_name(NAME)  # the agent names it so
+    for name in (NAME, imported, "tpl-fedcba9876543210-oci"):
+        (templates / name).mkdir(parents=True)
+        (templates / f"{name}.json").write_text("{}")
+    assert _call(ctx, "template.delete", {"name": NAME})["result"] == {"name": NAME, "existed": True}
+    left = sorted(p.name for p in templates.iterdir())
+    assert left == [
+        "tpl-fedcba9876543210-oci",
+        "tpl-fedcba9876543210-oci.json",
+    ]  # another build's image stays
+    # an imported image alone (a build given up) is deleted by its own name, nothing else with it
+    answer = _call(ctx, "template.delete", {"name": "tpl-fedcba9876543210-oci"})
+    assert answer["result"] == {"name": "tpl-fedcba9876543210-oci", "existed": True}
+    assert list(templates.iterdir()) == []

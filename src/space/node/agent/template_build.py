@@ -202,10 +202,13 @@ class TemplateBuilds:
                                        timeout=COMMIT_TIMEOUT_S)  # fmt: skip
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._give_up(run.name, sandbox_id)
+                await self._give_up(run, sandbox_id)
             raise
         sink.note("committed; destroying the build sandbox")
         await self._destroy(sandbox_id)
+        if run.spec.oci_ref is not None:
+            sink.note("removing the imported image")
+            await self._drop_imported(run.name)
         await self._after_commit(run.name, sink)
         sink.note("ready")
         meta = result["metadata"]
@@ -217,17 +220,24 @@ class TemplateBuilds:
             "name": run.name, "sandbox_id": sandbox_id, "base": run.base, "spec_hash": spec.spec_hash(),
             "env": spec.final_env(),
         }  # fmt: skip
-        user = spec.user if spec.user != "root" else None
-        optional = {"default_user": user, "workdir": spec.final_workdir(), "start_cmd": spec.start_cmd}
+        # `root` is passed as such: the helper drops it, and the base's default user with it.
+        optional = {"default_user": spec.user, "workdir": spec.final_workdir(), "start_cmd": spec.start_cmd}
         params.update({k: v for k, v in optional.items() if v is not None})
         return params
 
-    async def _give_up(self, name: str, sandbox_id: str) -> None:
+    async def _give_up(self, run: BuildRun, sandbox_id: str) -> None:
         try:
             await self._destroy(sandbox_id)
-            await self._helper().call("template.claim", {"name": name})
+            if run.spec.oci_ref is not None:
+                await self._drop_imported(run.name)
+            await self._helper().call("template.claim", {"name": run.name})
         except errors.SpaceError as exc:  # the next sweep finishes it: the claim is still there
-            log.warning("template %s: clean-up after a failed build incomplete: %s", name, exc.message)
+            log.warning("template %s: clean-up after a failed build incomplete: %s", run.name, exc.message)
+
+    async def _drop_imported(self, name: str) -> None:
+        """The template an OCI build of `name` ran on (its image, unpacked): not needed once `name` is
+        committed or given up (template.delete of `name` removes it too, for a build killed between)."""
+        await self._helper().call("template.delete", {"name": template_travel.imported_name(name)})
 
     async def _after_commit(self, name: str, sink: LogSink) -> None:
         """The warm start and the publication: the template works without either, so failures are logged."""

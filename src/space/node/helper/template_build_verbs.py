@@ -16,6 +16,11 @@ Invariants:
   build of that name left (its staging subvolume, a subvolume without metadata) and answers the previous
   claim's sandbox, which the agent destroys.
 - Verbs on one template are serialised by the template's lock (the same key as template_verbs').
+- A committed template inherits its base's `env`, `workdir` and `default_user` (an image's ENV, WORKDIR
+  and USER for an OCI build, ADR 0056) under the build's own (the build wins; a build naming `root` as its
+  user drops an inherited default user); never the base's start command (it did not run in the build).
+- Deleting user template `name` deletes `<name>-oci` (IMPORTED_SUFFIX: the image an OCI build of `name`
+  was unpacked into; space.node.agent.template_travel.imported_name) with it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,10 @@ from space.node.volumes.template_files import (
 )
 
 _NAME = re.compile(TEMPLATE_NAME_PATTERN)
+#: What an OCI build's imported image template is named after the built one (template_travel.imported_name).
+IMPORTED_SUFFIX = "-oci"
+#: The defaults a template inherits from its base (under the build's own).
+INHERITED = ("default_user", "workdir")
 
 
 def _refuse_builtin(name: str, what: str) -> None:
@@ -125,30 +134,50 @@ def template_commit(ctx: HelperContext, params: TemplateCommitParams, _progress:
             "base_version": base_meta.get("base_version"),
             "size_bytes": tree_size(target),
             "subvolume_id": btrfs.subvolume_id(target),
-            "env": dict(params.env),
+            **committed_defaults(base_meta, params),
         }
-        for key in ("default_user", "workdir", "start_cmd"):
-            value = getattr(params, key)
-            if value is not None:
-                meta[key] = value
         write_json_atomic(meta_path, meta)
         _claim_path(ctx, params.name).unlink(missing_ok=True)
     return {"name": params.name, "path": str(target), "metadata": meta}
 
 
+def committed_defaults(base_meta: dict[str, Any], params: TemplateCommitParams) -> dict[str, Any]:
+    """The metadata keys env, default_user, workdir, start_cmd of a template committed on a base with
+    `base_meta`: the base's env, default user and workdir under the build's own (see the invariants)."""
+    env = base_meta.get("env")
+    base_env = {k: v for k, v in env.items() if isinstance(v, str)} if isinstance(env, dict) else {}
+    out: dict[str, Any] = {"env": {**base_env, **params.env}}
+    out.update({key: base_meta[key] for key in INHERITED if isinstance(base_meta.get(key), str)})
+    for key in ("default_user", "workdir", "start_cmd"):
+        value = getattr(params, key)
+        if value is not None:
+            out[key] = value
+    if out.get("default_user") == "root":
+        del out["default_user"]  # root is what no default user means
+    return out
+
+
 def template_delete(ctx: HelperContext, params: TemplateParams, _progress: Progress) -> dict[str, Any]:
-    """Remove user template `name`: metadata first, then its warm start and tree. Sandboxes made from it
-    keep working (each is a snapshot of its own)."""
+    """Remove user template `name` (and `<name>-oci`, its OCI build's imported image): metadata first, then
+    its warm start and tree. Sandboxes made from it keep working (each is a snapshot of its own)."""
     _refuse_builtin(params.name, "delete")
-    with ctx.lock(f"template:{params.name}"):
-        meta_path = _meta_path(ctx, params.name)
-        target = ctx.layout.template(params.name)
+    existed = _delete(ctx, params.name)
+    imported = params.name + IMPORTED_SUFFIX
+    if not params.name.endswith(IMPORTED_SUFFIX) and _valid_name(imported):
+        _delete(ctx, imported)
+    return {"name": params.name, "existed": existed}
+
+
+def _delete(ctx: HelperContext, name: str) -> bool:
+    with ctx.lock(f"template:{name}"):
+        meta_path = _meta_path(ctx, name)
+        target = ctx.layout.template(name)
         existed = meta_path.exists() or os.path.lexists(target)
         meta_path.unlink(missing_ok=True)
-        discard_warm(ctx, params.name)
+        discard_warm(ctx, name)
         discard_subvolume(target)
-        discard_subvolume(_staging(ctx, params.name))
-    return {"name": params.name, "existed": existed}
+        discard_subvolume(_staging(ctx, name))
+    return existed
 
 
 def _valid_name(name: str) -> bool:
