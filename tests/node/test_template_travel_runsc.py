@@ -28,6 +28,7 @@ import pytest
 
 from space.core import errors
 from space.node.agent import template_travel, transfer
+from space.node.agent.service_core import ServiceCore
 from space.node.volumes import btrfs
 from space.objectstore.backends import open_store
 from space.objectstore.base import ObjectStore
@@ -40,7 +41,8 @@ pytestmark = pytest.mark.root
 NAME = "tpl-0a0b0c0d0e0f0a0b"
 OTHER = "tpl-0a0b0c0d0e0f0a0c"
 REF = "tpl_0a0b0c0d0e0f0a0b"  # the control plane's id of the template the archive was uploaded for
-IMPORTED = template_travel.imported_name(NAME)
+OCI_NAME = "tpl-0a0b0c0d0e0f0a0d"  # the template an image is imported for (deleting NAME deletes NAME-oci)
+IMPORTED = template_travel.imported_name(OCI_NAME)
 # Big and irrelevant to the test: left out so the archive stays small (the daemon and the shell commands
 # of the test need python3, its standard library, coreutils and their libraries, none of these).
 SKIP = ("usr/share", "usr/lib/git-core", "usr/lib/apt", "usr/lib/x86_64-linux-gnu/perl",
@@ -122,7 +124,7 @@ def imported(node: RealNode, store_dir: pathlib.Path) -> Iterator[str]:
     shutil.rmtree(upload)
     saved, node.agent.store = node.agent.store, store
     try:
-        name = node.run(template_travel.import_oci(node.agent, NAME, REF), timeout=900)
+        name = node.run(template_travel.import_oci(node.agent, OCI_NAME, REF), timeout=900)
     finally:
         node.agent.store = saved
     assert name == IMPORTED
@@ -155,6 +157,7 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
     store = CountingStore(open_store(store_dir.as_uri()))
     saved, node.agent.store = node.agent.store, store
     created: list[str] = []
+    service = ServiceCore(node.agent, templates=("python",))  # what the node reports (info, heartbeat)
 
     async def scenario() -> None:
         # A user template as a build commits one (a snapshot of `python` plus what the build wrote),
@@ -176,6 +179,7 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
         assert sorted(part_gets) == sorted(stream_parts), "the stream was not read exactly once"
         held = await template_travel.held(node.agent, NAME)
         assert held is not None and held["workdir"] == "/srv" and held["received"]
+        assert service.info().templates == ["python", NAME]  # the scheduler now prefers this node for it
         for handle in handles:
             result = await handle.session.exec("cat /srv/built")
             assert result.stdout == b"by the build\n"
@@ -202,6 +206,7 @@ def test_concurrent_first_use_downloads_once(node: RealNode, store_dir: pathlib.
         node.run(helper.call("template.delete", {"name": NAME}))
         node.run(helper.call("template.delete", {"name": OTHER}))
         node.agent.store = saved
+        node.agent.template_arrived = None
 
 
 def _commit_like_a_build(node: RealNode, name: str, content: str = "by the build\n") -> None:

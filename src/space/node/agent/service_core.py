@@ -68,6 +68,12 @@ class ServiceCore:
         self.egress: EgressWiring | None = None
         #: Node id + per-node secret from this node's latest registration (ADR 0019; memory only).
         self.identity = NodeIdentity()
+        agent.template_arrived = self.template_here  # a user template fetched on first use is reported
+
+    def template_here(self, name: str) -> None:
+        """Report template `name` as held by this node (info, heartbeat) from now on."""
+        if name not in self.templates:
+            self.templates.append(name)
 
     @property
     def node_id(self) -> str | None:

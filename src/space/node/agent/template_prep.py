@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from space.core import errors, runtimes
@@ -43,6 +44,9 @@ class TemplatePreparation(SandboxSnapshots):
     """Node and template preparation over the snapshot verbs (a warm start is a checkpoint)."""
 
     _runtime: runtimes.Descriptor | None = None
+    #: Told the name of each user template that arrived on this node other than by a build here (fetched
+    #: on first use: template_travel); the node service hooks it to add the name to what it reports.
+    template_arrived: Callable[[str], None] | None = None
     _builtins_here: frozenset[str] = frozenset()  # built-ins this agent ensured (prepared or first used)
 
     def node_runtime(self) -> runtimes.Descriptor | None:

@@ -14,7 +14,8 @@ Invariants:
 - Every part is verified (sha256, size) before the helper sees the file; the helper receives only a delta
   onto this node's base that creates exactly the named template, and writes its metadata last.
 - A fetched template gets its warm start before the flight ends, so the creates that waited restore it
-  instead of each booting cold.
+  instead of each booting cold; then the agent's `template_arrived` hook is told its name (the node's
+  info and heartbeat report it, so the scheduler prefers this node for it).
 """
 
 from __future__ import annotations
@@ -175,6 +176,9 @@ async def _fetch(agent: TravelAgent, name: str) -> dict[str, Any]:
         await helper.call("staging.release", {"kind": "template-import", "template": name})
     await _warm(agent, name)
     log.info("template %s fetched from %s", name, manifest.prefix)
+    arrived = getattr(agent, "template_arrived", None)
+    if arrived is not None:
+        arrived(name)  # the node reports it from now on (its heartbeat's templates)
     return dict(result.get("metadata") or template_meta)
 
 
