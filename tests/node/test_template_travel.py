@@ -1,19 +1,24 @@
 """The single flight of space.node.agent.template_travel.fetch_template (fast, no node): concurrent first
 uses share one fetch, a failed fetch reaches every waiter and is forgotten so the next call retries, and
-each agent (node) has its own flights."""
+each agent (node) has its own flights; templates that arrive (fetched, built-ins built on first use) join
+what the node reports (fake driver)."""
 
 from __future__ import annotations
 
 import asyncio
+import pathlib
 from typing import Any
 
 import pytest
 
 from space.core import errors
 from space.node.agent import template_travel
+from space.node.agent.agent import NodeAgent
 from space.node.agent.pools import WarmPools
 from space.node.agent.runtime_names import RuntimeNames
+from space.node.agent.service_core import ServiceCore
 from space.node.drivers.base import SandboxSpec
+from space.node.drivers.fake import FakeDriver
 
 
 class Agent:
@@ -125,3 +130,26 @@ def test_a_pool_fetches_its_template_before_filling_and_backs_off_when_it_cannot
         await pools.close(destroy=True)
 
     asyncio.run(scenario())
+
+
+def test_templates_that_arrive_join_what_the_node_reports(tmp_path: pathlib.Path) -> None:
+    """A built-in built on its first create, and a user template fetched on first use (the hook its fetch
+    calls; the real fetch: test_template_travel_runsc), join the node's info (its heartbeat's templates)."""
+
+    async def body() -> None:
+        agent = NodeAgent(FakeDriver(tmp_path))
+        await agent.prepare(templates=())
+        service = ServiceCore(agent, templates=("python",))
+        try:
+            await agent.create("base")  # not prepared: built on this first use
+            assert service.info().templates == ["python", "base"]
+            await agent.create("base")
+            assert agent.template_arrived is not None
+            agent.template_arrived("tpl-0123456789abcdef")
+            agent.template_arrived("tpl-0123456789abcdef")
+            assert service.info().templates == ["python", "base", "tpl-0123456789abcdef"]
+        finally:
+            await agent.delete_all()
+            await agent.close()
+
+    asyncio.run(body())

@@ -44,8 +44,9 @@ class TemplatePreparation(SandboxSnapshots):
     """Node and template preparation over the snapshot verbs (a warm start is a checkpoint)."""
 
     _runtime: runtimes.Descriptor | None = None
-    #: Told the name of each user template that arrived on this node other than by a build here (fetched
-    #: on first use: template_travel); the node service hooks it to add the name to what it reports.
+    #: Told the name of each template that arrived on this node other than by a build here or a prepare (a
+    #: user template fetched on first use: template_travel; a built-in built on its first create); the node
+    #: service hooks it to add the name to what it reports (info, heartbeat).
     template_arrived: Callable[[str], None] | None = None
     _builtins_here: frozenset[str] = frozenset()  # built-ins this agent ensured (prepared or first used)
 
@@ -71,6 +72,8 @@ class TemplatePreparation(SandboxSnapshots):
         if name not in BUILTIN_TEMPLATE_NAMES or name in self._builtins_here:
             return
         await self.ensure_template(name)
+        if self.template_arrived is not None:
+            self.template_arrived(name)  # the node reports it from now on
 
     async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
         """Make template `name` available. With an object store, a node that lacks the template base takes
