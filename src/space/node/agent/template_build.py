@@ -19,6 +19,8 @@ Invariants:
   `{"done": {"name", "size_bytes", "metadata"}}`.
 - The node's template list (info, heartbeat) gains a template when its build is done and loses it when it
   is deleted.
+- An OCI build's imported image (template `<name>-oci`) is deleted once the build committed or gave up; the
+  build sandbox never runs its base's start command (space.node.agent.template_start).
 """
 
 from __future__ import annotations
