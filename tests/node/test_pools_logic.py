@@ -29,7 +29,7 @@ class StandInChannel:
 
 
 class StandInDriver:
-    """Only what WarmPools uses: names, create_pooled, destroy."""
+    """Only what WarmPools uses: names, warm_ready, create_pooled, destroy."""
 
     name = "stand-in"
 
@@ -38,6 +38,9 @@ class StandInDriver:
         self.running: dict[str, StandInChannel] = {}
         self.fail_next = 0
         self.gate: asyncio.Event | None = None
+
+    async def warm_ready(self, template: str) -> bool:
+        return True  # members restore the warm start (a cold member's start command: test_template_travel)
 
     async def create_pooled(self, spec: SandboxSpec) -> Any:
         assert self.names.is_member(spec.sandbox_id), "recorded before it is made"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from space.core import errors
-from space.node.agent import template_travel
+from space.node.agent import template_start, template_travel
 from space.node.agent.agent import NodeAgent
 from space.node.agent.pools import WarmPools
 from space.node.agent.runtime_names import RuntimeNames
@@ -101,6 +101,9 @@ def test_a_pool_fetches_its_template_before_filling_and_backs_off_when_it_cannot
             self.names = RuntimeNames(None)
             self.created: list[str] = []
 
+        async def warm_ready(self, template: str) -> bool:
+            return True
+
         async def create_pooled(self, spec: SandboxSpec) -> Channel:
             assert fetched == [spec.template] * len(fetched) and fetched, "filled before the fetch"
             self.created.append(spec.sandbox_id)
@@ -153,3 +156,60 @@ def test_templates_that_arrive_join_what_the_node_reports(tmp_path: pathlib.Path
             await agent.close()
 
     asyncio.run(body())
+
+
+def test_a_pool_member_booted_cold_runs_the_start_command_one_from_the_warm_start_does_not() -> None:
+    """A member restored from the warm start holds what the command started; one booted cold (the template
+    has no warm start) runs it itself, as a cold create does."""
+
+    class Channel:
+        on_lost = None
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, dict[str, Any]]] = []
+
+        async def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append((method, params))
+            return {"process_id": "p-1", "pid": 7}
+
+        async def close(self) -> None:
+            pass
+
+    class Driver:
+        name = "stand-in"
+        start_log = "/tmp/space-start.log"
+
+        def __init__(self, warm: bool) -> None:
+            self.names = RuntimeNames(None)
+            self.warm = warm
+            self.channels: list[Channel] = []
+
+        async def warm_ready(self, template: str) -> bool:
+            return self.warm
+
+        async def start_command(self, template: str) -> str | None:
+            return "serve --port 8000 &"
+
+        async def create_pooled(self, spec: SandboxSpec) -> Channel:
+            self.channels.append(Channel())
+            return self.channels[-1]
+
+        async def destroy(self, sandbox_id: str) -> None:
+            pass
+
+    async def fill(driver: Driver) -> None:
+        pools = WarmPools(lambda: driver, {"tpl-0123456789abcdef": 1}, fill_yield_s=0.0)  # type: ignore[arg-type,return-value]
+        pools.start()
+        async with asyncio.timeout(20):
+            while pools.counts() != {"tpl-0123456789abcdef": 1}:
+                await asyncio.sleep(0.01)
+        await pools.close(destroy=True)
+
+    cold, warm = Driver(warm=False), Driver(warm=True)
+    asyncio.run(fill(cold))
+    asyncio.run(fill(warm))
+    ((method, params),) = cold.channels[0].calls
+    assert method == "process.start" and params["background"] is True
+    assert params["tag"] == template_start.START_TAG and params["argv"][-1].endswith("serve --port 8000 &")
+    assert "user" not in params and "cwd" not in params and "env" not in params  # the template's defaults
+    assert warm.channels[0].calls == []

@@ -21,6 +21,9 @@ Invariants:
   waits (up to `fill_yield_s`) while a user's lifecycle step runs on this node, so a refill competes with
   user requests for the CPU at most that many restores at a time, and only when the node has been busy
   for that long.
+- A member holds what its template's start command started: restored from the warm start, which has it;
+  booted cold (no warm start), it runs the command itself once its daemon answers (a failure logged,
+  never a failed fill; space.node.agent.template_start).
 - Leftovers are destroyed at start (`clean_leftovers`): members recorded by an earlier agent (whose
   channels this process does not hold) are never adopted into the pool or as sandboxes; never leaked.
 """
@@ -39,7 +42,9 @@ from functools import partial
 from space.core import errors
 from space.core.ids import new_sandbox_id, parse_template_name
 from space.core.settings import SandboxLimits
+from space.node.agent import template_start
 from space.node.agent.channel import GuestChannel
+from space.node.agent.guest import GuestSession
 from space.node.drivers.base import Driver, SandboxSpec
 
 log = logging.getLogger(__name__)
@@ -248,7 +253,10 @@ class WarmPools:
                 await self._before_fill(template)
             names.add_member(runtime_id, template)  # recorded before anything exists: never leaked
             spec = SandboxSpec(sandbox_id=runtime_id, template=template, limits=self.limits, env={})
+            warm = await driver.warm_ready(template)
             channel = await driver.create_pooled(spec)
+            if not warm:
+                await _start_command(driver, template, channel)
         except (errors.SpaceError, OSError) as exc:
             self.stats["fill_failures"] += 1
             delay = min(self._backoff_delay(template), FILL_BACKOFF_MAX_S)
@@ -281,6 +289,17 @@ class WarmPools:
         log.warning("warm pool %s: member %s lost its runtime", member.template, member.runtime_id)
         asyncio.get_running_loop().create_task(self.discard(member))
         self._wake.set()
+
+
+async def _start_command(driver: Driver, template: str, channel: GuestChannel) -> None:
+    """A member booted cold: its template's start command, as a cold create runs it (never fatal)."""
+    try:
+        command = await driver.start_command(template)
+    except errors.SpaceError as exc:
+        log.warning("warm pool %s: its start command could not be read: %s", template, exc.message)
+        return
+    if command is not None:
+        await template_start.start(GuestSession(channel), template, command, driver.start_log)
 
 
 async def clean_leftovers(driver: Driver) -> list[str]:
