@@ -14,11 +14,14 @@ postgres_url = postgres.postgres_url
 
 NODES = 8
 SANDBOXES = 8
+#: The idle window: longer than one heartbeat period of the simulated nodes (2 s), so each beats in it even
+#: when a loaded machine delays their loop (a 1 s window saw none once).
+IDLE_S = 2.5
 
 
 def test_simulated_fleet_against_two_replicas_on_postgres(postgres_url: str) -> None:
     result = scale_sim.run_fleet(
-        new_database(postgres_url), NODES, SANDBOXES, concurrency=6, idle_s=1.0, timeout=120, singles=2
+        new_database(postgres_url), NODES, SANDBOXES, concurrency=6, idle_s=IDLE_S, timeout=120, singles=2
     )
     print(f"scale simulation: {scale_sim.summary_rows([result])}")  # the numbers, with `pytest -s`
     assert result["node_statuses"] == {"ready": NODES}, result
