@@ -226,6 +226,10 @@ class ServiceCore:
         )
 
     async def heartbeat(self, node_id: str, url: str) -> rm.Heartbeat:
+        # The beat's `time` is when its observation BEGAN: the control plane ignores a crash or halt report
+        # about a record changed after it (node_routes._crash_reports). Stamped after the observation and the
+        # disk reading, a report seen before a restore finished could pass as newer than that restore.
+        observed_from = time.time()
         observed = await self.observe_all(guest=False)
         await self.agent.disk_space()
         info = self.info()
@@ -233,7 +237,8 @@ class ServiceCore:
         return rm.Heartbeat(
             node_id=node_id,
             url=url,
-            **info.model_dump(exclude={"capacity", "used"}),
+            **info.model_dump(exclude={"capacity", "used", "time"}),
+            time=observed_from,
             capacity=info.capacity,
             used=info.used,
             activity=activity,
