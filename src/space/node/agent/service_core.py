@@ -68,7 +68,8 @@ class ServiceCore:
         self.egress: EgressWiring | None = None
         #: Node id + per-node secret from this node's latest registration (ADR 0019; memory only).
         self.identity = NodeIdentity()
-        agent.template_arrived = self.template_here  # a user template fetched on first use is reported
+        if isinstance(agent, NodeAgent):  # (tests give some services a stand-in agent without templates)
+            agent.template_arrived = self.template_here  # a template fetched on first use is reported
 
     def template_here(self, name: str) -> None:
         """Report template `name` as held by this node (info, heartbeat) from now on."""
