@@ -73,7 +73,7 @@ def install_guest(root_fd: int) -> int:
     size = 0
     with open_dir(root_fd, lib, create=True, name=templates.GUEST_LIB) as lib_fd:
         remove_at(lib_fd, "space")
-        for rel, data in templates._guest_files(templates.default_guest_src()):  # H4: a public name asked for
+        for rel, data in templates.guest_files(templates.default_guest_src()):
             parts = ("space", *rel.split("/"))
             with open_dir(lib_fd, parts[:-1], create=True, name=rel) as parent:
                 fd = os.open(

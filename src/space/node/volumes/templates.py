@@ -207,7 +207,7 @@ def default_guest_src() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 
-def _guest_files(space_src: Path) -> list[tuple[str, bytes]]:
+def guest_files(space_src: Path) -> list[tuple[str, bytes]]:
     """(path relative to the `space` package, content) of every guest-side source file, sorted.
 
     The guest gets an empty `space/__init__.py` (the host package's own, if any, may import host-only code).
@@ -230,7 +230,7 @@ def _guest_files(space_src: Path) -> list[tuple[str, bytes]]:
 
 def guest_code_hash(space_src: Path | None = None, name: str = "python") -> str:
     """Hash of what a template's own layer holds: the guest code, the bootstrap and the template's recipe."""
-    files = _guest_files(space_src or default_guest_src())
+    files = guest_files(space_src or default_guest_src())
     h = hashlib.sha256(GUEST_LAYER_VERSION.encode() + b"\0" + GUEST_BOOTSTRAP.encode() + b"\0")
     if name != "python":  # python's hash stays what it was, so existing nodes do not rebuild it
         h.update(repr(BUILTIN_TEMPLATES[name]).encode() + b"\0")
@@ -246,7 +246,7 @@ def _install_guest_code(root: Path, space_src: Path) -> int:
     if pkg.exists():
         shutil.rmtree(pkg)
     size = 0
-    for rel, data in _guest_files(space_src):
+    for rel, data in guest_files(space_src):
         dst = pkg / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
