@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import pathlib
+import threading
 import time
 from typing import Any
 
@@ -248,6 +249,44 @@ def test_reporter_renews_per_heartbeat_and_deregisters_with_the_latest_beat(
         assert path == "/v1/nodes/node-x/deregister" and body == {"beat": last_beat}
         released = ("node.fence", {"release": True}) in helper.calls
         assert released is (deregistration == 200)  # refused: the fence stays armed
+        await agent.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stopped_reporter_finishes_the_heartbeat_in_flight_and_deregisters_with_its_beat(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`space down` stops the reporter while a heartbeat is in flight: the control plane records that beat,
+    so the node must read its answer before it deregisters (else it names an older beat: 409 stale)."""
+    recorded: list[str] = []
+    in_flight = threading.Event()
+
+    async def control_plane(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/register"):
+            return httpx.Response(200, json={"node_id": "node-x"})
+        if request.url.path.endswith("/heartbeat"):
+            recorded.append(f"beat-{len(recorded)}")  # recorded on arrival, answered later
+            in_flight.set()
+            await asyncio.sleep(0.3)
+            return httpx.Response(200, json={"ok": True, "fence_after_s": 7.5, "beat": recorded[-1]})
+        body = json.loads(request.content)
+        return httpx.Response(200 if body["beat"] == recorded[-1] else 409, json={})
+
+    async def scenario() -> None:
+        agent, service, helper = reporter_world(tmp_path, control_plane)
+        await agent.prepare()
+        reporter = Reporter(
+            service, "http://cp", None, "http://node:7070", "rpc-token", fence=Fence(helper),  # type: ignore[arg-type]
+            interval=0.01, transport=httpx.MockTransport(control_plane),
+        )  # fmt: skip
+        task = asyncio.create_task(reporter.run())
+        while not in_flight.is_set():
+            await asyncio.sleep(0.01)
+        reporter.stop()  # while the first heartbeat waits for its answer
+        await asyncio.wait_for(task, 5)
+        assert reporter.beat == recorded[-1]
+        assert await reporter.deregister() is True
         await agent.close()
 
     asyncio.run(scenario())

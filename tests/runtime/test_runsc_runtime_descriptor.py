@@ -13,6 +13,7 @@ import pytest
 from space.core import errors, runtimes
 from space.node.agent.agent import NodeAgent
 from space.node.agent.service_core import ServiceCore
+from space.node.volumes.template_base import BASE_VERSION
 from tests.support.sandboxes import new_sandbox
 
 pytestmark = pytest.mark.root
@@ -27,7 +28,7 @@ def test_the_runtime_is_recorded_and_an_incompatible_restore_is_refused(node) ->
     assert described["driver"] == "runsc" and described["platform"] == node.node.platform
     assert described["network"] in {"none", "sandbox"}
     assert described["runtime_version"] is not None and described["runtime_version"] in version.split()
-    assert described["template_base"] is not None and described["template_base"].endswith("@v1")
+    assert described["template_base"] is not None and described["template_base"].endswith(f"@{BASE_VERSION}")
     info = ServiceCore(agent).info()
     assert info.runtime == described
     assert ServiceCore(agent).registration("http://node.test:1", "t" * 32).runtime == described

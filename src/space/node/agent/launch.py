@@ -221,10 +221,12 @@ async def serve(
         finally:
             close_listeners(listeners, listen_socket)
     finally:
-        if reporting is not None:
-            reporting.cancel()  # heartbeats ran (and renewed the lease) while requests drained
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporting
+        if reporter is not None and reporting is not None:
+            # Heartbeats ran (and renewed the lease) while requests drained; the one in flight is let finish,
+            # so that deregister() names the latest beat the control plane recorded.
+            reporter.stop()
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(reporting, settings.control_plane_timeout_s + 1.0)
         if reporter is not None:
             await reporter.deregister()  # offline, then the lease released: the next start adopts
         await app.state.metrics.close()

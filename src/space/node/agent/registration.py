@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -77,9 +78,9 @@ async def register(
 class Reporter:
     """Registration, heartbeats and the lease they renew (ADR 0033), and the clean goodbye.
 
-    `run()` registers, then heartbeats every `interval` s until cancelled; each acknowledged heartbeat
-    renews `fence` (if given) from the monotonic time the heartbeat was SENT. `deregister()` (after `run`
-    was cancelled: `space down`) tells the control plane this node is leaving, naming its latest
+    `run()` registers, then heartbeats every `interval` s until `stop()` (or cancelled); each acknowledged
+    heartbeat renews `fence` (if given) from the monotonic time the heartbeat was SENT. `deregister()` (after
+    `run` returned: `space down`) tells the control plane this node is leaving, naming its latest
     heartbeat, and only if that is accepted releases the fence, so the sandboxes stay for the next start."""
 
     def __init__(
@@ -104,6 +105,13 @@ class Reporter:
         self.transport = transport
         self.node_id: str | None = None
         self.beat: str | None = None  # the `beat` of the latest acknowledged heartbeat
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """`run()` returns once the heartbeat in flight, if any, is answered. Cancelling it instead could
+        leave a heartbeat the control plane recorded but whose `beat` this node never read: deregister()
+        would then name an older one and be refused as stale (seen: `space down` under load)."""
+        self._stopping.set()
 
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
@@ -134,7 +142,7 @@ class Reporter:
     async def run(self) -> None:
         failures = 0
         async with self._client() as http:
-            while True:
+            while not self._stopping.is_set():
                 try:
                     if self.node_id is None:
                         self.node_id = await register(
@@ -156,7 +164,8 @@ class Reporter:
                     if failures == 1 or failures % 30 == 0:
                         log.warning("control plane %s: %s (attempt %d; retrying)", self.control_plane, exc,
                                     failures)  # fmt: skip
-                await asyncio.sleep(self.interval)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), self.interval)
 
     async def deregister(self) -> bool:
         """Leave cleanly: the control plane marks this node `offline` (True), then the fence is released.
