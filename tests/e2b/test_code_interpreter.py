@@ -208,25 +208,6 @@ def _events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-def test_output_flood_is_bounded(real_cluster: RealCluster, prepared: Sandbox) -> None:  # noqa: F811
-    received = 0
-    events: list[dict[str, Any]] = []
-    with httpx.stream(
-        "POST", f"{real_cluster.url}/v1/sandboxes/{prepared.id}/code",
-        json={"code": "while True:\n    print('x' * 65536)"},
-        headers={"Authorization": f"Bearer {real_cluster.api_key}"}, timeout=600,
-    ) as response:  # fmt: skip
-        assert response.status_code == 200
-        for event in _events(response):
-            received += len(event.get("text", ""))
-            if event["type"] != "stdout":
-                events.append(event)
-    assert received <= MAX_OUTPUT_BYTES
-    assert [e["type"] for e in events][-2:] == ["exception", "end_of_execution"], events
-    assert events[-2]["name"] == "OutputLimitExceeded", events
-    assert prepared.run_code("'after the flood'").text == "'after the flood'"
-
-
 def test_client_gone_interrupts_the_cell(
     real_cluster: RealCluster,  # noqa: F811
     prepared: Sandbox,
@@ -250,3 +231,29 @@ def test_client_gone_interrupts_the_cell(
     assert prepared.files.read(marker) == first
     running = [p.data for p in prepared.processes.list() if p.running]
     assert [p for p in running if BRIDGE_PATH in str(p) and "execute" in str(p)] == []
+
+
+# Last in the module: when the bug below strikes, the flood takes the module's sandbox down with it.
+@pytest.mark.xfail(
+    reason="KNOWN BUG (open, issue 13): in a clean CI run the flood ended with 'the sandbox closed its "
+    "channel' instead of OutputLimitExceeded, and the sandbox was gone; suspected: ipykernel buffers a tight "
+    "print loop in memory between its flushes, past the sandbox's 512 MB; the bridge's bound acts too late",
+    strict=False,
+)
+def test_output_flood_is_bounded(real_cluster: RealCluster, prepared: Sandbox) -> None:  # noqa: F811
+    received = 0
+    events: list[dict[str, Any]] = []
+    with httpx.stream(
+        "POST", f"{real_cluster.url}/v1/sandboxes/{prepared.id}/code",
+        json={"code": "while True:\n    print('x' * 65536)"},
+        headers={"Authorization": f"Bearer {real_cluster.api_key}"}, timeout=600,
+    ) as response:  # fmt: skip
+        assert response.status_code == 200
+        for event in _events(response):
+            received += len(event.get("text", ""))
+            if event["type"] != "stdout":
+                events.append(event)
+    assert received <= MAX_OUTPUT_BYTES
+    assert [e["type"] for e in events][-2:] == ["exception", "end_of_execution"], events
+    assert events[-2]["name"] == "OutputLimitExceeded", events
+    assert prepared.run_code("'after the flood'").text == "'after the flood'"
