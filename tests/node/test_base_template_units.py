@@ -10,18 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from space.core.errors import RuntimeFailure
-from space.node.agent.agent import NodeAgent
-from space.node.agent.app import create_app
 from space.node.drivers.fake import FakeDriver
-from space.node.rpc_client import NodeClient
 from space.node.volumes import templates
-from tests.support.loop import BackgroundLoop
-from tests.support.node_capability import NodeAuth
-from tests.support.node_rpc import TOKEN, Rpc, serve_in
+from tests.support.node_rpc import Rpc, fake_node_rpc
 
 
 def _environment(tmp_path: Path, meta: dict[str, Any] | None) -> dict[str, str]:
@@ -84,26 +78,8 @@ def test_hostile_metadata_is_refused(tmp_path: Path, meta: dict[str, Any]) -> No
 # --- the `user` of file writes and mkdir through the node RPC (fake driver: spaced as a host process) -------
 @pytest.fixture(scope="module")
 def rpc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rpc]:
-    loop = BackgroundLoop()
-    agent = NodeAgent(FakeDriver(tmp_path_factory.mktemp("node")))
-    loop.run(agent.prepare())
-    server, future, url = serve_in(loop, create_app(agent, TOKEN))
-
-    async def make_client() -> NodeClient:
-        return NodeClient(url, TOKEN)
-
-    client = loop.run(make_client())
-    http = httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=30)
-    try:
-        yield Rpc(loop, agent, url, client, http)
-    finally:
-        http.close()
-        loop.run(client.aclose())
-        server.should_exit = True
-        future.result(15)
-        loop.run(agent.delete_all())
-        loop.run(agent.close())
-        loop.close()
+    with fake_node_rpc(tmp_path_factory.mktemp("node")) as served:
+        yield served
 
 
 HOSTILE_USERS = ("bad user", "../etc", "-rf", "x" * 65, "a\0b", "", "1" * 10, "%2e%2e", "root\n")

@@ -17,37 +17,15 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from space.core import errors
 from space.core.ids import new_sandbox_id
-from space.node.agent.agent import NodeAgent
-from space.node.agent.app import create_app
 from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
-from tests.support.loop import BackgroundLoop
-from tests.support.node_capability import NodeAuth
-from tests.support.node_rpc import TOKEN, Rpc, serve_in
+from tests.support.node_rpc import TOKEN, Rpc, fake_node_rpc
 
 
 @pytest.fixture(scope="module")
 def rpc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rpc]:
-    loop = BackgroundLoop()
-    agent = NodeAgent(FakeDriver(tmp_path_factory.mktemp("node")))
-    loop.run(agent.prepare())
-    server, future, url = serve_in(loop, create_app(agent, TOKEN))
-
-    async def make_client() -> NodeClient:
-        return NodeClient(url, TOKEN)
-
-    client = loop.run(make_client())
-    http = httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=30)
-    try:
-        yield Rpc(loop, agent, url, client, http)
-    finally:
-        http.close()
-        loop.run(client.aclose())
-        server.should_exit = True
-        future.result(15)
-        loop.run(agent.delete_all())
-        loop.run(agent.close())
-        loop.close()
+    with fake_node_rpc(tmp_path_factory.mktemp("node")) as served:
+        yield served
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:

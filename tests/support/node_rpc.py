@@ -5,9 +5,11 @@ binds a free loopback port and returns once uvicorn accepts connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import pathlib
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,8 +18,11 @@ import uvicorn
 
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
+from space.node.agent.app import create_app
+from space.node.drivers.fake import FakeDriver
 from space.node.rpc_client import NodeClient
 from tests.support.loop import BackgroundLoop
+from tests.support.node_capability import NodeAuth
 
 T = TypeVar("T")
 TOKEN = "test-node-token-0123456789"
@@ -51,3 +56,29 @@ def serve_in(loop: BackgroundLoop, app: Any) -> tuple[uvicorn.Server, Any, str]:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     return server, future, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def fake_node_rpc(root: pathlib.Path) -> Iterator[Rpc]:
+    """A prepared fake-driver node agent served over real HTTP, with its typed and raw clients; every
+    sandbox deleted and everything closed afterwards."""
+    loop = BackgroundLoop()
+    agent = NodeAgent(FakeDriver(root))
+    loop.run(agent.prepare())
+    server, future, url = serve_in(loop, create_app(agent, TOKEN))
+
+    async def make_client() -> NodeClient:
+        return NodeClient(url, TOKEN)
+
+    client = loop.run(make_client())
+    http = httpx.Client(base_url=url, auth=NodeAuth(TOKEN), timeout=30)
+    try:
+        yield Rpc(loop, agent, url, client, http)
+    finally:
+        http.close()
+        loop.run(client.aclose())
+        server.should_exit = True
+        future.result(15)
+        loop.run(agent.delete_all())
+        loop.run(agent.close())
+        loop.close()
