@@ -29,20 +29,15 @@ from e2b.envd.process import process_pb as pb
 from e2b.envd.process.process_connect import ProcessClientSync
 
 from tests.support.cluster import RealCluster, real_cluster  # noqa: F401 - module-bound session fixture
+from tests.support.e2b_cluster import e2b_sandbox
 
 pytestmark = pytest.mark.root
 
 
 @pytest.fixture(scope="module")
 def sbx(real_cluster: RealCluster) -> Iterator[Sandbox]:  # noqa: F811
-    made = Sandbox.create(
-        api_key=real_cluster.api_key, api_url=real_cluster.e2b_api_url,
-        sandbox_url=real_cluster.e2b_sandbox_url, domain="space.invalid",
-    )  # fmt: skip
-    try:
+    with e2b_sandbox(real_cluster) as made:
         yield made
-    finally:
-        made.kill()
 
 
 def test_commands_stream_and_fail(sbx: Sandbox) -> None:
