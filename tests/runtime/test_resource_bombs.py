@@ -47,12 +47,18 @@ while len([p for p in os.listdir("/proc") if p.isdigit()]) > 2:
 """
 
 
-async def answers_again(sandbox: SandboxHandle, within_s: float = 30.0) -> float:
-    """Seconds until exec works in `sandbox` again (its bomb's children still hold the budget a moment)."""
+async def answers_again(
+    sandbox: SandboxHandle,
+    command: str | list[str] = "echo ok",
+    expect: bytes = b"ok\n",
+    within_s: float = 30.0,
+) -> float:
+    """Seconds until `command` runs in `sandbox` again and prints `expect`: while the bomb's children still
+    hold the task budget, the guest's daemon cannot start the thread an exec needs (a GuestError)."""
     started = time.monotonic()
     while True:
         with contextlib.suppress(errors.GuestError):
-            if (await sandbox.session.exec("echo ok", timeout=10)).stdout == b"ok\n":
+            if (await sandbox.session.exec(command, timeout=30)).stdout == expect:
                 return time.monotonic() - started
         assert time.monotonic() - started < within_s, "the sandbox never answered again"
         await asyncio.sleep(0.2)
