@@ -71,7 +71,13 @@ COLLECTIONS = {
 #: Every other operation with a resource must answer 404.
 #: A list's `template` filter is such a query too: another project's template lists what a missing one does
 #: (nothing), and the foreign and missing answers must still be the same (ADR 0055).
-NAMED_IN_OWN_SCOPE = {"PUT /v1/credentials/{name}", "GET /v1/credentials/{name}/audit", "GET /v1/sandboxes"}
+#: The project's snapshot list filters by name the same way (ADR 0060).
+NAMED_IN_OWN_SCOPE = {
+    "PUT /v1/credentials/{name}",
+    "GET /v1/credentials/{name}/audit",
+    "GET /v1/sandboxes",
+    "GET /v1/snapshots",
+}
 #: Answers that are not 404 for a reason that has nothing to do with the ids (the same for a missing id).
 NOT_404 = {
     # this cluster has no object store: suspend is refused before any lookup

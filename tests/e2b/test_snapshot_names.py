@@ -7,6 +7,7 @@ test_gaps_real)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import e2b
@@ -15,6 +16,7 @@ import pytest
 from e2b.api.client.models import Error
 
 from space.core import errors
+from space.objectstore.backends import open_store as open_objects
 from space.sdk import Space
 from tests.support import cluster as c
 from tests.support.e2b_cluster import E2bCluster
@@ -126,3 +128,81 @@ def test_e2b_named_snapshots_through_the_sdk(
         f"/sandboxes/{sbx.sandbox_id}/snapshots", content=json.dumps({"name": "n" * 300})
     )
     _status(oversized, 400)
+
+
+def _artifacts(e2b_fake: E2bCluster, project_id: str, sandbox_id: str) -> list[str]:
+    assert e2b_fake.cluster.store_url is not None
+    objects = open_objects(e2b_fake.cluster.store_url)
+    return objects.list(f"sandboxes/{project_id}/{sandbox_id}/")
+
+
+def _until_no_artifacts(e2b_fake: E2bCluster, project_id: str, sandbox_id: str) -> list[str]:
+    """The collector removes a deleted snapshot's artifact in the background (every 2 s)."""
+    deadline = time.monotonic() + 60
+    while (left := _artifacts(e2b_fake, project_id, sandbox_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_a_named_snapshot_outlives_its_sandbox(
+    e2b_fake: E2bCluster, tenants: tuple[c.Project, c.Project], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B's semantics (ADR 0060): snapshot with a name, kill the sandbox, list the snapshot, create
+    sandboxes from it (restored from object storage), delete it: 404 afterwards, its artifact gone. The
+    same through SPACE's own API and SDK; another tenant reaches none of it."""
+    mine, theirs = tenants
+    monkeypatch.setenv("E2B_API_KEY", mine.key)
+    monkeypatch.setenv("E2B_API_URL", e2b_fake.api_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2b_fake.sandbox_url)
+    monkeypatch.setenv("E2B_DOMAIN", "space.invalid")
+    store = e2b_fake.cluster.store
+    sbx = e2b.Sandbox.create()
+    snap = sbx.create_snapshot(name="outlives")
+    unnamed = sbx.create_snapshot()
+    assert sbx.kill() is True
+    child = e2b.Sandbox.create("outlives")  # waits for the kill, which keeps the named snapshot
+    assert child.get_info().state.value == "running"
+    record = store.load_sandbox(child.sandbox_id)
+    assert record is not None and record.fork_snapshot_id == snap.snapshot_id
+    assert record.forked_from == sbx.sandbox_id
+    source = store.load_sandbox(sbx.sandbox_id)
+    assert source is not None and source.state == "deleted"
+    listed = [s.snapshot_id for s in e2b.Sandbox.list_snapshots().next_items()]
+    assert snap.snapshot_id in listed and unnamed.snapshot_id not in listed  # an unnamed one went with it
+    assert [s.snapshot_id for s in e2b.Sandbox.list_snapshots(name="outlives").next_items()] == [
+        snap.snapshot_id
+    ]
+    with mine.sdk() as sp, theirs.sdk() as other:
+        kept = sp.snapshots.list(name="outlives")
+        assert [s.id for s in kept] == [snap.snapshot_id] and kept[0].locations == ["objectstore"]
+        assert sp.sandboxes.create(from_snapshot=snap.snapshot_id).state == "running"  # by id too
+        for ref in ("outlives", snap.snapshot_id):  # another tenant: nothing of it, like a missing one
+            assert other.snapshots.list(name=ref) == []
+            with pytest.raises(errors.NotFound):
+                other.sandboxes.create(from_snapshot=ref)
+            with pytest.raises(errors.NotFound):
+                other.snapshots.delete(ref)
+        _status(_e2b(e2b_fake, theirs.key).delete("/templates/outlives"), 404)
+        assert e2b.Sandbox.delete_snapshot("outlives") is True
+        assert e2b.Sandbox.list_snapshots(name="outlives").next_items() == []
+        _status(_e2b(e2b_fake, mine.key).post("/v2/sandboxes", json={"templateID": "outlives"}), 404)
+        with pytest.raises(errors.NotFound):
+            sp.sandboxes.create(from_snapshot=snap.snapshot_id)
+        assert _until_no_artifacts(e2b_fake, mine.id, sbx.sandbox_id) == []
+
+        # SPACE's own API: a named snapshot, its sandbox deleted, then listed, used and deleted by name.
+        sb = sp.sandboxes.create(env={"FROM": "source"})
+        sb.snapshots.create(full=True, name="space-kept")
+        sb.delete()
+        assert [s.sandbox_id for s in sp.snapshots.list(name="space-kept")] == [sb.id]
+        assert [s.name for s in sp.snapshots.list() if s.sandbox_id == sb.id] == ["space-kept"]
+        made = sp.sandboxes.create(from_snapshot="space-kept")
+        made_record = store.load_sandbox(made.id)
+        assert made.state == "running" and made_record is not None and made_record.env == {"FROM": "source"}
+        sp.snapshots.delete("space-kept")
+        assert sp.snapshots.list(name="space-kept") == []
+        with pytest.raises(errors.NotFound):
+            sp.snapshots.delete("space-kept")
+        with pytest.raises(errors.InvalidArgument):
+            sp.snapshots.list(after="not-a-snapshot-id")
+        assert _until_no_artifacts(e2b_fake, mine.id, sb.id) == []

@@ -149,6 +149,21 @@ class FakeNodeApi:
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         self._get(sandbox_id)["snapshots"].pop(snapshot_id, None)
 
+    async def fork(
+        self, sandbox_id: str, *, count: int, snapshot_id: str | None, child_ids: list[str]
+    ) -> list[rm.SandboxObserved]:
+        """Children of a full checkpoint held here (idempotent by child id)."""
+        self._enter("fork")
+        assert snapshot_id is not None and count == len(child_ids)
+        files = self._get(sandbox_id)["snapshots"][snapshot_id]["files"]
+        for child in child_ids:
+            self.sandboxes.setdefault(
+                child,
+                {"state": "running", "files": dict(files), "snapshots": {}, "limits": {}, "at": time.time()},
+            )
+        self._leave("fork")
+        return [self._observed(child) for child in child_ids]
+
     def _write(self, prefix: str, files: dict[str, bytes], data_key: DataKey | None) -> dict[str, Any]:
         if self.objects.exists(f"{prefix}/manifest.json"):
             return {"prefix": prefix}  # idempotent repeat

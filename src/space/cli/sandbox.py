@@ -9,7 +9,9 @@ from space.cli._common import client, fields, handles_errors, parse_pairs, print
 from space.sdk import Sandbox, Snapshot
 
 sandbox_app = typer.Typer(help="Create, inspect and drive sandboxes.", no_args_is_help=True)
-snapshot_app = typer.Typer(help="Disk snapshots and full checkpoints of a sandbox.", no_args_is_help=True)
+snapshot_app = typer.Typer(
+    help="Disk snapshots and full checkpoints of a sandbox; named ones outlive it.", no_args_is_help=True
+)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 SandboxId = Annotated[str, typer.Argument(metavar="ID", help="The sandbox id (sb-…).")]
@@ -367,10 +369,34 @@ def snapshot_create(
 
 @snapshot_app.command("list")
 @handles_errors
-def snapshot_list(sandbox_id: SandboxId, as_json: JsonFlag = False) -> None:
-    """List a sandbox's snapshots."""
-    snapshots = client().sandboxes.ref(sandbox_id).snapshots.list()
+def snapshot_list(
+    sandbox_id: Annotated[
+        str | None, typer.Argument(metavar="[ID]", help="The sandbox id (sb-…); none: the project's.")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="Only the project's full snapshots of this name (or id).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """List a sandbox's snapshots, or the project's full ones (named ones outlive their sandbox)."""
+    if sandbox_id is not None and name is None:
+        snapshots = client().sandboxes.ref(sandbox_id).snapshots.list()
+    else:
+        snapshots = client().snapshots.list(name=name)
+        if sandbox_id is not None:
+            snapshots = [s for s in snapshots if s.sandbox_id == sandbox_id]
     if as_json:
         print_json([s.data for s in snapshots])
         return
     table(_snapshot_rows(snapshots), ["ID", "KIND", "CREATED", "EXCLUSIVE", "SIZE", "LOCATION"])
+
+
+@snapshot_app.command("delete")
+@handles_errors
+def snapshot_delete(
+    ref: Annotated[str, typer.Argument(metavar="ID|NAME", help="A snapshot id, or a name (all of it).")],
+) -> None:
+    """Delete a snapshot by id, or every snapshot of a name (also after its sandbox was deleted); prints
+    the ids deleted."""
+    for snapshot_id in client().snapshots.delete(ref):
+        typer.echo(snapshot_id)

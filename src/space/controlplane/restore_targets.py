@@ -2,9 +2,10 @@
 only nodes whose runtime can restore that checkpoint (ADR 0035; the rules are space.core.runtimes').
 
 Invariants:
-- A sandbox being restored (`restoring`: its suspended checkpoint) or recovered (`recovering`: the
-  checkpoint it recovers from) needs the runtime its checkpoint's row records; any other placement needs
-  nothing and every node stays a candidate.
+- A sandbox being restored (`restoring`: its suspended checkpoint), recovered (`recovering`: the
+  checkpoint it recovers from) or created from a checkpoint (`creating` with `fork_snapshot_id`: placed
+  only when that checkpoint lives in object storage, ADR 0060) needs the runtime its checkpoint's row
+  records; any other placement needs nothing and every node stays a candidate.
 - A node that has not reported its runtime stays a candidate (it refuses an incompatible restore itself);
   a checkpoint of unknown runtime (older rows) fits every node.
 - When nodes are ready but none can restore the checkpoint, the answer is ResourceExhausted naming each
@@ -30,6 +31,8 @@ def checkpoint_of(sandbox: SandboxRecord) -> str | None:
         return sandbox.suspended_snapshot_id
     if sandbox.state == State.RECOVERING:
         return sandbox.recovered_from
+    if sandbox.state == State.CREATING:
+        return sandbox.fork_snapshot_id
     return None
 
 

@@ -12,7 +12,8 @@ Invariants:
   (origin "policy" or "suspend"), never a user's, and never the newest usable full checkpoint. Pruning
   only marks rows `deleting`; `collect` removes the node copy and the object-storage copy, then the row,
   so a crash anywhere leaves a row that the next round finishes. `sweep_objects` (rarely) removes artifacts
-  no record accounts for (an upload that finished after its snapshot was pruned or its sandbox deleted).
+  no record accounts for (an upload that finished after its snapshot was pruned or its sandbox deleted);
+  a kept snapshot's (ADR 0060: named, its sandbox deleted) is accounted for by its row.
 - Disk budgets (docs/adr/0027-disk-budgets.md): a scheduled snapshot the node refuses for the sandbox's
   storage budget (or its own reserve) is made to fit by deleting the oldest prunable snapshots at once (the
   same protections as retention: never a user's, never the newest usable full checkpoint, never the one a
@@ -30,6 +31,7 @@ import logging
 import time
 
 from space.controlplane.reconciler.context import StepContext, snapshot_prefix
+from space.controlplane.reconciler.kept_snapshots import kept
 from space.controlplane.reconciler.loop import Reconciler
 from space.controlplane.reconciler.replan import replan_gone_nodes
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
@@ -263,7 +265,8 @@ class SnapshotKeeper:
 
     async def sweep_objects(self) -> list[str]:
         """Remove artifacts under sandboxes/ that no record accounts for: the sandbox is deleted (or
-        unknown), or the snapshot has no row and is not the one a suspend is writing. They appear when a
+        unknown) and the snapshot is not kept, or the snapshot has no row and is not the one a suspend is
+        writing. They appear when a
         node finishes an upload after its snapshot was pruned or its sandbox deleted. Returns the removed
         prefixes. Lists the whole sandboxes/ tree: run it rarely."""
         rec = self.reconciler
@@ -277,13 +280,11 @@ class SnapshotKeeper:
             _root, _project, sandbox_id, snapshot_id = prefix.split("/")
             sb = await asyncio.to_thread(self.store.load_sandbox, sandbox_id)
             snap = await asyncio.to_thread(self.store.get_snapshot, snapshot_id)
-            owned = (
-                sb is not None
-                and sb.state != State.DELETED
-                and (
-                    (snap is not None and snap.sandbox_id == sandbox_id)
-                    or sb.suspended_snapshot_id == snapshot_id
-                )
+            mine = snap is not None and snap.sandbox_id == sandbox_id
+            owned = sb is not None and (
+                (sb.state != State.DELETED and (mine or sb.suspended_snapshot_id == snapshot_id))
+                # A named snapshot kept after its sandbox was deleted (ADR 0060): its row accounts for it.
+                or (mine and snap is not None and kept(snap))
             )
             if owned:
                 continue

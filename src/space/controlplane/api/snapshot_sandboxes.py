@@ -10,12 +10,17 @@ Invariants:
   and `fork_snapshot_id` that the reconciler brings up on the source's node), in the caller's project,
   with the source's template, limits, idle timeout and egress policy; its env is the source's overlaid with
   the request's, and it takes the request's own deadline, metadata and timeout action.
-- The source sandbox must still exist: SPACE deletes a sandbox's snapshots with it.
+- A named full snapshot outlives its sandbox when the control plane has an object store (ADR 0060): the
+  sandbox's deletion keeps it there, and a sandbox from it is restored from object storage on a node the
+  scheduler chooses (reconciler/kept_snapshots.py). A create that names one whose sandbox is being deleted
+  waits for that deletion (which keeps it or, without an object store, drops it: then 404). Any other
+  snapshot of a deleted sandbox is gone with it (404).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -31,6 +36,7 @@ from space.controlplane.api.deps import (
     wait_settled,
 )
 from space.controlplane.api.views import sandbox_view
+from space.controlplane.reconciler.kept_snapshots import keepable, kept
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.ids import SNAPSHOT, parse_snapshot_id
@@ -96,8 +102,16 @@ async def create_from_snapshot(
     """The new sandbox (`sandbox_id`: the one an Idempotency-Key derives, so that a retry of a request that
     died finds the sandbox it recorded); once it runs when `wait`."""
     source = await asyncio.to_thread(services.store.load_sandbox, snap.sandbox_id)
-    gone = source is None or source.state in _GONE or source.desired_state in _GONE
-    if source is None or gone or source.project_id != who.project_id:
+    if source is None or source.project_id != who.project_id:
+        raise errors.NotFound(f"snapshot {snap.id} not found")
+    gone = source.state in _GONE or source.desired_state in _GONE
+    if gone and not kept(snap) and keepable(snap) and services.reconciler.objects is not None:
+        # Its sandbox is being deleted, and that step keeps it: the answer is what the step did.
+        with contextlib.suppress(errors.SpaceError):
+            await wait_settled(services, source.id)
+        again = await asyncio.to_thread(services.store.get_snapshot, snap.id)
+        snap = again if again is not None else snap
+    if gone and not kept(snap):
         raise errors.NotFound(f"snapshot {snap.id} not found (its sandbox is gone)")
     try:
         child = await asyncio.to_thread(

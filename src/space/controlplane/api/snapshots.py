@@ -11,6 +11,11 @@ Invariants:
 - A snapshot of another project's sandbox answers like a missing one (404).
 - A full snapshot may be given a name (not unique; `from_snapshot` and E2B's templateID take the newest
   of that name: api/snapshot_sandboxes.py).
+- The project's full snapshots are listed and deleted by id or name without naming a sandbox
+  (`GET /v1/snapshots`, `DELETE /v1/snapshots/{id-or-name}`): a named one outlives its sandbox (ADR 0060),
+  so it is reached that way after its sandbox is gone. Deleting only marks the rows `deleting` (the
+  snapshot collector removes the node copy and the artifact, then the row); the checkpoint a sandbox is
+  suspended to or recovering from is refused (409), as deleting it would lose the sandbox.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
 from space.controlplane.api.bodies import SNAPSHOT_NAME_PATTERN, ForkBody, RollbackBody, SnapshotBody
 from space.controlplane.api.deps import (
     Auth,
     IdempotencyKey,
+    Principal,
     Services,
     Svc,
     find_sandbox,
@@ -35,6 +42,7 @@ from space.controlplane.api.deps import (
     running_sandbox,
     wait_settled,
 )
+from space.controlplane.api.snapshot_sandboxes import find_snapshot
 from space.controlplane.api.views import Sandbox, Sandboxes, Snapshot, Snapshots, sandbox_view, snapshot_view
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
@@ -47,6 +55,8 @@ LIVE_SIZES_TIMEOUT_S = 3.0
 #: How long a rollback request holds its sandbox: longer than any rollback's node call; a control plane that
 #: dies meanwhile is replaced sooner on its own host (its leases are freed at the next start).
 ROLLBACK_LEASE_S = 120.0
+#: The most snapshots one page of the project's list holds.
+MAX_PAGE = 100
 
 router = APIRouter()
 
@@ -163,3 +173,72 @@ async def fork(
 
     fingerprint = f"POST /sandboxes/{sandbox_id}/fork {body.model_dump_json()}"
     return await idempotent(services, who, idem, fingerprint, work)
+
+
+@router.get("/snapshots", response_model=Snapshots)
+async def list_project_snapshots(
+    who: Auth,
+    services: Svc,
+    name: Annotated[str | None, Query(max_length=128, description="An id or a name.")] = None,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+) -> dict[str, Any]:
+    """The project's ready full snapshots (of live sandboxes, and named ones kept after their sandbox was
+    deleted), oldest first; `name`: those of that name (or the one of that id); `after`: the page after
+    that snapshot."""
+    if after is not None:
+        parse_snapshot_id(after, field="after")
+    if name is None:
+        rows = await asyncio.to_thread(
+            services.store.page_project_snapshots, who.project_id, after=after, limit=limit
+        )
+        return {"snapshots": [snapshot_view(s) for s in rows]}
+    rows = await project_snapshots(services, who, name)
+    if after is not None:
+        ids = [s.id for s in rows]
+        rows = rows[ids.index(after) + 1 :] if after in ids else []
+    return {"snapshots": [snapshot_view(s) for s in rows[:limit]]}
+
+
+async def project_snapshots(services: Services, who: Principal, ref: str) -> list[SnapshotRecord]:
+    """The caller's ready full snapshots `ref` names: the one of that id, or every one of that name
+    (oldest first); [] when none (another project's are none)."""
+    if ref.startswith(SNAPSHOT.prefix):
+        try:
+            return [await find_snapshot(services, who, ref, field="name")]
+        except errors.NotFound:
+            return []
+    return await asyncio.to_thread(services.store.named_snapshots, who.project_id, ref[:128])
+
+
+async def delete_snapshots(services: Services, snaps: list[SnapshotRecord]) -> None:
+    """Mark `snaps` deleting (the collector removes their data); 409 before any is marked if one is the
+    checkpoint its sandbox is suspended to or recovering from."""
+    for snap in snaps:
+        sb = await asyncio.to_thread(services.store.load_sandbox, snap.sandbox_id)
+        if (
+            sb is not None
+            and sb.state != State.DELETED
+            and snap.id in (sb.suspended_snapshot_id, sb.recovered_from)
+        ):
+            raise errors.Conflict(
+                f"snapshot {snap.id} holds sandbox {sb.id} ({sb.state}); delete the sandbox instead",
+                state=sb.state.value,
+            )
+    for snap in snaps:
+        await asyncio.to_thread(services.store.delete_snapshot, snap.id)
+
+
+class DeletedSnapshots(BaseModel):
+    deleted: list[str] = Field(description="The ids of the snapshots deleted (their data goes soon after).")
+
+
+@router.delete("/snapshots/{snapshot_id}", response_model=DeletedSnapshots)
+async def delete_project_snapshots(snapshot_id: str, who: Auth, services: Svc) -> dict[str, Any]:
+    """Delete the snapshot of that id, or every snapshot of that name (404: none of the caller's)."""
+    who.require("member")
+    snaps = await project_snapshots(services, who, snapshot_id)
+    if not snaps:
+        raise errors.NotFound(f"snapshot {snapshot_id[:80]} not found")
+    await delete_snapshots(services, snaps)
+    return {"deleted": [s.id for s in snaps]}

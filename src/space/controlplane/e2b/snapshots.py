@@ -8,9 +8,9 @@ Invariants:
   for a name (SPACE's named snapshots: not unique; a name used again names a newer snapshot, as E2B assigns
   a new build to the existing template). Its E2B id is the SPACE snapshot id; `names` is its name, if any.
   Either is usable as `templateID`: the new sandbox starts from the (newest) snapshot like a fork child
-  (api/snapshot_sandboxes.py: on the source sandbox's node, so the source must still exist: SPACE deletes
-  a sandbox's snapshots with it); it takes the given metadata (else its source's), and runs under its
-  source's egress policy.
+  (api/snapshot_sandboxes.py: on the source sandbox's node, or, when the source was killed, restored from
+  object storage on any node: a named snapshot outlives its sandbox, as on E2B, ADR 0060); it takes the
+  given metadata (else its source's), and runs under its source's egress policy.
 - Only the caller's project's snapshots are seen, listed, used or deleted; any other id or name is a 404
   (or an empty list), exactly like a missing one. Deleting a name deletes every snapshot of that name (E2B
   deletes the template with all its builds).
@@ -165,8 +165,7 @@ async def delete_snapshot(template_id: str, who: E2bAuth, services: Svc) -> Resp
         snaps = await asyncio.to_thread(services.store.named_snapshots, who.project_id, template_id[:128])
         if not snaps:
             raise errors.NotFound(f"template {template_id[:80]} not found")
-    for snap in snaps:
-        await asyncio.to_thread(services.store.delete_snapshot, snap.id)
+    await space_snapshots.delete_snapshots(services, snaps)
     return Response(status_code=204)
 
 

@@ -18,6 +18,10 @@ Invariants:
 - A fork child starts on its parent's node from the parent's checkpoint (`fork_snapshot_id`); a parent
   that is on no node is a permanent failure (InvalidState); one whose node is not ready is retried (the
   checkpoint lives only there) without recording that node on the child.
+- A child of a checkpoint that lives only in object storage (a kept snapshot, ADR 0060: its sandbox
+  deleted or suspended) is restored from there on a node of the scheduler's choice instead
+  (kept_snapshots.py); a child of a named snapshot whose sandbox is being deleted waits (retried) until
+  that step kept it or dropped it; a snapshot that is gone is a permanent failure.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ import asyncio
 import contextlib
 from typing import Any
 
-from space.controlplane.reconciler.context import StepContext, stale_incarnation
+from space.controlplane.reconciler.context import stale_incarnation
+from space.controlplane.reconciler.kept_snapshots import KeptSnapshotSteps, keepable, kept
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_state import Note
 from space.core import errors
-from space.core.lifecycle import Event
+from space.core.lifecycle import Event, State
 
 #: How a node may say it made a sandbox (SandboxObserved.created_from); anything else is not recorded.
 CREATED_FROM = frozenset({"pool", "warm", "cold"})
@@ -49,7 +54,7 @@ def pool_empty_note(sb: SandboxRecord, created_from: str) -> Note | None:
     )
 
 
-class CreationSteps(StepContext):
+class CreationSteps(KeptSnapshotSteps):
     async def _begin_create(self, sb: SandboxRecord) -> SandboxRecord:
         """pending -> creating, with the chosen node and the incarnation written by the same swap (a fork
         child or a sandbox no node has room for now: without, the step places it)."""
@@ -96,6 +101,21 @@ class CreationSteps(StepContext):
         because the child's id is given."""
         assert sb.forked_from is not None
         parent = await asyncio.to_thread(self.store.load_sandbox, sb.forked_from)
+        snap = None
+        if sb.fork_snapshot_id is not None:
+            snap = await asyncio.to_thread(self.store.get_snapshot, sb.fork_snapshot_id)
+            if snap is None or snap.state == "deleting":
+                raise errors.InvalidState(f"snapshot {sb.fork_snapshot_id} is gone", state="deleted")
+        on_parent = parent is not None and parent.node_id is not None and parent.state != State.DELETED
+        if snap is not None and (kept(snap) or (not on_parent and snap.restorable)):
+            return await self._child_from_store(sb, snap)
+        if (
+            snap is not None
+            and keepable(snap)
+            and parent is not None
+            and State.DELETED in (parent.state, parent.desired_state)
+        ):
+            raise errors.Unavailable(f"snapshot {snap.id} is being kept as its sandbox is deleted")
         if parent is None or parent.node_id is None:
             raise errors.InvalidState(f"fork source {sb.forked_from} is not on a node", state="unknown")
         if sb.node_id != parent.node_id:

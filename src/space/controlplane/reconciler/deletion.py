@@ -1,10 +1,12 @@
 """The `deleting` step, and orphan collection: no sandbox runs where the database says it should not.
 
 Invariants:
-- deleting: the node copy is deleted when its node is ready (a node that no longer knows it: already
-  gone); a lost node's copy is collected as an orphan when the node comes back. The snapshots are marked
-  for deletion (their node copies and objects are removed by SnapshotKeeper.collect), then the sandbox's
-  whole object-storage prefix goes, which also takes any half-written upload whose row never got written.
+- deleting: the named full snapshots are uploaded first, while the node copy exists (kept_snapshots.py,
+  ADR 0060); then the node copy is deleted when its node is ready (a node that no longer knows it: already
+  gone); a lost node's copy is collected as an orphan when the node comes back. The other snapshots are
+  marked for deletion (their node copies and objects are removed by SnapshotKeeper.collect), then the
+  sandbox's object-storage prefix goes but for the kept snapshots' artifacts, which also takes any
+  half-written upload whose row never got written.
 - Orphans: a sandbox a ready node runs that the database does not know, knows as deleted, or records on
   another node, is destroyed once it is ORPHAN_GRACE_S old (its record may still be on its way, e.g. a
   fork in flight). A copy of a suspended sandbox, or of one moved to another node, is stale however young
@@ -21,14 +23,21 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
-from space.controlplane.reconciler.context import StepContext, sandbox_prefix, stale_incarnation
+from space.controlplane.reconciler.context import sandbox_prefix, stale_incarnation
+from space.controlplane.reconciler.kept_snapshots import KeptSnapshotSteps
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.core import errors
 from space.core.lifecycle import Event, State
 from space.node.rpc_client import NodeClient
+
+if TYPE_CHECKING:
+    from space.objectstore.base import ObjectStore
 
 ORPHAN_GRACE_S = 60.0
 SUSPENDED_GRACE_S = 10.0  # see is_orphan_copy
@@ -63,10 +72,25 @@ def is_current_copy(record: SandboxRecord, node_id: str, incarnation: int | None
     return record.incarnation is None or incarnation is None or record.incarnation == incarnation
 
 
-class DeletionSteps(StepContext):
+def delete_prefix_but(objects: ObjectStore, prefix: str, keep: Iterable[str]) -> int:
+    """Delete every object under `prefix` except those under one of the `keep` prefixes (kept snapshots'
+    artifacts); returns how many went."""
+    kept = tuple(k.rstrip("/") + "/" for k in keep)
+    if not kept:
+        return objects.delete_prefix(prefix)
+    gone = 0
+    for key in objects.list(prefix):
+        if not key.startswith(kept):
+            objects.delete(key)
+            gone += 1
+    return gone
+
+
+class DeletionSteps(KeptSnapshotSteps):
     _orphans: asyncio.Task[list[str]] | None = None
 
     async def _delete(self, sb: SandboxRecord) -> SandboxRecord:
+        kept = await self._keep_named(sb)  # before the node copy (and its checkpoints) goes
         if sb.node_id is not None and await self.node_ready(sb.node_id):
             try:
                 await self._node_of(sb).delete_sandbox(sb.id, incarnation=sb.incarnation)
@@ -76,9 +100,9 @@ class DeletionSteps(StepContext):
                 if stale_incarnation(exc) is None:
                     raise
                 # The node holds another (older) copy, not the one placed: an orphan once this is deleted.
-        await asyncio.to_thread(self.store.delete_snapshots_of, sb.id)
+        await asyncio.to_thread(functools.partial(self.store.delete_snapshots_of, sb.id, keep=set(kept)))
         if self.objects is not None:
-            await asyncio.to_thread(self.objects.delete_prefix, sandbox_prefix(sb))
+            await asyncio.to_thread(delete_prefix_but, self.objects, sandbox_prefix(sb), kept.values())
         return await self._transition(sb, Event.DELETED)
 
     def collect_orphans_soon(self) -> None:

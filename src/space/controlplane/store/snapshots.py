@@ -14,13 +14,18 @@ Invariants:
   newest ready one of the project is the one the name means); names are looked up per project only.
 - A full checkpoint's row records the runtime it needs (`runtime`, ADR 0035): given by the caller, else the
   runtime its node reported, copied in the transaction that writes the row.
+- A kept snapshot (ADR 0060: a named full snapshot whose sandbox was deleted) stays `ready` with a verified
+  object-storage copy and no node (`node_id` NULL, `restorable`); it is listed and found by name like a
+  live sandbox's, in its sandbox's project (the tombstone's `project_id`). Every other snapshot of a deleted
+  sandbox is `deleting` (`delete_snapshots_of`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Final, get_args
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, delete, or_, select, true, update
 
 from space.controlplane.store.database import Repository
 from space.controlplane.store.mapping import snapshot_record
@@ -51,6 +56,8 @@ SNAPSHOT_FIELDS: Final = frozenset(
 #: The most snapshots one name lists (E2B re-uses a name: each use is one more snapshot of it).
 MAX_NAMED = 1000
 _SNAPSHOT_KINDS: Final = frozenset(get_args(SnapshotKind))
+#: A snapshot a project lists: its sandbox is not deleted, or it was kept in object storage (ADR 0060).
+_LISTED = or_(Sandbox.deleted_at.is_(None), and_(Snapshot.node_id.is_(None), Snapshot.restorable.is_(True)))
 
 
 class SnapshotRepository(Repository):
@@ -110,14 +117,14 @@ class SnapshotRepository(Repository):
     def page_project_snapshots(
         self, project_id: str, *, kind: SnapshotKind = "full", after: str | None = None, limit: int = 100
     ) -> list[SnapshotRecord]:
-        """Up to `limit` ready snapshots of `kind` of the project's live sandboxes, oldest first, after the
-        snapshot `after` (one of the project's listed snapshots: else nothing), in one indexed query each (the
-        E2B front's list)."""
+        """Up to `limit` ready snapshots of `kind` of the project's live sandboxes (and its kept ones),
+        oldest first, after the snapshot `after` (one of the project's listed snapshots: else nothing), in
+        one indexed query each (the E2B front's list)."""
         with self._tx("listing a project's snapshots") as session:
             query = (
                 select(Snapshot)
                 .join(Sandbox, Sandbox.id == Snapshot.sandbox_id)
-                .where(Sandbox.project_id == project_id, Sandbox.deleted_at.is_(None))
+                .where(Sandbox.project_id == project_id, _LISTED)
                 .where(Snapshot.state == "ready", Snapshot.kind == kind)
             )
             if after is not None:
@@ -134,13 +141,13 @@ class SnapshotRepository(Repository):
             return [snapshot_record(row) for row in rows]
 
     def named_snapshots(self, project_id: str, name: str) -> list[SnapshotRecord]:
-        """The project's ready full snapshots called `name` (of its live sandboxes), oldest first: the last
-        is the one the name means. At most MAX_NAMED (the newest)."""
+        """The project's ready full snapshots called `name` (of its live sandboxes, and kept ones), oldest
+        first: the last is the one the name means. At most MAX_NAMED (the newest)."""
         with self._tx("finding a project's named snapshots") as session:
             query = (
                 select(Snapshot)
                 .join(Sandbox, Sandbox.id == Snapshot.sandbox_id)
-                .where(Sandbox.project_id == project_id, Sandbox.deleted_at.is_(None))
+                .where(Sandbox.project_id == project_id, _LISTED)
                 .where(Snapshot.name == name, Snapshot.state == "ready", Snapshot.kind == "full")
                 .order_by(Snapshot.created_at.desc(), Snapshot.id.desc())
                 .limit(MAX_NAMED)
@@ -186,16 +193,32 @@ class SnapshotRepository(Repository):
             row.state = "deleting"
             return snapshot_record(row)
 
-    def delete_snapshots_of(self, sandbox_id: str) -> int:
-        """Mark every snapshot of a sandbox `deleting` (the sandbox is being deleted)."""
-        statement = (
-            update(Snapshot)
-            .where(Snapshot.sandbox_id == sandbox_id, Snapshot.state != "deleting")
-            .values(state="deleting")
-            .execution_options(synchronize_session=False)
+    def delete_snapshots_of(self, sandbox_id: str, *, keep: Collection[str] = ()) -> int:
+        """Mark every snapshot of a sandbox `deleting` (the sandbox is being deleted), but those of `keep`
+        that are ready with a verified object-storage copy: they now live there only (node_id cleared; ADR
+        0060). Returns how many rows were marked."""
+        kept = and_(
+            Snapshot.id.in_(list(keep)),
+            Snapshot.state == "ready",
+            Snapshot.restorable.is_(True),
+            Snapshot.prefix.is_not(None),
         )
+        base = [Snapshot.sandbox_id == sandbox_id, Snapshot.state != "deleting"]
         with self._tx(f"deleting the snapshots of sandbox {sandbox_id}") as session:
-            return rowcount(session.execute(statement))
+            if keep:
+                session.execute(
+                    update(Snapshot)
+                    .where(*base, kept)
+                    .values(node_id=None)
+                    .execution_options(synchronize_session=False)
+                )
+            marked = session.execute(
+                update(Snapshot)
+                .where(*base, ~kept if keep else true())
+                .values(state="deleting")
+                .execution_options(synchronize_session=False)
+            )
+            return rowcount(marked)
 
     def forget_node_snapshots(self, sandbox_id: str, node_id: str) -> int:
         """The sandbox left `node_id` (suspended, or recovered elsewhere) and its copies there go with it:

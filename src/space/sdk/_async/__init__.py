@@ -10,7 +10,13 @@ from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
 from space.sdk._async.client import AsyncSpace
 from space.sdk._async.files import AsyncFiles
 from space.sdk._async.processes import AsyncProcess, AsyncProcesses
-from space.sdk._async.sandboxes import AsyncSandbox, AsyncSandboxes, AsyncSandboxPage, AsyncSnapshots
+from space.sdk._async.sandboxes import (
+    AsyncProjectSnapshots,
+    AsyncSandbox,
+    AsyncSandboxes,
+    AsyncSandboxPage,
+    AsyncSnapshots,
+)
 from space.sdk._async.templates import AsyncTemplates
 
 __all__ = [
@@ -19,6 +25,7 @@ __all__ = [
     "AsyncKeys",
     "AsyncProcess",
     "AsyncProcesses",
+    "AsyncProjectSnapshots",
     "AsyncProjects",
     "AsyncSandbox",
     "AsyncSandboxPage",

@@ -20,7 +20,7 @@ import httpx
 
 from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
 from space.sdk._async.http import AsyncHTTP
-from space.sdk._async.sandboxes import AsyncSandboxes
+from space.sdk._async.sandboxes import AsyncProjectSnapshots, AsyncSandboxes
 from space.sdk._async.templates import AsyncTemplates
 from space.sdk.config import resolve_config
 
@@ -60,6 +60,8 @@ class AsyncSpace:
         self.keys = AsyncKeys(self._http)
         self.credentials = AsyncCredentials(self._http)
         self.templates = AsyncTemplates(self._http)
+        #: The project's full snapshots by id or name (`sandbox.snapshots` are one sandbox's).
+        self.snapshots = AsyncProjectSnapshots(self._http)
 
     async def health(self) -> dict[str, Any]:
         """GET /healthz (unauthenticated)."""

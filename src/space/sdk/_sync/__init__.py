@@ -13,7 +13,13 @@ from space.sdk._sync.admin import Credentials, Keys, Projects
 from space.sdk._sync.client import Space
 from space.sdk._sync.files import Files
 from space.sdk._sync.processes import Process, Processes
-from space.sdk._sync.sandboxes import Sandbox, Sandboxes, SandboxPage, Snapshots
+from space.sdk._sync.sandboxes import (
+    ProjectSnapshots,
+    Sandbox,
+    Sandboxes,
+    SandboxPage,
+    Snapshots,
+)
 from space.sdk._sync.templates import Templates
 
 __all__ = [
@@ -22,6 +28,7 @@ __all__ = [
     "Keys",
     "Process",
     "Processes",
+    "ProjectSnapshots",
     "Projects",
     "Sandbox",
     "SandboxPage",

@@ -23,7 +23,7 @@ import httpx
 
 from space.sdk._sync.admin import Credentials, Keys, Projects
 from space.sdk._sync.http import SyncHTTP
-from space.sdk._sync.sandboxes import Sandboxes
+from space.sdk._sync.sandboxes import ProjectSnapshots, Sandboxes
 from space.sdk._sync.templates import Templates
 from space.sdk.config import resolve_config
 
@@ -63,6 +63,8 @@ class Space:
         self.keys = Keys(self._http)
         self.credentials = Credentials(self._http)
         self.templates = Templates(self._http)
+        #: The project's full snapshots by id or name (`sandbox.snapshots` are one sandbox's).
+        self.snapshots = ProjectSnapshots(self._http)
 
     def health(self) -> dict[str, Any]:
         """GET /healthz (unauthenticated)."""

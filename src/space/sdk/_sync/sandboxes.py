@@ -41,7 +41,7 @@ from space.sdk.models import (
     snapshot_id,
 )
 
-__all__ = ["Sandbox", "SandboxPage", "Sandboxes", "Snapshots"]
+__all__ = ["ProjectSnapshots", "Sandbox", "SandboxPage", "Sandboxes", "Snapshots"]
 
 
 class Sandboxes:
@@ -437,3 +437,24 @@ class Snapshots:
     def list(self) -> builtins.list[Snapshot]:
         answer = self._http.json("GET", f"{self._sandbox.path}/snapshots")
         return [Snapshot(item) for item in answer.get("snapshots", [])]
+
+
+class ProjectSnapshots:
+    """The project's full snapshots, by id or name, whatever sandbox took them: a named one outlives its
+    sandbox (ADR 0060), so this is how it is listed and deleted after its sandbox is gone."""
+
+    def __init__(self, http: SyncHTTP) -> None:
+        self._http = http
+
+    def list(
+        self, *, name: str | None = None, after: str | None = None, limit: int | None = None
+    ) -> builtins.list[Snapshot]:
+        """Ready full snapshots, oldest first; `name`: those of that name (or the one of that id)."""
+        params = {k: v for k, v in {"name": name, "after": after, "limit": limit}.items() if v is not None}
+        answer = self._http.json("GET", "/v1/snapshots", params=params)
+        return [Snapshot(item) for item in answer.get("snapshots", [])]
+
+    def delete(self, ref: str) -> builtins.list[str]:
+        """Delete the snapshot of that id, or every snapshot of that name (NotFound: none); their ids."""
+        answer = self._http.json("DELETE", f"/v1/snapshots/{seg(ref)}")
+        return [str(item) for item in answer.get("deleted", [])]

@@ -1,0 +1,97 @@
+"""Named snapshots that outlive their sandbox (docs/adr/0060-snapshots-outlive-their-sandbox.md): kept in
+object storage when their sandbox is deleted, and restored from there into a sandbox created from them.
+
+Invariants:
+- Kept are the sandbox's READY, NAMED, FULL snapshots, and only when this control plane has an object
+  store; every other snapshot goes with its sandbox (as before). A kept snapshot has a verified copy in
+  object storage (`restorable`, its manifest read back) before the node's copy of the sandbox is deleted:
+  the deleting step uploads the ones that have none (prefix and wrapped data key recorded on the row
+  BEFORE the node call, so a re-run after a crash uploads to the same place with the same key; the node's
+  upload is idempotent by prefix). Then the row lives on with no node (Store.delete_snapshots_of(keep=)).
+- A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, or
+  that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that is merely not ready
+  or an upload that failed transiently makes the deleting step retry with back-off: a named snapshot is
+  never dropped because of a hiccup.
+- A sandbox from a snapshot whose only copy is in object storage (its sandbox deleted, or suspended) is
+  restored on a node the scheduler chooses among those whose runtime can restore it (restore_targets),
+  like a suspended sandbox: node and incarnation recorded before the call, the incarnation announced,
+  the restore idempotent by sandbox id. A snapshot deleted meanwhile (row gone or `deleting`, artifact
+  missing) is a permanent failure of the create (InvalidState): never a retry loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from space.controlplane.reconciler.context import log, snapshot_prefix
+from space.controlplane.reconciler.suspension import SuspensionSteps
+from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.core import errors
+from space.core.lifecycle import Event
+
+
+def keepable(snap: SnapshotRecord) -> bool:
+    """Whether `snap` outlives its sandbox (when an object store is configured)."""
+    return snap.state == "ready" and snap.kind == "full" and snap.name is not None
+
+
+def kept(snap: SnapshotRecord) -> bool:
+    """Whether `snap` lives in object storage only, verified (its sandbox deleted or moved away)."""
+    return snap.state == "ready" and snap.node_id is None and snap.restorable and snap.prefix is not None
+
+
+class KeptSnapshotSteps(SuspensionSteps):
+    async def _keep_named(self, sb: SandboxRecord) -> dict[str, str]:
+        """Upload the named full snapshots of `sb` (being deleted) that have no verified object-storage copy,
+        while its node copy still exists; returns {snapshot id: prefix} of those kept."""
+        if self.objects is None or self.store_url is None:
+            return {}
+        kept_ones: dict[str, str] = {}
+        for snap in await asyncio.to_thread(self.store.list_snapshots, sb.id):
+            if not keepable(snap):
+                continue
+            done = snap if snap.restorable and snap.prefix else await self._upload_to_keep(sb, snap)
+            if done is not None and done.prefix is not None:
+                kept_ones[done.id] = done.prefix
+        return kept_ones
+
+    async def _upload_to_keep(self, sb: SandboxRecord, snap: SnapshotRecord) -> SnapshotRecord | None:
+        """The snapshot uploaded and verified, or None when it cannot be kept (see the invariants)."""
+        node_id = snap.node_id or sb.node_id
+        if node_id is None or await self.node_gone(node_id):
+            log.warning("sandbox %s: named snapshot %s is not kept: its node is gone", sb.id, snap.id)
+            return None
+        if not await self.node_ready(node_id):
+            raise errors.Unavailable(f"node {node_id} is not ready to upload snapshot {snap.id}")
+        _objects, store_url = self.object_store()
+        if snap.prefix is None:
+            key = await self.data_key(sb, None)
+            snap = await asyncio.to_thread(
+                self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
+                data_key_id=key.key_id if key else None,
+                wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
+            )  # fmt: skip
+        else:
+            key = await self.data_key(sb, snap)
+        assert snap.prefix is not None
+        try:
+            await self.nodes.client(node_id).upload_snapshot(
+                sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key
+            )
+            return await self.verify_uploaded(snap.id, snap.prefix)
+        except (errors.NotFound, errors.InvalidState, errors.Conflict) as exc:
+            # The node no longer holds it (a crash after the node copy went), or the user deleted the
+            # snapshot meanwhile (Conflict from marking a `deleting` row ready): it goes with the sandbox.
+            log.warning("sandbox %s: named snapshot %s is not kept: %s", sb.id, snap.id, exc.message)
+            return None
+
+    async def _child_from_store(self, sb: SandboxRecord, snap: SnapshotRecord) -> SandboxRecord:
+        """Restore the new sandbox `sb` (creating) from the kept snapshot `snap` on a chosen node."""
+        sb = await self._place(sb)
+        try:
+            await self._restore_on_node(sb, snap)
+        except errors.NotFound as exc:  # the artifact went (the snapshot deleted meanwhile): never retried
+            raise errors.InvalidState(f"snapshot {snap.id} is gone: {exc.message}", state="deleted") from exc
+        log.info("sandbox %s: started on %s from kept snapshot %s", sb.id, sb.node_id, snap.id)
+        return await self._transition(sb, Event.CREATED)
