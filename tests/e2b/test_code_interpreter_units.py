@@ -147,3 +147,39 @@ def test_the_bridge_stops_showing_a_flood_at_its_budget() -> None:
     shown = [e for _ in range(10) for e in run.admit({"type": "stdout", "text": "x" * 50, "timestamp": 1})]
     assert [e["type"] for e in shown] == ["stdout", "stdout", "error"]
     assert shown[-1]["name"] == "OutputLimitExceeded" and run.flooded and run.interrupted_at is not None
+
+
+class _OutStream:
+    """ipykernel's OutStream as `bound_streams` sees it: write buffers, flush sends what is buffered."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.sent: list[str] = []
+
+    def write(self, string: str) -> int:
+        if not isinstance(string, str):
+            raise TypeError(f"write() argument must be str, not {type(string)}")
+        self.buffer += string
+        return len(string)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.sent.append(self.buffer)
+            self.buffer = ""
+
+
+def test_kernel_streams_send_a_flood_in_bounded_pieces() -> None:
+    kb.bound_streams(_OutStream)
+    kb.bound_streams(_OutStream)  # idempotent: not wrapped twice
+    out = _OutStream()
+    big = "y" * (5 * kb.STREAM_CHUNK + 7)
+    assert out.write("a" * 10) == 10 and out.sent == []  # small output waits for ipykernel's timed flush
+    assert out.write(big) == len(big)  # one huge write goes out in pieces, the first topping up the buffer
+    for _ in range(200):
+        print("x" * 1000, file=out)
+    assert out.sent and all(len(message) <= kb.STREAM_CHUNK for message in out.sent)
+    assert len(out.buffer) < kb.STREAM_CHUNK
+    assert "".join(out.sent) + out.buffer == "a" * 10 + big + ("x" * 1000 + "\n") * 200  # nothing lost
+    assert out.write("") == 0
+    with pytest.raises(TypeError):
+        out.write(b"bytes")  # type: ignore[arg-type]
