@@ -1,6 +1,7 @@
 """E2B gaps closed in round 2 of issue 13, through E2B's own SDK against a real installation (runsc):
 RENAME and CHMOD watch events, a process's envs and cwd in `commands.list()`, a named snapshot used as a
-template, and `auto_resume` (a paused sandbox is brought back by its next use)."""
+template (also after its sandbox was killed: ADR 0060), and `auto_resume` (a paused sandbox is brought
+back by its next use)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,36 @@ def test_named_snapshot_is_a_template(sbx: Sandbox, real_cluster: RealCluster) -
         child.kill()
         sbx.commands.kill(sleeper.pid)
     assert Sandbox.delete_snapshot(name, **_opts(real_cluster)) is True
+    assert Sandbox.list_snapshots(name=name, **_opts(real_cluster)).next_items() == []
+
+
+def test_a_named_snapshot_outlives_its_killed_sandbox(real_cluster: RealCluster) -> None:  # noqa: F811
+    """E2B's semantics (ADR 0060): snapshot with a name, kill the sandbox, create from the name: the new
+    sandbox (restored from object storage, its source gone) has the file written before the snapshot."""
+    name = f"outlives-{secrets.token_hex(4)}"
+    source = Sandbox.create(**_opts(real_cluster))
+    try:
+        source.files.write("/tmp/outlives.txt", "written before the snapshot")
+        source.create_snapshot(name=name)
+    finally:
+        source.kill()
+    child = Sandbox.create(name, **_opts(real_cluster))  # waits for the kill, which keeps the snapshot
+    try:
+        assert child.files.read("/tmp/outlives.txt") == "written before the snapshot"
+        with httpx.Client(
+            base_url=real_cluster.url, headers={"Authorization": f"Bearer {real_cluster.api_key}"}
+        ) as h:
+            kept = h.get("/v1/snapshots", params={"name": name}).json()["snapshots"]
+            assert [(s["sandbox_id"], s["locations"]) for s in kept] == [(source.sandbox_id, ["objectstore"])]
+            made = h.get(f"/v1/sandboxes/{child.sandbox_id}").json()
+            assert made["forked_from"] == source.sandbox_id and made["state"] == "running"
+            assert h.get(f"/v1/sandboxes/{source.sandbox_id}").status_code == 404  # deleted
+        assert [s.names for s in Sandbox.list_snapshots(name=name, **_opts(real_cluster)).next_items()] == [
+            [name]
+        ]
+    finally:
+        child.kill()
+        assert Sandbox.delete_snapshot(name, **_opts(real_cluster)) is True
     assert Sandbox.list_snapshots(name=name, **_opts(real_cluster)).next_items() == []
 
 
