@@ -8,7 +8,8 @@ STAMP_DIR=${SPACE_SETUP_STAMPS:-/var/lib/space-setup}
 mkdir -p "$STAMP_DIR"
 
 APT_PACKAGES=(btrfs-progs iproute2 nftables debootstrap util-linux procps psmisc ca-certificates
-              python3 python3-venv cpio busybox-static postgresql)
+              python3 python3-venv cpio busybox-static postgresql
+              chromium)  # chromium: the web console's end-to-end test drives it (ADR 0061)
 
 need_apt=0
 for pkg in "${APT_PACKAGES[@]}"; do

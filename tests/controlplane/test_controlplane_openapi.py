@@ -25,6 +25,7 @@ UNTYPED_ANSWERS = {
     ("get", "/v1/sandboxes/{sandbox_id}/processes/{process_id}/output"): "NDJSON events",
     ("get", "/v1/templates/{template}/logs"): "NDJSON log lines, then the template",
     ("post", "/v1/sandboxes/{sandbox_id}/code"): "NDJSON events of the execution",
+    ("get", "/v1/sandbox-updates"): "Server-Sent Events (the console's live list)",
 }
 #: A table row of docs/api.md that names routes: | METHOD[ / METHOD] | /v1/path[?query][, /v1/path] | ...
 DOC_ROW = re.compile(r"^\|\s*([A-Z][A-Z /]*?)\s*\|\s*(/v1/[^|]*?)\s*\|")

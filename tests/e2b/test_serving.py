@@ -77,6 +77,7 @@ def test_space_up_announces_the_e2b_urls(
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "SPACE_URL=http://127.0.0.1:9470",
+        "SPACE_CONSOLE_URL=http://127.0.0.1:9470/console/",
         "SPACE_API_KEY=space_k",
         "E2B_API_URL=http://127.0.0.1:9471",
         "E2B_SANDBOX_URL=http://127.0.0.1:9472",

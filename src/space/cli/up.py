@@ -1,12 +1,12 @@
 """`space up` / `space down`: the whole installation on this machine, in the foreground or detached.
 
-`space up` prints `SPACE_URL=…` and `SPACE_API_KEY=…` lines (and `E2B_API_URL=…`, `E2B_SANDBOX_URL=…` for
-the E2B front it serves by default, docs/e2b.md) and writes the CLI config file, so every other
-command works right after it with nothing exported. The key goes to the terminal of whoever ran `space up`
-only: the detached supervisor, whose output is `space.log`, never prints it (ADR 0022), and every file
-`space up` creates is owner-only (umask 077). `space down` stops what `space up` started (sandboxes
-stay on disk and are adopted by the next `space up`); `space down --purge` removes everything, also when
-SPACE is not running (a helper is started just for that).
+`space up` prints `SPACE_URL=…`, `SPACE_CONSOLE_URL=…` (the web console, ADR 0061) and `SPACE_API_KEY=…` lines
+(and `E2B_API_URL=…`, `E2B_SANDBOX_URL=…` for the E2B front it serves by default, docs/e2b.md) and writes the
+CLI config file, so every other command works right after it with nothing exported. The key goes to the
+terminal of whoever ran `space up` only: the detached supervisor, whose output is `space.log`, never prints it
+(ADR 0022), and every file `space up` creates is owner-only (umask 077). `space down` stops what `space up`
+started (sandboxes stay on disk and are adopted by the next `space up`); `space down --purge` removes
+everything, also when SPACE is not running (a helper is started just for that).
 
 The process that runs `space up` (in the foreground, or the detached `--supervisor`) supervises what it
 started (ADR 0037, space.controlplane.supervisor): a component that dies is started again with back-off,
@@ -65,6 +65,7 @@ def _local_cluster(data_dir: pathlib.Path, **options: Any) -> LocalCluster:
 def _announce(cluster: LocalCluster) -> None:
     config = write_config_file(cluster.url, cluster.api_key)
     typer.echo(f"SPACE_URL={cluster.url}")
+    typer.echo(f"SPACE_CONSOLE_URL={cluster.url}/console/")  # sign in there with the key below (ADR 0061)
     typer.echo(f"SPACE_API_KEY={cluster.api_key}")
     if cluster.e2b_api_url and cluster.e2b_sandbox_url:  # E2B's SDK: E2B_API_KEY is the same key
         typer.echo(f"E2B_API_URL={cluster.e2b_api_url}")
@@ -126,6 +127,7 @@ def _supervise(
         _announce(cluster)
     else:
         typer.echo(f"SPACE ready at {cluster.url} (the admin key is in {data_dir / 'admin.key'})")
+        typer.echo(f"SPACE console at {cluster.url}/console/")
     sys.stdout.flush()
     try:
         while not stop.wait(TICK_S):

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Header, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from space.controlplane import console
 from space.controlplane.api import (
     byok,
     code,
@@ -34,6 +35,7 @@ from space.controlplane.api import (
     jobs,
     limits,
     node_routes,
+    overview,
     projects,
     sandbox_metrics,
     sandboxes,
@@ -110,6 +112,8 @@ def create_app(
     app.include_router(sandbox_metrics.router, prefix="/v1")  # ADR 0053
     app.include_router(templates.router, prefix="/v1")  # ADR 0055
     app.include_router(code.router, prefix="/v1")  # run_code in the sandbox's kernel (ADR 0058)
+    app.include_router(overview.router, prefix="/v1")  # whoami, sandbox updates, nodes (ADR 0061)
+    console.mount(app)  # the web console's static files at /console/ (ADR 0061)
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):
         app.include_router(router)

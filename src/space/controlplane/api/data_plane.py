@@ -23,9 +23,11 @@ from starlette.datastructures import QueryParams
 
 from space.controlplane.api.bodies import PtyParameters
 from space.controlplane.api.deps import (
+    PTY_PROTOCOL,
     Auth,
     Svc,
     authenticate,
+    authorization_of,
     node_of,
     relay,
     running_sandbox,
@@ -266,7 +268,9 @@ async def pty(websocket: WebSocket, sandbox_id: str) -> None:
     services = services_of(websocket)
     try:
         who = await authenticate(
-            services, websocket.headers.get("authorization"), websocket.headers.get("x-space-project")
+            services,
+            authorization_of(websocket.headers, websocket=True),
+            websocket.headers.get("x-space-project"),
         )
         who.require("member")
         parse_sandbox_id(sandbox_id, field="sandbox_id")
@@ -276,7 +280,9 @@ async def pty(websocket: WebSocket, sandbox_id: str) -> None:
         # Refused before the handshake completes: the client sees the real status and error body.
         await websocket.send_denial_response(rest_errors.error_response(exc))
         return
-    await websocket.accept()
+    # A browser that sent its key as a subprotocol is answered with the PTY's own (ADR 0061).
+    chosen = PTY_PROTOCOL if PTY_PROTOCOL in websocket.scope.get("subprotocols", []) else None
+    await websocket.accept(subprotocol=chosen)
     node = services.nodes.client(node_of(sb))
     async with node.pty(sb.id, rows=terminal.rows, cols=terminal.cols, cmd=terminal.cmd) as upstream:
         await _pump(websocket, upstream)

@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -106,6 +106,30 @@ Svc = Annotated[Services, Depends(_services_dependency)]
 
 
 # -- authentication ------------------------------------------------------------------------------------------
+#: A browser cannot set headers on a WebSocket, and a key never goes in a URL: a WebSocket may carry its key
+#: as the subprotocol `space-key.<the key in unpadded base64url>` offered beside PTY_PROTOCOL, which the
+#: server then picks (never the key's) (docs/adr/0061-web-console.md).
+KEY_PROTOCOL_PREFIX = "space-key."
+PTY_PROTOCOL = "space-pty"
+
+
+def authorization_of(headers: Mapping[str, str], *, websocket: bool) -> str | None:
+    """The request's `Authorization` value; for a WebSocket without one, `Bearer <key>` from a key
+    subprotocol (a malformed one counts as none: 401)."""
+    authorization = headers.get("authorization")
+    if authorization or not websocket:
+        return authorization
+    for offered in headers.get("sec-websocket-protocol", "").split(","):
+        if offered.strip().startswith(KEY_PROTOCOL_PREFIX):
+            encoded = offered.strip().removeprefix(KEY_PROTOCOL_PREFIX)
+            try:
+                key = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return f"Bearer {key}"
+    return None
+
+
 async def authenticate_key(services: Services, authorization: str | None) -> ApiKeyRecord:
     """The API key of an `Authorization: Bearer <key>` header (Unauthenticated: none, unknown, revoked)."""
     if not authorization or not authorization.startswith("Bearer "):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from space.controlplane.api.deps import Services, authenticate
+from space.controlplane.api.deps import Services, authenticate, authorization_of
 from space.controlplane.node_pools import traffic_owner
 from space.controlplane.settings import ControlPlaneSettings, default_of
 from space.core import errors
@@ -75,6 +75,7 @@ _LONG_LIVED = [
     ("GET", re.compile(rf"{_SANDBOX}/files")),
     ("PUT", re.compile(rf"{_SANDBOX}/files")),
     ("GET", re.compile(rf"{_SANDBOX}/files/watch")),
+    ("GET", re.compile(r"/v1/sandbox-updates")),  # the console's live list (ADR 0061)
     ("WEBSOCKET", re.compile(rf"{_SANDBOX}/pty")),
     ("GET", re.compile(r"/v1/templates/[^/]+/logs")),  # a build log followed to its end (ADR 0055)
     ("PUT", re.compile(r"/v1/templates/[^/]+/source")),
@@ -270,7 +271,9 @@ class RequestLimits:
         if is_public(path):
             try:
                 who = await authenticate(
-                    self.services, headers.get("authorization"), headers.get("x-space-project")
+                    self.services,
+                    authorization_of(headers, websocket=method == "WEBSOCKET"),
+                    headers.get("x-space-project"),
                 )
             except errors.SpaceError as exc:
                 await self._refuse(scope, receive, send, exc)

@@ -49,6 +49,9 @@ class Sandbox(_View):
     error: str | None
     error_code: str | None = Field(description="The typed code of `error` (see the error table).")
     forked_from: str | None
+    fork_snapshot_id: str | None = Field(
+        default=None, description="The snapshot of `forked_from` it started from (a fork, or from_snapshot)."
+    )
     notice: str | None = Field(description="What happened to the sandbox that its user should know.")
     crash_count: int
     recovered_at: str | None
@@ -97,6 +100,7 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "error": sb.error,
         "error_code": sb.error_code,
         "forked_from": sb.forked_from,
+        "fork_snapshot_id": sb.fork_snapshot_id,
         # Issue 4: what happened to the sandbox that the user should be able to see.
         "notice": sb.notice,
         "crash_count": sb.crash_count,
