@@ -173,3 +173,19 @@ def test_a_snapshot_of_a_live_sandbox_still_forks_on_its_node(world: World) -> N
     assert sb.node_id is not None and "upload_snapshot" not in world.api[sb.node_id].calls
     with pytest.raises(errors.NotFound):
         read_manifest(world.objects, f"sandboxes/{sb.project_id}/{sb.id}/{snap.id}")
+
+
+def test_a_suspend_keeps_named_snapshots_too(world: World) -> None:
+    """A suspend frees the node (and the checkpoints there): its named snapshots are uploaded first, and a
+    sandbox from one is then restored from object storage (the source's node no longer has it)."""
+    sb = world.running_sandbox({"a.txt": b"A"})
+    named = _snapshot(world, sb, name="golden")
+    plain = _snapshot(world, sb)
+    world.store.set_desired(sb.id, State.SUSPENDED)
+    assert world.run(sb.id).state == State.SUSPENDED
+    kept = world.store.get_snapshot(named.id)
+    assert kept is not None and kept.state == "ready" and kept.restorable and kept.node_id is None
+    assert world.store.get_snapshot(plain.id).state == "deleting"  # type: ignore[union-attr]
+    child = world.run(_child(world, sb, kept).id)
+    assert child.state == State.RUNNING and child.node_id is not None
+    assert world.api[child.node_id].sandboxes[child.id]["files"] == {"a.txt": b"A"}

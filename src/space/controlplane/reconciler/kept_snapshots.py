@@ -8,6 +8,9 @@ Invariants:
   the deleting step uploads the ones that have none (prefix and wrapped data key recorded on the row
   BEFORE the node call, so a re-run after a crash uploads to the same place with the same key; the node's
   upload is idempotent by prefix). Then the row lives on with no node (Store.delete_snapshots_of(keep=)).
+- A suspend keeps them the same way: its node copy (and the checkpoints it holds) goes too, so the named
+  snapshots are uploaded after the suspend's own artifact is verified and before the sandbox is marked
+  suspended (Store.forget_node_snapshots then keeps every verified one).
 - A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, or
   that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that is merely not ready
   or an upload that failed transiently makes the deleting step retry with back-off: a named snapshot is
@@ -43,8 +46,8 @@ def kept(snap: SnapshotRecord) -> bool:
 
 class KeptSnapshotSteps(SuspensionSteps):
     async def _keep_named(self, sb: SandboxRecord) -> dict[str, str]:
-        """Upload the named full snapshots of `sb` (being deleted) that have no verified object-storage copy,
-        while its node copy still exists; returns {snapshot id: prefix} of those kept."""
+        """Upload the named full snapshots of `sb` (being deleted or suspended) that have no verified
+        object-storage copy, while its node copy still exists; returns {snapshot id: prefix} of those kept."""
         if self.objects is None or self.store_url is None:
             return {}
         kept_ones: dict[str, str] = {}
@@ -55,6 +58,11 @@ class KeptSnapshotSteps(SuspensionSteps):
             if done is not None and done.prefix is not None:
                 kept_ones[done.id] = done.prefix
         return kept_ones
+
+    async def _mark_suspended(self, sb: SandboxRecord, snapshot_id: str) -> SandboxRecord:
+        """A suspend's node copy goes: its named snapshots are kept in object storage first."""
+        await self._keep_named(sb)
+        return await super()._mark_suspended(sb, snapshot_id)
 
     async def _upload_to_keep(self, sb: SandboxRecord, snap: SnapshotRecord) -> SnapshotRecord | None:
         """The snapshot uploaded and verified, or None when it cannot be kept (see the invariants)."""
