@@ -22,8 +22,9 @@ check: setup
 	$(PY) scripts/check_docs.py
 	$(PY) scripts/gen_sync_sdk.py --check
 
+# Two pytest sessions side by side: the root tests and the rest (scripts/run_tests.py says why).
 test: check
-	$(PY) -m pytest tests -q --durations=40
+	$(PY) scripts/run_tests.py
 
 # The fast tests: every test that needs no root (tests/conftest.py refuses a root-needing test without the mark).
 test-unit: setup
