@@ -4,8 +4,9 @@ of a snapshot by its id or by its name, which SPACE's API and the E2B front shar
 Invariants:
 - A snapshot is named by its id (`snap-...`) or by a name it was given (`POST /v1/sandboxes/{id}/snapshots
   {"full": true, "name"}`); a name means the newest ready full snapshot of that name in the caller's
-  project. Only the caller's project's ready full snapshots of live sandboxes are found: another tenant's id
-  or name, a disk snapshot, a snapshot still being taken or being deleted are the same 404 as a missing one.
+  project. Only the caller's project's ready full snapshots of live sandboxes (and kept ones, below) are
+  found: another tenant's id or name, a disk snapshot, a snapshot still being taken or being deleted are
+  the same 404 as a missing one.
 - The new sandbox starts from the checkpoint like a fork child (SPACE's fork: a record with `forked_from`
   and `fork_snapshot_id` that the reconciler brings up on the source's node), in the caller's project,
   with the source's template, limits, idle timeout and egress policy; its env is the source's overlaid with
