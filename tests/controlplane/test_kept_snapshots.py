@@ -136,16 +136,17 @@ def test_a_snapshot_whose_node_is_gone_goes_with_its_sandbox(world: World) -> No
     assert world.store.get_snapshot(named.id) is None and world.objects_of(sb) == []
 
 
-def test_a_node_not_ready_makes_the_deletion_wait_not_drop(world: World) -> None:
+def test_a_failed_upload_makes_the_deletion_retry_not_drop(world: World) -> None:
     sb = world.running_sandbox()
     named = _snapshot(world, sb, name="golden")
     assert sb.node_id is not None
-    world.store.set_node_status(sb.node_id, "draining")
+    world.store.set_node_status(sb.node_id, "draining")  # not gone: still asked
+    world.api[sb.node_id].fail["upload_snapshot"] = errors.Unavailable("the node does not answer")
     world.store.set_desired(sb.id, State.DELETED)
-    waiting = world.run(sb.id, rounds=2)
+    waiting = world.run(sb.id, rounds=1)
     assert waiting.state == State.DELETING and not waiting.error_permanent
     assert world.store.get_snapshot(named.id).state == "ready"  # type: ignore[union-attr]
-    world.store.set_node_status(sb.node_id, "ready")
+    assert sb.id in world.api[sb.node_id].sandboxes  # the node copy waits for the upload
     assert world.run(sb.id).state == State.DELETED
     kept = world.store.get_snapshot(named.id)
     assert kept is not None and kept.restorable and kept.node_id is None

@@ -12,9 +12,9 @@ Invariants:
   snapshots are uploaded after the suspend's own artifact is verified and before the sandbox is marked
   suspended (Store.forget_node_snapshots then keeps every verified one).
 - A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, or
-  that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that is merely not ready
-  or an upload that failed transiently makes the deleting step retry with back-off: a named snapshot is
-  never dropped because of a hiccup.
+  that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that does not answer
+  (yet) or an upload that failed transiently makes the step retry with back-off: a named snapshot is never
+  dropped because of a hiccup.
 - A sandbox from a snapshot whose only copy is in object storage (its sandbox deleted, or suspended) is
   restored on a node the scheduler chooses among those whose runtime can restore it (restore_targets),
   like a suspended sandbox: node and incarnation recorded before the call, the incarnation announced,
@@ -70,8 +70,8 @@ class KeptSnapshotSteps(SuspensionSteps):
         if node_id is None or await self.node_gone(node_id):
             log.warning("sandbox %s: named snapshot %s is not kept: its node is gone", sb.id, snap.id)
             return None
-        if not await self.node_ready(node_id):
-            raise errors.Unavailable(f"node {node_id} is not ready to upload snapshot {snap.id}")
+        # A node that is not gone (ready, or draining) is asked; one that does not answer makes the step
+        # retry until it answers or the lost-node detector says it is gone.
         _objects, store_url = self.object_store()
         if snap.prefix is None:
             key = await self.data_key(sb, None)
