@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from space.controlplane.reconciler.kept_snapshots import KEEP_ATTEMPTS
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.lifecycle import State
@@ -190,3 +191,20 @@ def test_a_suspend_keeps_named_snapshots_too(world: World) -> None:
     child = world.run(_child(world, sb, kept).id)
     assert child.state == State.RUNNING and child.node_id is not None
     assert world.api[child.node_id].sandboxes[child.id]["files"] == {"a.txt": b"A"}
+
+
+def test_an_upload_that_keeps_failing_is_given_up_and_the_deletion_finishes(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sb = world.running_sandbox()
+    named = _snapshot(world, sb, name="golden")
+    assert sb.node_id is not None
+
+    async def refused(*_args: object, **_kw: object) -> None:
+        raise errors.StorageExhausted("no room to stage the export")
+
+    monkeypatch.setattr(world.api[sb.node_id], "upload_snapshot", refused)
+    world.store.set_desired(sb.id, State.DELETED)
+    assert world.run(sb.id, rounds=KEEP_ATTEMPTS // 2).state == State.DELETING  # still trying
+    assert world.run(sb.id, rounds=KEEP_ATTEMPTS).state == State.DELETED
+    assert world.store.get_snapshot(named.id).state == "deleting"  # type: ignore[union-attr]

@@ -13,8 +13,9 @@ Invariants:
   suspended (Store.forget_node_snapshots then keeps every verified one).
 - A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, or
   that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that does not answer
-  (yet) or an upload that failed transiently makes the step retry with back-off: a named snapshot is never
-  dropped because of a hiccup.
+  (yet) or an upload that failed otherwise makes the step retry with back-off: a named snapshot is never
+  dropped because of a hiccup. After KEEP_ATTEMPTS failed attempts of the step (several minutes of
+  back-off) it is given up (logged, and it goes with its sandbox): a deletion is never blocked for good.
 - A sandbox from a snapshot whose only copy is in object storage (its sandbox deleted, or suspended) is
   restored on a node the scheduler chooses among those whose runtime can restore it (restore_targets),
   like a suspended sandbox: node and incarnation recorded before the call, the incarnation announced,
@@ -32,6 +33,10 @@ from space.controlplane.reconciler.suspension import SuspensionSteps
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
 from space.core.lifecycle import Event
+
+#: Failed attempts of a deleting or suspending step after which a named snapshot that could not be uploaded
+#: is given up (the back-off grows to plan.MAX_BACKOFF_S: about 7 minutes in all).
+KEEP_ATTEMPTS = 20
 
 
 def keepable(snap: SnapshotRecord) -> bool:
@@ -92,6 +97,14 @@ class KeptSnapshotSteps(SuspensionSteps):
             # The node no longer holds it (a crash after the node copy went), or the user deleted the
             # snapshot meanwhile (Conflict from marking a `deleting` row ready): it goes with the sandbox.
             log.warning("sandbox %s: named snapshot %s is not kept: %s", sb.id, snap.id, exc.message)
+            return None
+        except errors.SpaceError as exc:
+            if sb.attempts < KEEP_ATTEMPTS:
+                raise
+            log.warning(
+                "sandbox %s: named snapshot %s is not kept after %d attempts: %s",
+                sb.id, snap.id, sb.attempts, exc.message,
+            )  # fmt: skip
             return None
 
     async def _child_from_store(self, sb: SandboxRecord, snap: SnapshotRecord) -> SandboxRecord:
