@@ -26,6 +26,12 @@ function append(el, children) {
   }
 }
 
+// A form control with its visible label (the label holds only its text, so the control's accessible name
+// is exactly that text).
+export function field(text, control) {
+  return h("div", { class: "field" }, h("label", { for: control.id }, text), control);
+}
+
 export function replace(el, ...children) {
   el.replaceChildren();
   append(el, children);

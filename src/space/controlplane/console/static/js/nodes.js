@@ -1,8 +1,27 @@
 import { api } from "./api.js";
-import { h, replace, when } from "./dom.js";
+import { bytes, h, replace, when } from "./dom.js";
 
-function pairs(obj) {
-  return Object.entries(obj || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "–";
+const MIB = 1024 * 1024;
+
+// Capacity and use as people read them; keys this console does not know are shown as they are.
+function amounts(obj) {
+  const known = {
+    cpus: (v) => `${v} CPU${v === 1 ? "" : "s"}`,
+    memory_mb: (v) => `${bytes(v * MIB)} memory`,
+    disk_mb: (v) => `${bytes(v * MIB)} disk`,
+    disk_free_mb: (v) => `${bytes(v * MIB)} free`,
+    disk_reserve_mb: (v) => `${bytes(v * MIB)} reserved`,
+    sandboxes: (v) => `${v} sandbox${v === 1 ? "" : "es"}`,
+  };
+  const parts = Object.entries(obj || {}).filter(([, v]) => v !== null && v !== undefined)
+    .map(([k, v]) => (known[k] ? known[k](v) : `${k}: ${v}`));
+  return parts.length ? parts.map((p) => h("div", {}, p)) : "–";
+}
+
+function pools(obj) {
+  if (obj === null || obj === undefined) return "not reported";
+  const ready = Object.entries(obj).map(([t, n]) => `${t}: ${n} ready`);
+  return ready.length ? ready.map((p) => h("div", {}, p)) : "none ready";
 }
 
 export function nodesPage(main) {
@@ -15,9 +34,9 @@ export function nodesPage(main) {
       h("tbody", {}, nodes.length ? nodes.map((n) => h("tr", {},
         h("td", { class: "mono", "data-label": "Node" }, n.id),
         h("td", { "data-label": "Status" }, h("span", { class: `badge ${n.status === "ready" ? "running" : "failed"}` }, n.status)),
-        h("td", { "data-label": "Capacity" }, pairs(n.capacity)),
-        h("td", { "data-label": "Used" }, pairs(n.used)),
-        h("td", { "data-label": "Warm pools" }, n.pools === null ? "not reported" : pairs(n.pools)),
+        h("td", { "data-label": "Capacity" }, amounts(n.capacity)),
+        h("td", { "data-label": "Used" }, amounts(n.used)),
+        h("td", { "data-label": "Warm pools" }, pools(n.pools)),
         h("td", { "data-label": "Templates" }, n.templates.join(", ") || "–"),
         h("td", { "data-label": "Last heartbeat" }, when(n.last_heartbeat_at))))
         : h("tr", {}, h("td", { colspan: 7, class: "empty" }, "No nodes registered.")))));

@@ -1,6 +1,6 @@
 // The sandboxes page: the project's sandboxes, live, with filters, actions and a create dialog.
 import { api, session } from "./api.js";
-import { h, replace, say, when, confirmAction } from "./dom.js";
+import { field, h, replace, say, when, confirmAction } from "./dom.js";
 import { live } from "./live.js";
 
 const STATES = ["pending", "creating", "running", "pausing", "paused", "resuming", "suspending",
@@ -24,15 +24,16 @@ export function badge(sb) {
   return h("span", { class: `badge ${cls}`, "data-state": sb.state }, text);
 }
 
+// Ask for it (confirmed first when destructive): true once the API accepted it.
 export async function act(sb, name) {
   const id = encodeURIComponent(sb.id);
   if (name === "delete" && !(await confirmAction(`Delete ${sb.id}?`,
     "The sandbox, its disk and its snapshots on the node are removed. This cannot be undone.", "Delete"))) {
-    return;
+    return false;
   }
   if (name === "suspend" && !(await confirmAction(`Suspend ${sb.id}?`,
     "Its processes stop running until it is resumed; its memory and disk go to object storage.", "Suspend"))) {
-    return;
+    return false;
   }
   try {
     if (name === "delete") {
@@ -50,7 +51,9 @@ export async function act(sb, name) {
     }
   } catch (exc) {
     say(`${name} refused: ${exc.message}`, true);
+    return false;
   }
+  return true;
 }
 
 export function actionButtons(sb, { onDone } = {}) {
@@ -61,7 +64,7 @@ export function actionButtons(sb, { onDone } = {}) {
       type: "button", class: `small${a.name === "delete" ? " danger" : ""}`, disabled,
       "data-action": a.name, "aria-label": `${a.label} ${sb.id}`,
       title: session.canAct() ? "" : "a read-only key cannot do this",
-      onclick: async () => { await act(sb, a.name); if (onDone) onDone(a.name); },
+      onclick: async () => { if ((await act(sb, a.name)) && onDone) onDone(a.name); },
     }, a.label);
   });
 }
@@ -96,8 +99,8 @@ async function createDialog() {
   const dialog = h("dialog", { "aria-labelledby": "create-title" },
     h("form", { class: "fields", method: "dialog" },
       h("h2", { id: "create-title" }, "Create a sandbox"),
-      h("label", { for: "create-template" }, "Template", select),
-      h("label", { for: "create-metadata" }, "Metadata (key=value, comma separated)", metadata),
+      field("Template", select),
+      field("Metadata (key=value, comma separated)", metadata),
       error,
       h("div", { class: "buttons" },
         h("button", { value: "cancel", formnovalidate: true }, "Cancel"),
@@ -162,9 +165,9 @@ export function sandboxesPage(main) {
   replace(main,
     h("h1", {}, "Sandboxes"),
     h("div", { class: "filters", role: "search", "aria-label": "Filter sandboxes" },
-      h("label", { for: "filter-state" }, "State", state),
-      h("label", { for: "filter-template" }, "Template", template),
-      h("label", { for: "filter-metadata" }, "Metadata", metadata),
+      field("Filter by state", state),
+      field("Filter by template", template),
+      field("Filter by metadata", metadata),
       count, h("span", { class: "spacer" }), create),
     h("table", { "aria-label": "Sandboxes" },
       h("thead", {}, h("tr", {}, ["Sandbox", "State", "Template", "Metadata", "Created", "Actions"]

@@ -1,5 +1,5 @@
 import { api, session, ApiError } from "./api.js";
-import { h, replace } from "./dom.js";
+import { field, h, replace } from "./dom.js";
 
 export function signInPage(main, done) {
   const error = h("p", { class: "error", role: "alert", id: "signin-error" });
@@ -9,10 +9,10 @@ export function signInPage(main, done) {
   const submit = h("button", { type: "submit", class: "primary" }, "Sign in");
   const form = h("form", { class: "panel signin", "aria-labelledby": "signin-title" },
     h("h1", { id: "signin-title" }, "Sign in to SPACE"),
-    h("label", { for: "api-key" }, "API key", key),
+    field("API key", key),
     h("p", { id: "key-help" },
       "The key stays in this browser tab (session storage) and is sent only to this server's API."),
-    h("label", { for: "project" }, "Project (organisation keys only)", project),
+    field("Project (organisation keys only)", project),
     submit, error);
   form.addEventListener("submit", async (event) => {
     event.preventDefault();

@@ -29,10 +29,17 @@ export function terminalSection(sandboxId) {
     socket = ptySocket(sandboxId, term.rows, term.cols);
     replace(state, "connecting…");
     socket.addEventListener("open", () => { replace(state, "connected"); term.focus(); });
-    socket.addEventListener("close", () => replace(state, "disconnected"));
+    socket.addEventListener("close", () => {
+      if (state.textContent === "connected") replace(state, "disconnected");
+    });
     socket.addEventListener("error", () => replace(state, "could not connect"));
     socket.addEventListener("message", (event) => {
-      term.write(typeof event.data === "string" ? event.data : new Uint8Array(event.data));
+      if (typeof event.data !== "string") { term.write(new Uint8Array(event.data)); return; }
+      // Text frames are the server's own messages (started, exit, warning, error), never terminal output.
+      let message = {};
+      try { message = JSON.parse(event.data); } catch (_) { return; }
+      if (message.type === "exit") replace(state, `the shell exited (${message.exit_code ?? message.signal ?? "?"})`);
+      else if (message.type === "error") replace(state, `error: ${message.error?.message ?? "unknown"}`);
     });
     term.onData((data) => { if (socket.readyState === WebSocket.OPEN) socket.send(encoder.encode(data)); });
     term.onResize(({ rows, cols }) => {

@@ -46,7 +46,7 @@ export async function drawTree(currentId) {
     const label = h("span", { class: `node sandbox${id === currentId ? " current" : ""}`, "data-sandbox": id },
       h("a", { href: `#/sandboxes/${id}`, class: "mono" }, id),
       sb ? h("span", { class: "badge" }, sb.state) : h("span", { class: "badge" }, "deleted"),
-      sb ? when(sb.created_at) : "");
+      sb ? h("span", {}, when(sb.created_at)) : "");
     const [snaps, rollbacks] = sb ? await Promise.all([snapshotsOf(id), rollbacksOf(id)]) : [[], []];
     const kids = budget > 0 ? children(id) : [];
     const items = [
@@ -58,7 +58,7 @@ export async function drawTree(currentId) {
     for (const item of items) {
       if (item.kind === "rollback") {
         list.push(h("li", {}, h("span", { class: "node rollback" }, "rolled back to ",
-          h("span", { class: "mono" }, item.e.detail.snapshot_id), when(item.at))));
+          h("span", { class: "mono" }, item.e.detail.snapshot_id), h("span", {}, when(item.at)))));
         continue;
       }
       const s = item.s;
@@ -66,7 +66,8 @@ export async function drawTree(currentId) {
       for (const kid of kids.filter((k) => k.fork_snapshot_id === s.id)) forks.push(await branch(kid.id, kid));
       list.push(h("li", { "data-snapshot": s.id },
         h("span", { class: "node" }, h("span", { class: "mono" }, s.name || s.id),
-          h("span", { class: "badge" }, s.kind), when(s.created_at), bytes(s.size_bytes)),
+          h("span", { class: "badge" }, s.kind), h("span", {}, when(s.created_at)),
+          h("span", {}, bytes(s.size_bytes))),
         forks.length ? h("ul", {}, forks) : ""));
     }
     for (const kid of kids.filter((k) => !known.has(k.fork_snapshot_id))) list.push(await branch(kid.id, kid));
