@@ -64,6 +64,11 @@ COLLECTIONS = {
     "PUT /v1/org/encryption-key",
     "POST /v1/org/encryption-key/rotate",
     "POST /v1/org/encryption-key/revoke",
+    # The web console's reads (ADR 0061): the caller's key, its project's live list (its scoping is
+    # tests/controlplane/test_console_serving.py's), the nodes (org admin keys only).
+    "GET /v1/whoami",
+    "GET /v1/sandbox-updates",
+    "GET /v1/cluster/nodes",
 }
 #: Operations on a name IN THE CALLER'S OWN SCOPE: PUT creates or replaces the attacker's own credential of
 #: that name (or is refused by role); the audit is a query by name there (an empty list for any name the
@@ -803,7 +808,8 @@ def test_the_mcp_tools_answer_for_the_other_tenants_ids_as_for_missing_ones(
 def test_lists_show_only_ones_own(fake_cluster: c.Cluster, tenants: tuple[Tenant, Tenant]) -> None:
     victim, attacker = tenants
     client = fake_cluster.http(attacker.admin_key)
-    text = json.dumps([client.get(p).json() for p in ("/v1/sandboxes", "/v1/projects", "/v1/credentials")])
+    paths = ("/v1/sandboxes", "/v1/projects", "/v1/credentials", "/v1/whoami")
+    text = json.dumps([client.get(p).json() for p in paths])
     for value in (victim.sandbox_id, victim.project.id, victim.credential, victim.snapshot_id):
         assert value not in text
 
