@@ -172,6 +172,10 @@ def test_a_named_snapshot_outlives_its_sandbox(
     assert [s.snapshot_id for s in e2b.Sandbox.list_snapshots(name="outlives").next_items()] == [
         snap.snapshot_id
     ]
+    by_source = e2b.Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()  # the killed one's
+    assert [s.snapshot_id for s in by_source] == [snap.snapshot_id]
+    them = _e2b(e2b_fake, theirs.key).get("/snapshots", params={"sandboxID": sbx.sandbox_id})
+    assert them.status_code == 200 and them.json() == []
     with mine.sdk() as sp, theirs.sdk() as other:
         kept = sp.snapshots.list(name="outlives")
         assert [s.id for s in kept] == [snap.snapshot_id] and kept[0].locations == ["objectstore"]

@@ -11,6 +11,7 @@ Invariants:
   (api/snapshot_sandboxes.py: on the source sandbox's node, or, when the source was killed, restored from
   object storage on any node: a named snapshot outlives its sandbox, as on E2B, ADR 0060); it takes the
   given metadata (else its source's), and runs under its source's egress policy.
+- A killed sandbox's id still lists the named snapshots it left (`GET /snapshots?sandboxID=`, as on E2B).
 - Only the caller's project's snapshots are seen, listed, used or deleted; any other id or name is a 404
   (or an empty list), exactly like a missing one. Deleting a name deletes every snapshot of that name (E2B
   deletes the template with all its builds).
@@ -40,9 +41,10 @@ from space.controlplane.e2b.bodies import ForkBody, NewSandbox, SnapshotBody
 from space.controlplane.e2b.errors import NotSupported
 from space.controlplane.e2b.lookups import shown_sandbox
 from space.controlplane.e2b.views import E2B_ALIASES, sandbox_answer
+from space.controlplane.reconciler.kept_snapshots import kept
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
-from space.core.ids import SNAPSHOT, parse_snapshot_id
+from space.core.ids import SNAPSHOT, parse_sandbox_id, parse_snapshot_id
 from space.node.volumes.templates import BUILTIN_TEMPLATES
 
 router = APIRouter()
@@ -117,9 +119,22 @@ async def _named_snapshots(
     try:
         sb = await shown_sandbox(services, who, sandbox_id)
     except errors.NotFound:
-        return []
+        return await _kept_of_killed(services, who, sandbox_id)
     snaps = await asyncio.to_thread(services.store.list_snapshots, sb.id)
     return [s for s in snaps if s.state == "ready" and s.kind == "full"]
+
+
+async def _kept_of_killed(services: Services, who: Principal, sandbox_id: str) -> list[SnapshotRecord]:
+    """A killed sandbox of the caller's project lists the named snapshots it left (ADR 0060); anything
+    else (another project's, a malformed id, a missing one) lists nothing."""
+    try:
+        parse_sandbox_id(sandbox_id, field="sandboxID")
+    except errors.InvalidArgument:
+        return []
+    sb = await asyncio.to_thread(services.store.get_sandbox, who.project_id, sandbox_id)
+    if sb is None:
+        return []
+    return [s for s in await asyncio.to_thread(services.store.list_snapshots, sb.id) if kept(s)]
 
 
 @router.get("/snapshots")
