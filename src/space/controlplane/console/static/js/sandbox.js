@@ -32,13 +32,12 @@ function chart(samples) {
   const mem = (s) => (s.mem_used_bytes !== null && s.mem_total_bytes ? (100 * s.mem_used_bytes) / s.mem_total_bytes : null);
   const last = samples[samples.length - 1];
   return [
-    h("svg:svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, role: "img",
+    h("svg:svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, preserveAspectRatio: "none", role: "img",
       "aria-label": `CPU ${last.cpu_used_pct ?? "–"}%, memory ${bytes(last.mem_used_bytes)} of ${bytes(last.mem_total_bytes)}` },
     h("svg:polyline", { class: "cpu", points: line((s) => s.cpu_used_pct) }),
-    h("svg:polyline", { class: "mem", points: line(mem) }),
-    h("svg:text", { x: 2, y: pad }, "100%"), h("svg:text", { x: 2, y: height - pad }, "0%")),
+    h("svg:polyline", { class: "mem", points: line(mem) })),
     h("p", { class: "legend" }, h("span", { class: "cpu" }, "■ CPU % of limit"), " ",
-      h("span", { class: "mem" }, "■ memory % of limit"),
+      h("span", { class: "mem" }, "■ memory % of limit"), " (0–100 %, oldest on the left)",
       ` · last: CPU ${last.cpu_used_pct === null ? "–" : last.cpu_used_pct.toFixed(1)}%, memory ${bytes(last.mem_used_bytes)}, disk ${bytes(last.disk_used_bytes)}`),
   ];
 }

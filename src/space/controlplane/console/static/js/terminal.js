@@ -6,7 +6,8 @@ import { ptySocket, session } from "./api.js";
 import { h, replace } from "./dom.js";
 
 export function terminalSection(sandboxId) {
-  const screen = h("div", { class: "terminal", id: "terminal", role: "region", "aria-label": "Terminal" });
+  // Shown once opened: an empty black box would look like a broken terminal.
+  const screen = h("div", { class: "terminal", id: "terminal", role: "region", "aria-label": "Terminal", hidden: true });
   const state = h("span", { class: "legend", "aria-live": "polite" }, "not connected");
   const connect = h("button", { type: "button", class: "primary", id: "terminal-connect",
     disabled: !session.canAct(), title: session.canAct() ? "" : "a read-only key cannot open a terminal" },
@@ -24,6 +25,7 @@ export function terminalSection(sandboxId) {
     const fit = new FitAddon();
     term.loadAddon(fit);
     replace(screen);
+    screen.hidden = false;
     term.open(screen);
     fit.fit();
     socket = ptySocket(sandboxId, term.rows, term.cols);

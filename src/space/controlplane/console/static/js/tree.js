@@ -73,6 +73,6 @@ export async function drawTree(currentId) {
     for (const kid of kids.filter((k) => !known.has(k.fork_snapshot_id))) list.push(await branch(kid.id, kid));
     return h("li", { class: id === rootId ? "" : "branch" }, label, list.length ? h("ul", {}, list) : "");
   }
-  return h("div", { class: "tree", role: "tree", "aria-label": "Snapshots and forks" },
+  return h("div", { class: "tree" },
     h("ul", {}, await branch(rootId, root)));
 }
