@@ -208,3 +208,14 @@ def test_an_upload_that_keeps_failing_is_given_up_and_the_deletion_finishes(
     assert world.run(sb.id, rounds=KEEP_ATTEMPTS // 2).state == State.DELETING  # still trying
     assert world.run(sb.id, rounds=KEEP_ATTEMPTS).state == State.DELETED
     assert world.store.get_snapshot(named.id).state == "deleting"  # type: ignore[union-attr]
+
+
+def test_an_upload_refused_for_good_never_fails_the_deletion(world: World) -> None:
+    sb = world.running_sandbox()
+    named = _snapshot(world, sb, name="golden")
+    assert sb.node_id is not None
+    world.api[sb.node_id].fail["upload_snapshot"] = errors.InvalidArgument("refused")
+    world.store.set_desired(sb.id, State.DELETED)
+    done = world.run(sb.id)
+    assert done.state == State.DELETED and not done.error_permanent
+    assert world.store.get_snapshot(named.id).state == "deleting"  # type: ignore[union-attr]

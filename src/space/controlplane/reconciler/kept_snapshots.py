@@ -11,8 +11,9 @@ Invariants:
 - A suspend keeps them the same way: its node copy (and the checkpoints it holds) goes too, so the named
   snapshots are uploaded after the suspend's own artifact is verified and before the sandbox is marked
   suspended (Store.forget_node_snapshots then keeps every verified one).
-- A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, or
-  that the user deleted meanwhile, is not kept (it goes with its sandbox); a node that does not answer
+- A snapshot that cannot be uploaded because its node is gone (lost, offline) or no longer holds it, that
+  the user deleted meanwhile, or whose upload fails for good (plan.PERMANENT: a revoked key, a refusal),
+  is not kept (it goes with its sandbox; a deletion never fails for it); a node that does not answer
   (yet) or an upload that failed otherwise makes the step retry with back-off: a named snapshot is never
   dropped because of a hiccup. After KEEP_ATTEMPTS failed attempts of the step (several minutes of
   back-off) it is given up (logged, and it goes with its sandbox): a deletion is never blocked for good.
@@ -29,6 +30,7 @@ import asyncio
 import base64
 
 from space.controlplane.reconciler.context import log, snapshot_prefix
+from space.controlplane.reconciler.plan import PERMANENT
 from space.controlplane.reconciler.suspension import SuspensionSteps
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.core import errors
@@ -37,6 +39,8 @@ from space.core.lifecycle import Event
 #: Failed attempts of a deleting or suspending step after which a named snapshot that could not be uploaded
 #: is given up (the back-off grows to plan.MAX_BACKOFF_S: about 7 minutes in all).
 KEEP_ATTEMPTS = 20
+#: Upload failures that retrying cannot mend: the snapshot is not kept.
+_NOT_KEPT: tuple[type[errors.SpaceError], ...] = (errors.NotFound, errors.Conflict, *PERMANENT)
 
 
 def keepable(snap: SnapshotRecord) -> bool:
@@ -78,24 +82,25 @@ class KeptSnapshotSteps(SuspensionSteps):
         # A node that is not gone (ready, or draining) is asked; one that does not answer makes the step
         # retry until it answers or the lost-node detector says it is gone.
         _objects, store_url = self.object_store()
-        if snap.prefix is None:
-            key = await self.data_key(sb, None)
-            snap = await asyncio.to_thread(
-                self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
-                data_key_id=key.key_id if key else None,
-                wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
-            )  # fmt: skip
-        else:
-            key = await self.data_key(sb, snap)
-        assert snap.prefix is not None
         try:
+            if snap.prefix is None:
+                key = await self.data_key(sb, None)
+                snap = await asyncio.to_thread(
+                    self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
+                    data_key_id=key.key_id if key else None,
+                    wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
+                )  # fmt: skip
+            else:
+                key = await self.data_key(sb, snap)
+            assert snap.prefix is not None
             await self.nodes.client(node_id).upload_snapshot(
                 sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key
             )
             return await self.verify_uploaded(snap.id, snap.prefix)
-        except (errors.NotFound, errors.InvalidState, errors.Conflict) as exc:
-            # The node no longer holds it (a crash after the node copy went), or the user deleted the
-            # snapshot meanwhile (Conflict from marking a `deleting` row ready): it goes with the sandbox.
+        except _NOT_KEPT as exc:
+            # The node no longer holds it (a crash after the node copy went), the user deleted the snapshot
+            # meanwhile (Conflict from marking a `deleting` row ready), or retrying cannot help (a revoked
+            # key, a refusal): it goes with the sandbox, whose deletion must not fail for it.
             log.warning("sandbox %s: named snapshot %s is not kept: %s", sb.id, snap.id, exc.message)
             return None
         except errors.SpaceError as exc:
