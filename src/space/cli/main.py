@@ -12,6 +12,7 @@ import typer
 
 from space.cli._common import EXIT_USAGE, state
 from space.cli.admin import bench, credential_app, key_app, project_app
+from space.cli.backup import backup_app
 from space.cli.data import exec_command, files_app
 from space.cli.mcp_server import mcp_command
 from space.cli.sandbox import sandbox_app, snapshot_app
@@ -49,6 +50,7 @@ app.add_typer(project_app, name="project")
 app.add_typer(key_app, name="key")
 app.add_typer(credential_app, name="credential")
 app.add_typer(template_app, name="template")
+app.add_typer(backup_app, name="backup")
 app.command(
     "exec",
     context_settings={"allow_interspersed_args": False},
