@@ -180,8 +180,14 @@ def test_a_member_works_with_a_sandbox(browser: Browser, tenant: Tenant) -> None
         expect(fork_point.locator(f'[data-sandbox="{child}"]')).to_be_visible()
         shot(page, "3-sandbox")
 
-        actions.get_by_role("button", name=f"Delete {sandbox_id}").click()
+        delete = actions.get_by_role("button", name=f"Delete {sandbox_id}")
+        delete.focus()  # by keyboard: Enter opens the confirmation, Escape closes it, Cancel by click too
+        page.keyboard.press("Enter")
         expect(page.locator("#confirm")).to_be_visible()
+        expect(page.locator("#confirm-cancel")).to_be_focused()
+        page.keyboard.press("Escape")
+        expect(page.locator("#confirm")).to_be_hidden()
+        delete.click()
         page.get_by_role("button", name="Cancel").click()
         with tenant.http(tenant.member) as api:
             assert api.get(f"/v1/sandboxes/{sandbox_id}").json()["desired_state"] == "running"
@@ -214,7 +220,10 @@ def test_the_operator_sees_the_nodes(browser: Browser, tenant: Tenant) -> None:
 
 def test_a_read_only_key_cannot_act(browser: Browser, tenant: Tenant) -> None:
     with tenant.http(tenant.member) as api:
-        made = api.post("/v1/sandboxes", json={"template": "python", "metadata": {"suite": "read-only"}})
+        made = api.post(
+            "/v1/sandboxes",
+            json={"template": "python", "metadata": {"suite": "read-only"}, "credentials": [CREDENTIAL]},
+        )
         assert made.status_code == 201, made.text
         sandbox_id = made.json()["id"]
     with console_page(browser, tenant, width=420) as (page, problems):  # a narrow window too
@@ -240,6 +249,12 @@ def test_a_read_only_key_cannot_act(browser: Browser, tenant: Tenant) -> None:
         page.get_by_role("link", name=sandbox_id).click()
         expect(page.get_by_role("button", name="Open terminal")).to_be_disabled()
         expect(page.locator("#files-upload")).to_be_disabled()
+        # Its bound credential: named in its egress policy, its use (the node fetching it) in the audit.
+        expect(page.locator("#egress")).to_contain_text(CREDENTIAL)
+        use = page.get_by_role("table", name="Credential use")
+        expect(use.locator("tbody tr").first).to_contain_text(CREDENTIAL, timeout=WAIT_MS)
+        assert SECRET not in page.content()
+        shot(page, "7-sandbox-read-only-narrow")
         assert only_expected(problems) == [], problems
     with tenant.http(tenant.member) as api:
         assert api.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"

@@ -6,6 +6,7 @@ import { actionButtons, badge } from "./sandboxes.js";
 import { terminalSection } from "./terminal.js";
 import { filesSection } from "./files.js";
 import { drawTree } from "./tree.js";
+import { auditTable } from "./audit.js";
 
 function facts(sb) {
   const rows = [
@@ -58,6 +59,7 @@ export function sandboxPage(main, sandboxId) {
   const tree = h("div", { id: "tree" }, "Loading…");
   const metrics = h("div", { id: "metrics" });
   const egress = h("div", { id: "egress", class: "panel" });
+  const audit = h("div", { id: "audit" });
   const terminal = terminalSection(sandboxId);
   const files = filesSection(sandboxId);
   let shown = null, timer = null;
@@ -92,12 +94,16 @@ export function sandboxPage(main, sandboxId) {
       h("section", { "aria-labelledby": "egress-title" }, h("h2", { id: "egress-title" }, "Egress policy"), egress)),
     terminal.section, files.section,
     h("section", { "aria-labelledby": "tree-title" }, h("h2", { id: "tree-title" }, "Snapshots and forks"), tree),
-    h("section", { "aria-labelledby": "metrics-title" }, h("h2", { id: "metrics-title" }, "Metrics (last hour)"), metrics));
+    h("section", { "aria-labelledby": "metrics-title" }, h("h2", { id: "metrics-title" }, "Metrics (last hour)"), metrics),
+    h("section", { "aria-labelledby": "audit-title" }, h("h2", { id: "audit-title" }, "Credential use"), audit));
 
   api("GET", `/sandboxes/${id}`).then((sb) => { if (!live.sandboxes.has(sb.id)) live.put(sb); })
     .catch((exc) => { replace(info, h("p", { class: "error" }, exc.message)); replace(tree, ""); });
-  api("GET", `/sandboxes/${id}/egress`).then((p) => replace(egress, egressView(p)))
-    .catch((exc) => replace(egress, h("p", { class: "empty" }, exc.message)));
+  api("GET", `/sandboxes/${id}/egress`).then((p) => {
+    replace(egress, egressView(p));
+    auditTable(sandboxId, p.credentials).then((table) => replace(audit, table))
+      .catch((exc) => replace(audit, h("p", { class: "empty" }, exc.message)));
+  }).catch((exc) => replace(egress, h("p", { class: "empty" }, exc.message)));
   timer = setInterval(refreshMetrics, 15000);
   const unsubscribe = live.subscribe(render);
   return () => { unsubscribe(); clearInterval(timer); terminal.close(); };
