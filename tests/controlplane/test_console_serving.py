@@ -214,3 +214,52 @@ def test_pty_takes_the_key_as_a_subprotocol(fake_cluster: c.Cluster, project: c.
         with pytest.raises(InvalidStatus) as refused:
             connect(url, subprotocols=protocols, open_timeout=10)  # type: ignore[arg-type]
         assert refused.value.response.status_code == status, protocols
+
+
+def test_the_update_stream_ends_when_its_key_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream's own logic over a stand-in store (the served stream is tested above): it sends what
+    changed and nothing else, then `ended` once the key no longer authenticates."""
+    import asyncio
+    import types
+
+    from space.controlplane.api import overview
+
+    rows: list[Any] = []
+    valid = [True]
+    store = types.SimpleNamespace(page_sandboxes=lambda project, query: types.SimpleNamespace(sandboxes=rows))
+    reconciler = types.SimpleNamespace(changed=asyncio.Event())
+    services: Any = types.SimpleNamespace(store=store, reconciler=reconciler)
+    monkeypatch.setattr(overview, "sandbox_view", vars)
+    monkeypatch.setattr(overview, "POLL_S", 0.01)
+    monkeypatch.setattr(overview, "MIN_GAP_S", 0.0)
+    monkeypatch.setattr(overview, "AUTH_RECHECK_S", 0.0)
+
+    async def still_valid(_services: Any, _request: Any) -> bool:
+        return valid[0]
+
+    monkeypatch.setattr(overview, "_still_valid", still_valid)
+    who: Any = types.SimpleNamespace(project_id="prj-x")
+
+    async def run() -> list[bytes]:
+        stream = overview._updates(services, who, None)  # type: ignore[arg-type]
+        sent = [await anext(stream)]
+        rows.append(types.SimpleNamespace(id="sb-1", state="running"))
+        sent.append(await anext(stream))
+        rows[0] = types.SimpleNamespace(id="sb-1", state="paused")
+        sent.append(await anext(stream))
+        rows.clear()
+        sent.append(await anext(stream))
+        valid[0] = False
+        sent.append(await anext(stream))
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent == [
+        b'event: snapshot\ndata: {"sandboxes":[]}\n\n',
+        b'event: sandbox\ndata: {"id":"sb-1","state":"running"}\n\n',
+        b'event: sandbox\ndata: {"id":"sb-1","state":"paused"}\n\n',
+        b'event: removed\ndata: {"id":"sb-1"}\n\n',
+        b'event: ended\ndata: {"reason":"the API key is no longer valid"}\n\n',
+    ]
