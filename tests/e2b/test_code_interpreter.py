@@ -236,7 +236,7 @@ def test_client_gone_interrupts_the_cell(
 # Last in the module: should the flood still take the sandbox down, the module's other tests keep theirs.
 def test_output_flood_is_bounded(real_cluster: RealCluster, prepared: Sandbox) -> None:  # noqa: F811
     # Issue 13: ipykernel sent what a tight print loop wrote between its flushes as one message, the sandbox
-    # ran out of memory and its channel closed. The kernel's streams are bounded now (kernel_bridge).
+    # ran out of memory and its channel closed. The kernel's streams are bounded now (kernel_launcher).
     assert prepared.run_code("before_the_flood = 'kept'").error is None
     received = 0
     events: list[dict[str, Any]] = []
@@ -255,3 +255,7 @@ def test_output_flood_is_bounded(real_cluster: RealCluster, prepared: Sandbox) -
     assert 0 < received <= MAX_OUTPUT_BYTES  # the flood was shown up to the bound, not dropped whole
     # The same kernel (its state is there), interrupted, answers again: neither it nor the sandbox was lost.
     assert prepared.run_code("before_the_flood").text == "'kept'"
+    # And it did not keep the flood: IPython kept every cell's output for the kernel's life, so each flood
+    # (each long log) stayed in the sandbox's memory (kernel_launcher.forget_outputs).
+    kept = prepared.run_code("sum(map(len, get_ipython().history_manager.outputs.values()))")
+    assert kept.text == "0", kept

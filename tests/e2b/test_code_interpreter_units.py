@@ -18,7 +18,15 @@ from space.core import errors
 from space.core.template_spec import FileStep, PipStep, parse_build_spec
 from space.mcp.code import execution_text
 from space.node.code_interpreter import kernel_bridge as kb
-from space.node.code_interpreter.spec import BRIDGE_PATH, TEMPLATE_NAME, bridge_source, code_interpreter_spec
+from space.node.code_interpreter import kernel_launcher as kl
+from space.node.code_interpreter.spec import (
+    BRIDGE_PATH,
+    KERNEL_LAUNCHER_PATH,
+    TEMPLATE_NAME,
+    bridge_source,
+    code_interpreter_spec,
+    launcher_source,
+)
 from space.sdk.code import CodeExecution
 
 
@@ -30,7 +38,12 @@ def test_the_spec_carries_the_bridge_and_starts_the_default_kernel() -> None:
     spec = code_interpreter_spec()
     assert spec.from_ == "base" and spec.user == "user" and TEMPLATE_NAME == "code-interpreter"
     files = [s.file for s in spec.steps if isinstance(s, FileStep)]
-    assert [(f.path, f.mode, f.content()) for f in files] == [(BRIDGE_PATH, 0o755, bridge_source())]
+    assert [(f.path, f.mode, f.content()) for f in files] == [
+        (BRIDGE_PATH, 0o755, bridge_source()),
+        (KERNEL_LAUNCHER_PATH, 0o644, launcher_source()),
+    ]
+    assert kb.KERNEL_LAUNCHER.endswith("/kernel_launcher.py")  # the bridge runs it from beside itself
+    assert KERNEL_LAUNCHER_PATH.rsplit("/", 1)[0] == BRIDGE_PATH.rsplit("/", 1)[0]
     pips = [req for s in spec.steps if isinstance(s, PipStep) for req in s.pip]
     assert {r.split("==")[0] for r in pips} >= {"ipykernel", "jupyter_client", "matplotlib", "numpy"}
     assert all("==" in r for r in pips)  # pinned: the spec hash changes only with this file or the bridge
@@ -169,17 +182,42 @@ class _OutStream:
 
 
 def test_kernel_streams_send_a_flood_in_bounded_pieces() -> None:
-    kb.bound_streams(_OutStream)
-    kb.bound_streams(_OutStream)  # idempotent: not wrapped twice
+    kl.bound_streams(_OutStream)
+    kl.bound_streams(_OutStream)  # idempotent: not wrapped twice
     out = _OutStream()
-    big = "y" * (5 * kb.STREAM_CHUNK + 7)
+    big = "y" * (5 * kl.STREAM_CHUNK + 7)
     assert out.write("a" * 10) == 10 and out.sent == []  # small output waits for ipykernel's timed flush
     assert out.write(big) == len(big)  # one huge write goes out in pieces, the first topping up the buffer
     for _ in range(200):
         print("x" * 1000, file=out)
-    assert out.sent and all(len(message) <= kb.STREAM_CHUNK for message in out.sent)
-    assert len(out.buffer) < kb.STREAM_CHUNK
+    assert out.sent and all(len(message) <= kl.STREAM_CHUNK for message in out.sent)
+    assert len(out.buffer) < kl.STREAM_CHUNK
     assert "".join(out.sent) + out.buffer == "a" * 10 + big + ("x" * 1000 + "\n") * 200  # nothing lost
     assert out.write("") == 0
     with pytest.raises(TypeError):
         out.write(b"bytes")  # type: ignore[arg-type]
+
+
+def test_the_kernel_forgets_each_executions_outputs() -> None:
+    class Events:
+        def __init__(self) -> None:
+            self.callbacks: dict[str, list[Any]] = {}
+
+        def register(self, event: str, callback: Any) -> None:
+            self.callbacks.setdefault(event, []).append(callback)
+
+    class History:
+        outputs = {3: ["x" * 100]}
+        exceptions = {3: {"ename": "KeyboardInterrupt"}}
+        output_hist = {3: "kept"}  # Out[3]: the user's own cache, kept
+
+    class Shell:
+        history_manager = History()
+        events = Events()
+
+    shell = Shell()
+    kl.forget_outputs(shell)
+    for callback in shell.events.callbacks["post_execute"]:
+        callback()
+    assert shell.history_manager.outputs == {} and shell.history_manager.exceptions == {}
+    assert shell.history_manager.output_hist == {3: "kept"}

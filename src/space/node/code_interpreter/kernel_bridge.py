@@ -14,11 +14,9 @@ Usage (one request per run, its JSON on stdin, answers as JSON lines on stdout):
         {"type": "stdout"|"stderr", "text", "timestamp"}, {"type": "result", <format>: ..., "is_main_result"},
         {"type": "error", "name", "value", "traceback"}, {"type": "number_of_executions", "execution_count"},
         and last {"type": "end_of_execution"} (after a timeout also {"type": "timeout"} before it).
-    bridge.py kernel   -f CONNECTION_FILE            (no request) be a context's kernel, as `start` runs it
 
 Invariants:
-- Standard library and jupyter_client only (ipykernel runs the kernels, and the `kernel` command imports
-  it); nothing of SPACE is imported.
+- Standard library and jupyter_client only (ipykernel runs the kernels); nothing of SPACE is imported.
 - A context is a directory STATE/<id> holding meta.json (id, language, cwd), kernel.json (the kernel's
   connection file, written by ipykernel) and kernel.pid; ids fullmatch CONTEXT_ID (no path tricks).
 - The default context (id `default`) is started when first used if it is not running yet; any other
@@ -32,10 +30,8 @@ Invariants:
 - An execution shows at most `max_output_bytes` of events: beyond, the kernel is interrupted at once (a
   flood stops at its source, not after it has filled the bridge's queues) and one `OutputLimitExceeded`
   error is shown.
-- A writer to a kernel's stdout or stderr never has more than STREAM_CHUNK characters unsent: the bridge
-  runs the kernel itself (its `kernel` command: ipykernel's launcher with `bound_streams` applied), and a
-  write past the chunk waits until the kernel's IOPub thread has sent it. So a flood is many small
-  messages that the output budget above acts on, never one too big for the sandbox's memory.
+- Kernels run `kernel_launcher.py` (installed beside the bridge): ipykernel with its output bounded (a
+  flood is many small messages that the budget above acts on; no output is kept after its execution).
 """
 
 from __future__ import annotations
@@ -63,10 +59,8 @@ DRAIN_S = 5.0
 #: The output an execution may show (the control plane asks for less): past it the cell is interrupted.
 MAX_OUTPUT_BYTES = 64 << 20
 POLL_S = 0.25
-#: The most text (characters) a writer to a kernel's stdout/stderr has unsent. ipykernel 7.4 sends all that
-#: was written between its flushes (0.2 s apart) as ONE message: a print loop buffered hundreds of MB in the
-#: kernel, the bridge decoded it (more copies), and the sandbox's 512 MB were gone before the budget acted.
-STREAM_CHUNK = 64 << 10
+#: What runs a context's kernel: ipykernel, its output bounded (installed beside this file).
+KERNEL_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_launcher.py")
 #: Jupyter MIME types -> E2B's result fields; any other type goes to `extra`.
 FORMATS = {
     "text/plain": "text",
@@ -179,7 +173,7 @@ def _launch(where: str, cwd: str) -> None:
     env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline", PYTHONUNBUFFERED="1")
     with open(os.path.join(where, "kernel.log"), "ab") as log:
         child = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "kernel", "-f", connection],
+            [sys.executable, KERNEL_LAUNCHER, "-f", connection],
             cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
     with open(os.path.join(where, "kernel.pid"), "w", encoding="ascii") as f:
@@ -226,45 +220,6 @@ def stop_kernel(context_id: str) -> None:
         if kernel_pid(context_id) is None:
             return
         time.sleep(0.05)
-
-
-def bound_streams(stream_class: Any) -> None:
-    """Bound ipykernel's output streams (`stream_class` is its OutStream): once a writer has buffered
-    STREAM_CHUNK characters (a longer write is cut there) it flushes, which waits until the IOPub thread
-    has sent them. A flooding cell is so held to the pace its messages are sent at, a message carries at
-    most STREAM_CHUNK characters of one writer (ipykernel's timed flushes only make them smaller), and
-    the bridge's interrupt (SIGINT) lands in that wait. Idempotent."""
-    write = stream_class.write
-    if getattr(write, "space_bounded", False):
-        return
-
-    def bounded_write(self: Any, string: Any) -> Any:
-        if not isinstance(string, str) or not string:
-            return write(self, string)  # ipykernel's own TypeError, or nothing to send
-        start = 0
-        while start < len(string):
-            pending = getattr(self, "space_pending", 0)
-            end = min(len(string), start + STREAM_CHUNK - pending)
-            write(self, string[start:end])
-            pending += end - start
-            start = end
-            # Reset before the flush: an interrupt raised in its wait must not leave the count high.
-            self.space_pending = 0 if pending >= STREAM_CHUNK else pending
-            if pending >= STREAM_CHUNK:
-                self.flush()
-        return len(string)
-
-    bounded_write.space_bounded = True  # type: ignore[attr-defined]
-    stream_class.write = bounded_write
-
-
-def run_kernel(argv: list[str]) -> None:
-    """The `kernel` command: what `python -m ipykernel_launcher ARGV` runs, with the kernel's output
-    streams bounded (bound_streams) before the kernel makes them."""
-    sys.path[0] = os.getcwd()  # as under `python -m`: the cwd, not the bridge's directory
-    sys.argv = [sys.argv[0], *argv]
-    bound_streams(importlib.import_module("ipykernel.iostream").OutStream)
-    importlib.import_module("ipykernel.kernelapp").launch_new_instance()
 
 
 def list_contexts(_request: dict[str, Any]) -> list[dict[str, Any]]:
@@ -468,9 +423,6 @@ COMMANDS = {"start": start, "list": list_contexts, "remove": remove, "restart": 
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:2] == ["kernel"]:  # not a request: this process becomes a context's kernel
-        run_kernel(argv[2:])
-        return 0
     os.makedirs(STATE, mode=0o700, exist_ok=True)
     try:
         command = argv[1] if len(argv) > 1 else ""

@@ -8,6 +8,7 @@ Invariants:
   default context's kernel in every new sandbox of the template.
 - The bridge (`kernel_bridge.py` beside this module) is installed byte for byte; BRIDGE_PATH is where the
   control plane runs it, BRIDGE_ARGV the fixed argv prefix (the request travels on stdin, never in argv).
+  The kernel launcher (`kernel_launcher.py`, what runs each kernel) is installed beside it, byte for byte.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ E2B_NAMES: Final = ("code-interpreter-v1", "code-interpreter")
 BASE_TEMPLATE: Final = "base"
 BRIDGE_DIR: Final = "/opt/code-interpreter"
 BRIDGE_PATH: Final = f"{BRIDGE_DIR}/bridge.py"
+#: Where the bridge finds the kernel launcher: beside itself, under this name.
+KERNEL_LAUNCHER_PATH: Final = f"{BRIDGE_DIR}/kernel_launcher.py"
 #: Where the bridge keeps its contexts: writable by the template's default user.
 STATE_DIR: Final = "/var/lib/space-code"
 PYTHON: Final = "python3"
@@ -43,8 +46,13 @@ def bridge_source() -> bytes:
     return resources.files("space.node.code_interpreter").joinpath("kernel_bridge.py").read_bytes()
 
 
-def _bridge_b64() -> str:
-    return base64.b64encode(bridge_source()).decode()
+def launcher_source() -> bytes:
+    """The kernel launcher, as the template carries it."""
+    return resources.files("space.node.code_interpreter").joinpath("kernel_launcher.py").read_bytes()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def code_interpreter_spec() -> TemplateBuildSpec:
@@ -54,7 +62,14 @@ def code_interpreter_spec() -> TemplateBuildSpec:
             "from": BASE_TEMPLATE,
             "steps": [
                 {"pip": list(PACKAGES)},
-                {"file": {"path": BRIDGE_PATH, "content_b64": _bridge_b64(), "mode": 0o755}},
+                {"file": {"path": BRIDGE_PATH, "content_b64": _b64(bridge_source()), "mode": 0o755}},
+                {
+                    "file": {
+                        "path": KERNEL_LAUNCHER_PATH,
+                        "content_b64": _b64(launcher_source()),
+                        "mode": 0o644,
+                    }
+                },
                 {"run": f"chmod 0755 {BRIDGE_DIR} && mkdir -p {STATE_DIR} && chmod 1777 {STATE_DIR}"},
             ],
             "user": "user",
