@@ -58,7 +58,12 @@ def exit_code(error: errors.SpaceError) -> int:
     return exit_code_for(error)
 
 
-def _fail(error: errors.SpaceError) -> typer.Exit:
+def _fail(error: errors.SpaceError | OSError) -> typer.Exit:
+    if isinstance(error, OSError):  # a file of the installation or the archive we may not read or write
+        denied = isinstance(error, PermissionError)
+        error = (errors.PermissionDenied if denied else errors.Unavailable)(
+            f"{error.filename}: {error.strerror}"
+        )
     typer.echo(f"error: {error.code}: {error.message}", err=True)
     return typer.Exit(exit_code(error))
 
@@ -96,7 +101,7 @@ def create(
     target = (output or default_output(pathlib.Path.cwd())).absolute()
     try:
         manifest = create_backup(_installation(data_dir, database, node_token_file, keys_dir), target)
-    except errors.SpaceError as error:
+    except (errors.SpaceError, OSError) as error:
         raise _fail(error) from None
     size = target.stat().st_size
     typer.echo(str(target))
@@ -133,7 +138,7 @@ def restore(
             )  # fmt: skip
         installation = _installation(data_dir, database, node_token_file, keys_dir)
         manifest = restore_backup(archive.absolute(), installation, replace=force)
-    except errors.SpaceError as error:
+    except (errors.SpaceError, OSError) as error:
         raise _fail(error) from None
     typer.echo(
         f"restored the {manifest.engine} backup of {manifest.created_at} (schema {manifest.schema_revision}, "

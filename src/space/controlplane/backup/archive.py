@@ -47,7 +47,6 @@ MAX_MEMBERS: Final = 10_000
 SQLITE_MEMBER: Final = "database/controlplane.db"
 POSTGRES_MEMBER: Final = "database/controlplane.pgdump"
 ENGINES: Final = {"sqlite": SQLITE_MEMBER, "postgresql": POSTGRES_MEMBER}
-PREFIXES: Final = ("database/", "files/", "keys/")
 _COMPONENT = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
 _NAME: Final = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT}){{1,5}}")
 _SHA256: Final = re.compile(r"[0-9a-f]{64}")
@@ -58,9 +57,18 @@ def corrupt(message: str, reason: str, **details: Any) -> errors.ArtifactCorrupt
     return errors.ArtifactCorrupt(message, reason=reason, **details)
 
 
+#: The single files a backup may hold (space.controlplane.backup.state says what each is).
+FILES: Final = ("files/credentials.master.key", "files/node.token", "files/admin.key")
+
+
 def valid_name(name: str) -> bool:
-    """A member name this module may have written: relative, no `..`, under a known prefix."""
-    return bool(_NAME.fullmatch(name)) and name.startswith(PREFIXES) and ".." not in name.split("/")
+    """A member name this module may have written: a database or file of its own, or a relative path under
+    `keys/` without `..` or dot-files."""
+    if name.startswith("database/"):
+        return name in ENGINES.values()
+    if name.startswith("files/"):
+        return name in FILES
+    return bool(_NAME.fullmatch(name)) and name.startswith("keys/") and ".." not in name.split("/")
 
 
 def limit_for(name: str) -> int:

@@ -42,6 +42,7 @@ from sqlalchemy import make_url
 from space.controlplane.backup import engines
 from space.controlplane.backup.archive import (
     ENGINES,
+    FILES,
     Manifest,
     Member,
     now_utc,
@@ -56,9 +57,8 @@ from space.controlplane.store.engine import SQLITE_FILENAME, is_sqlite
 from space.controlplane.store.migrate import alembic_config, migrate
 from space.core import errors
 
-MASTER_KEY_MEMBER = f"files/{MASTER_KEY_FILENAME}"
-NODE_TOKEN_MEMBER = "files/node.token"  # noqa: S105 - a member name, not a secret
-ADMIN_KEY_MEMBER = "files/admin.key"
+#: files/credentials.master.key (MASTER_KEY_FILENAME), files/node.token, files/admin.key.
+MASTER_KEY_MEMBER, NODE_TOKEN_MEMBER, ADMIN_KEY_MEMBER = FILES
 #: The user `space up` runs its node agent as, who reads node.token (as in space.controlplane.local).
 AGENT_USER = "space"
 
