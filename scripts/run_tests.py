@@ -13,6 +13,7 @@ what failed. The exit status is the first non-zero one (root first)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -39,7 +40,12 @@ def main(extra: list[str]) -> int:
             stderr=subprocess.STDOUT,
         )
         try:
-            root = subprocess.Popen([*base, "-m", "root", "--durations=40"], stdout=subprocess.PIPE)
+            # Unbuffered: through a pipe, its progress would come in 8 KiB blocks, minutes late.
+            root = subprocess.Popen(
+                [*base, "-m", "root", "--durations=40"],
+                stdout=subprocess.PIPE,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             assert root.stdout is not None
             for line in root.stdout:
                 sys.stdout.buffer.write(line)
