@@ -9,7 +9,9 @@ the sandboxes and snapshots, opens the credential with the restored master key, 
 node tokens sealed in the database (exec), and brings the suspended sandbox back from the object store
 (its data key unwrapped by the restored org key).
 
-The refusals (bad archives, busy targets, schemas) are tests/controlplane/test_backup_refusals.py.
+On PostgreSQL, a restore is refused while a control plane uses the target database and when it is not
+empty, and `--force` replaces it. The other refusals (bad archives, busy SQLite targets, schemas) are
+tests/controlplane/test_backup_refusals.py.
 """
 
 from __future__ import annotations
@@ -181,6 +183,17 @@ def test_postgres_backup_restores_into_a_fresh_database(tmp_path: pathlib.Path, 
             assert [cred["name"] for cred in http.get("/v1/credentials").json()["credentials"]] == ["api"]
             later = http.get("/v1/sandboxes", headers={"Authorization": f"Bearer {later_key}"})
             assert later.status_code == 401, later.text
+        again = [str(archive), *restored_args(fresh), "--database", target]
+        refused([*again, "--force"], 4, "other session")  # the running control plane's
+        restored.stop()
+        refused(again, 4, "already_exists")
+        space("restore", *again, "--force")  # pg_restore --clean
+        assert decrypts(target, fresh / "cp", data)
     finally:
         running.stop()
         restored.stop()
+
+
+def refused(args: list[str], code: int, what: str) -> None:
+    result = CliRunner().invoke(cli_main.app, ["backup", "restore", *args])
+    assert result.exit_code == code and what in result.output, result.output
