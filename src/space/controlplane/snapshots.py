@@ -25,12 +25,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
 
-from space.controlplane.reconciler.context import StepContext, snapshot_prefix
+from space.controlplane.reconciler.context import StepContext
 from space.controlplane.reconciler.kept_snapshots import kept
 from space.controlplane.reconciler.loop import Reconciler
 from space.controlplane.reconciler.replan import replan_gone_nodes
@@ -190,23 +189,9 @@ class SnapshotKeeper:
 
     async def upload(self, sb: SandboxRecord, snap: SnapshotRecord) -> SnapshotRecord:
         """Upload a full checkpoint the node holds to object storage (for recovery on any node)."""
-        rec = self.reconciler
-        _objects, store_url = rec.object_store()
         if sb.node_id is None:
             raise errors.InvalidState(f"sandbox {sb.id} is not on a node", state=sb.state.value)
-        if snap.prefix is None:
-            key = await rec.data_key(sb, None)
-            snap = await asyncio.to_thread(
-                self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
-                data_key_id=key.key_id if key else None,
-                wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
-            )  # fmt: skip
-        else:
-            key = await rec.data_key(sb, snap)
-        assert snap.prefix is not None
-        node = rec.nodes.client(sb.node_id)
-        await node.upload_snapshot(sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key)
-        return await rec.verify_uploaded(snap.id, snap.prefix)
+        return await self.reconciler.upload_full_snapshot(sb, snap, sb.node_id)
 
     async def prune(self, sb: SandboxRecord, policy: retention.SnapshotPolicy) -> list[str]:
         snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)

@@ -210,6 +210,28 @@ class StepContext:
         wrapped = base64.b64decode(snap.wrapped_key)
         return await asyncio.to_thread(self.data_keys.unwrap, sb, snap.data_key_id, wrapped)
 
+    async def upload_full_snapshot(
+        self, sb: SandboxRecord, snap: SnapshotRecord, node_id: str
+    ) -> SnapshotRecord:
+        """Have `node_id` upload the full checkpoint `snap` of `sb` to object storage, then verify it. The
+        prefix and wrapped data key are recorded on the row BEFORE the node call, so a re-run after a crash
+        uploads to the same place with the same key (the node's upload is idempotent by prefix)."""
+        _objects, store_url = self.object_store()
+        if snap.prefix is None:
+            key = await self.data_key(sb, None)
+            snap = await asyncio.to_thread(
+                self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
+                data_key_id=key.key_id if key else None,
+                wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
+            )  # fmt: skip
+        else:
+            key = await self.data_key(sb, snap)
+        assert snap.prefix is not None
+        await self.nodes.client(node_id).upload_snapshot(
+            sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key
+        )
+        return await self.verify_uploaded(snap.id, snap.prefix)
+
     async def verify_uploaded(self, snap_id: str, prefix: str) -> SnapshotRecord:
         """Read the manifest back from the object store; only then is the snapshot restorable."""
         objects, _url = self.object_store()

@@ -27,9 +27,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
 
-from space.controlplane.reconciler.context import log, snapshot_prefix
+from space.controlplane.reconciler.context import log
 from space.controlplane.reconciler.plan import PERMANENT
 from space.controlplane.reconciler.suspension import SuspensionSteps
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
@@ -81,22 +80,8 @@ class KeptSnapshotSteps(SuspensionSteps):
             return None
         # A node that is not gone (ready, or draining) is asked; one that does not answer makes the step
         # retry until it answers or the lost-node detector says it is gone.
-        _objects, store_url = self.object_store()
         try:
-            if snap.prefix is None:
-                key = await self.data_key(sb, None)
-                snap = await asyncio.to_thread(
-                    self.store.update_snapshot, snap.id, prefix=snapshot_prefix(sb, snap.id),
-                    data_key_id=key.key_id if key else None,
-                    wrapped_key=base64.b64encode(key.wrapped).decode() if key else None,
-                )  # fmt: skip
-            else:
-                key = await self.data_key(sb, snap)
-            assert snap.prefix is not None
-            await self.nodes.client(node_id).upload_snapshot(
-                sb.id, snap.id, store_url=store_url, prefix=snap.prefix, data_key=key
-            )
-            return await self.verify_uploaded(snap.id, snap.prefix)
+            return await self.upload_full_snapshot(sb, snap, node_id)
         except _NOT_KEPT as exc:
             # The node no longer holds it (a crash after the node copy went), the user deleted the snapshot
             # meanwhile (Conflict from marking a `deleting` row ready), or retrying cannot help (a revoked
