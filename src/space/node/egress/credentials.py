@@ -5,6 +5,8 @@ Invariants:
   request only when the request goes to a host bound to that credential, only at the place the credential's
   method names (Authorization bearer/basic, one named header, one query parameter), only while the credential
   is unexpired and under its rate limit, and (unless the credential allows plain text) only over TLS.
+  A `login` credential (ADR 0063) is written only into the named fields of a form submission (the request
+  body) to its one origin (scheme, host, port), never into headers or the target (http.substitute, http.form).
   Everything else (placeholder to an unbound host, in the body, in
   another header) is forwarded unchanged and audited.
 - The value never flows back: responses from hosts a credential is bound to are scrubbed of every form of
@@ -21,14 +23,34 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, Protocol
-from urllib.parse import parse_qsl, quote, urlencode
+from urllib.parse import parse_qsl, quote, quote_plus, urlencode, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from space.node.egress.policy import _parse_entry, name_matches
 
-Method = Literal["header", "bearer", "basic", "query"]
+Method = Literal["header", "bearer", "basic", "query", "login"]
 PLACEHOLDER_PREFIX = "space-cred-"
+USERNAME_PLACEHOLDER_PREFIX = "space-user-"
+
+
+def username_placeholder(placeholder: str) -> str:
+    """A login credential's username placeholder, from its (password) placeholder: the same random tail
+    under another prefix, so neither placeholder contains the other."""
+    if placeholder.startswith(PLACEHOLDER_PREFIX):
+        return USERNAME_PLACEHOLDER_PREFIX + placeholder[len(PLACEHOLDER_PREFIX) :]
+    return USERNAME_PLACEHOLDER_PREFIX + placeholder
+
+
+def parse_origin(origin: str) -> tuple[str, str, int]:
+    """(scheme, normalized host, port) of `scheme://host[:port]` (no path, query, user info)."""
+    parts = urlsplit(origin)
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.username or parts.password:
+        raise ValueError(f"origin must be scheme://host[:port], got {origin!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"origin must not have a path, query or fragment, got {origin!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, _parse_entry(parts.hostname), port
 
 
 def make_placeholder(name: str) -> str:
@@ -56,6 +78,14 @@ class Credential(BaseModel):
     allow_plaintext: bool = False
     # Identity for rate limits and audit (a control-plane id); defaults to the name.
     id: str = ""
+    # method "login" (ADR 0063): `value` is the password, `username` the user name; both are written only
+    # into the fields `username_field` / `password_field` of a form posted to `origin` (at `form_action`,
+    # a path, when set).
+    origin: str | None = None
+    username: str | None = Field(default=None, repr=False)
+    username_field: str | None = None
+    password_field: str | None = None
+    form_action: str | None = None
 
     @field_validator("hosts")
     @classmethod
@@ -83,7 +113,49 @@ class Credential(BaseModel):
             raise ValueError("header_template must contain {value}")
         if self.rate_per_minute is not None and self.rate_per_minute <= 0:
             raise ValueError("rate_per_minute must be positive")
+        if self.method == "login":
+            self._check_login()
         return self
+
+    def _check_login(self) -> None:
+        if not (self.origin and self.username and self.username_field and self.password_field):
+            raise ValueError("method 'login' needs origin, username, username_field and password_field")
+        _scheme, host, _port = parse_origin(self.origin)
+        if self.hosts != [host]:
+            raise ValueError("a login credential's hosts are exactly its origin's host")
+        if self.username_field == self.password_field:
+            raise ValueError("username_field and password_field must differ")
+        if self.form_action is not None and not self.form_action.startswith("/"):
+            raise ValueError("form_action is a path starting with '/'")
+        user_ph = self.username_placeholder
+        if user_ph in self.username or self.username in user_ph or user_ph in self.value:
+            raise ValueError("placeholder and value must not contain each other")
+
+    @property
+    def username_placeholder(self) -> str:
+        return username_placeholder(self.placeholder)
+
+    def placeholders(self) -> list[str]:
+        """The placeholders a sandbox holds for this credential (a login has one per field)."""
+        if self.method == "login":
+            return [self.placeholder, self.username_placeholder]
+        return [self.placeholder]
+
+    def login_matches(self, scheme: str, host: str, port: int, path: str) -> bool:
+        """Is a request to scheme://host:port/path a submission to this login credential's form?"""
+        if self.method != "login" or self.origin is None:
+            return False
+        if parse_origin(self.origin) != (scheme, host, port):
+            return False
+        return self.form_action is None or path == self.form_action
+
+    def login_fields(self) -> dict[str, tuple[str, str]]:
+        """field name -> (placeholder, value) of a login credential."""
+        assert self.username_field and self.password_field and self.username is not None
+        return {
+            self.username_field: (self.username_placeholder, self.username),
+            self.password_field: (self.placeholder, self.value),
+        }
 
     def binds(self, host: str) -> bool:
         """Is `host` (normalized) one this credential may be sent to?"""
@@ -97,7 +169,10 @@ class Credential(BaseModel):
 
     def secret_forms(self) -> list[bytes]:
         """Every spelling of the value the gateway could inject (for scrubbing responses)."""
-        forms = {self.value, quote(self.value, safe=""), quote(self.value, safe="/")}
+        values = [self.value] + ([self.username] if self.method == "login" and self.username else [])
+        forms: set[str] = set()
+        for value in values:
+            forms |= {value, quote(value, safe=""), quote(value, safe="/"), quote_plus(value)}
         if self.method == "basic" and ":" in self.value:
             forms.add(base64.b64encode(self.value.encode()).decode())
         if self.method == "header":
@@ -267,10 +342,13 @@ def substitute(
     request will travel over TLS to the upstream (else only credentials with allow_plaintext apply)."""
     result = Substitution(headers=list(headers), target=target)
     for credential in credentials:
-        if not _contains(result.headers, result.target, credential.placeholder.encode()):
+        if not any(_contains(result.headers, result.target, p.encode()) for p in credential.placeholders()):
             continue
         if not credential.binds(host):
             result.unbound.append(credential)
+            continue
+        if credential.method == "login":  # a login goes only into a form body, never into the head
+            result.misplaced.append(credential)
             continue
         if not encrypted and not credential.allow_plaintext:
             result.plaintext.append(credential)

@@ -6,7 +6,9 @@ Invariants:
   whatever the Connection header names are not forwarded; the Host header is the decided destination.
 - When a credential is bound to the host, the upstream is asked for identity encoding, so a response
   echoing a value can be scrubbed (a compressed echo could not).
-- A body is streamed, never buffered. A bodiless request on a kept-alive upstream connection the server
+- A body is streamed, never buffered, except a login form's (ADR 0063): the session reads at most
+  MAX_FORM_BODY of it first (`BufferedBody`), and whatever it could not read whole streams after that prefix.
+  A bodiless request on a kept-alive upstream connection the server
   had just closed is retried once on a fresh connection; nothing else is retried.
 - Every response event passes the scrub stage before the sandbox sees it.
 """
@@ -43,6 +45,15 @@ class ExchangePeers(Protocol):
 
 
 @dataclass(frozen=True)
+class BufferedBody:
+    """Body bytes the session read from the client before sending the head; `complete`: the whole body
+    (else the rest is still to be streamed from the client)."""
+
+    data: bytes
+    complete: bool
+
+
+@dataclass(frozen=True)
 class OutgoingRequest:
     """The request head as it goes upstream."""
 
@@ -50,6 +61,7 @@ class OutgoingRequest:
     target: bytes
     headers: list[Header]
     expects_continue: bool  # the sandbox waits for a 100 before sending its body
+    body: BufferedBody | None = None
 
     @property
     def has_body(self) -> bool:
@@ -98,12 +110,12 @@ async def send_request(peers: ExchangePeers, route: Route, outgoing: OutgoingReq
         await peers.send_client(h11.InformationalResponse(status_code=100, headers=[]))
     has_body = outgoing.has_body
     head = h11.Request(method=outgoing.method, target=outgoing.target, headers=outgoing.headers)
-    if not has_body:
+    if not has_body and outgoing.body is None:
         await _drain_request(peers)
     for last_try in (False, True):
         upstream, reused = await peers.upstream_for(route)
         try:
-            return upstream, await _send(peers, upstream, head, has_body=has_body)
+            return upstream, await _send(peers, upstream, head, has_body=has_body, body=outgoing.body)
         except _RETRYABLE:
             # a kept-alive upstream connection the server had just closed: one retry on a fresh one
             # (bodiless requests only: a body is streamed, not buffered)
@@ -118,8 +130,19 @@ async def _drain_request(peers: ExchangePeers) -> None:
         pass
 
 
-async def _send(peers: ExchangePeers, upstream: Upstream, head: h11.Request, *, has_body: bool) -> Any:
+async def _send(
+    peers: ExchangePeers, upstream: Upstream, head: h11.Request, *, has_body: bool, body: BufferedBody | None
+) -> Any:
     upstream.writer.write(upstream.conn.send(head) or b"")
+    if body is not None:
+        if body.data:
+            upstream.writer.write(upstream.conn.send(h11.Data(data=body.data)) or b"")
+        if body.complete:
+            upstream.writer.write(upstream.conn.send(h11.EndOfMessage()) or b"")
+            await upstream.writer.drain()
+            return None
+        await _forward_body(peers, upstream)
+        return None
     if has_body:
         await _forward_body(peers, upstream)
         return None

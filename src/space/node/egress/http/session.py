@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 from typing import Any
 
@@ -21,11 +22,18 @@ import h11
 
 from space.core import errors
 from space.node.egress.context import ActiveConnection, GatewayContext, Mode
+from space.node.egress.credentials import Credential
 from space.node.egress.http.decide import Route, decide, note_redirect
-from space.node.egress.http.forward import outgoing_request, relay_response, send_request
+from space.node.egress.http.forward import BufferedBody, outgoing_request, relay_response, send_request
 from space.node.egress.http.messages import MAX_HEAD, Refused, next_event
 from space.node.egress.http.scrub import ConnectionSecrets, ResponseScrubber
-from space.node.egress.http.substitute import substitute_credentials
+from space.node.egress.http.substitute import (
+    MAX_FORM_BODY,
+    Substituted,
+    login_credentials,
+    substitute_credentials,
+    substitute_login_body,
+)
 from space.node.egress.http.target import TargetRules
 from space.node.egress.policy import Destination
 from space.node.egress.tls import PlainStream, TlsServerStream
@@ -127,6 +135,16 @@ class HttpSession:
             encrypted=self.mode == "intercepted",
             audit=self.ctx.audit,
         )
+        logins = login_credentials(
+            credentials, route, method=request.method, encrypted=self.mode == "intercepted"
+        )
+        body: BufferedBody | None = None
+        sent_continue = False
+        if logins and _has_body(request.headers):
+            sent_continue = _expects_continue(request.headers)
+            if sent_continue:  # the sandbox waits for it before sending the form we must read first
+                await self.send_client(h11.InformationalResponse(status_code=100, headers=[]))
+            body, substituted = await self._login_body(request, route, logins, substituted)
         scrubber = self.secrets.scrubber(substituted)
         outgoing = outgoing_request(
             request,
@@ -135,6 +153,10 @@ class HttpSession:
             default_port=443 if self.mode == "intercepted" else 80,
             identity_encoding=scrubber.active,
         )
+        if body is not None:
+            outgoing = dataclasses.replace(
+                outgoing, body=body, expects_continue=outgoing.expects_continue and not sent_continue
+            )
         upstream, first = await send_request(self, route, outgoing)
 
         def on_location(location: bytes) -> None:
@@ -145,6 +167,38 @@ class HttpSession:
             upstream.conn.start_next_cycle()
         else:
             self.close_upstream()
+
+    async def _login_body(
+        self, request: h11.Request, route: Route, logins: list[Credential], substituted: Substituted
+    ) -> tuple[BufferedBody, Substituted]:
+        """Read a possible login form's body (at most MAX_FORM_BODY) and write the credentials into its
+        fields; a bigger body keeps its framing and the rest streams after the prefix read here."""
+        data = bytearray()
+        complete = False
+        while len(data) <= MAX_FORM_BODY:
+            event = await self.client_event()
+            if isinstance(event, h11.EndOfMessage):
+                complete = True
+                break
+            if not isinstance(event, h11.Data):
+                raise ConnectionError("client went away inside a request")
+            data += event.data
+        content_type = next((v for n, v in request.headers if n == b"content-type"), None)
+        new = substitute_login_body(
+            logins,
+            route,
+            bytes(data) if complete else None,
+            content_type,
+            limiter=self.ctx.limiter,
+            audit=self.ctx.audit,
+        )
+        if new is None:
+            return BufferedBody(bytes(data), False), substituted
+        # the body is sent whole with its new length (a value's encoding differs from its placeholder's)
+        framing = (b"content-length", b"transfer-encoding")
+        headers = [(n, v) for n, v in substituted.headers if n not in framing]
+        headers.append((b"content-length", str(len(new)).encode()))
+        return BufferedBody(new, True), dataclasses.replace(substituted, headers=headers)
 
     # -- the upstream connection --------------------------------------------------------------------------
 
@@ -191,3 +245,13 @@ class HttpSession:
         upstream_conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         self.upstream = Upstream(key, reader, writer, upstream_conn, track)
         return self.upstream, False
+
+
+def _has_body(headers: Any) -> bool:
+    return any(
+        (n == b"content-length" and v.strip() != b"0") or n == b"transfer-encoding" for n, v in headers
+    )
+
+
+def _expects_continue(headers: Any) -> bool:
+    return any(n == b"expect" and v.lower() == b"100-continue" for n, v in headers)
