@@ -8,7 +8,8 @@ Invariants:
   back).
 - A candidate is also FRESH (docs/adr/0032-lost-nodes-and-incarnations.md): its last heartbeat is younger
   than `freshness_bound` (3 heartbeat intervals, or node_lost_after_s when that is shorter), so a node
-  that died and is not yet marked lost is not chosen; `lost`, `offline` and `draining` nodes never are.
+  that died and is not yet marked lost is not chosen; `lost`, `offline` and `draining` nodes never are,
+  nor is a node an operator cordoned, drains or drained (space.core.node_states, ADR 0065).
 - Disk admission (docs/adr/0027-disk-budgets.md): on a node that reports its disk, the `disk_mb` of every
   sandbox placed on it (from the store, so two placements between heartbeats cannot both take the last
   room) plus the new one's, plus the node's reserve, fit in its disk; a node already below its reserve
@@ -37,7 +38,7 @@ from space.controlplane import restore_targets
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
-from space.core import errors
+from space.core import errors, node_states
 from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent.settings import NodeAgentSettings
 
@@ -131,9 +132,14 @@ class PoolLedger:
         since[1][template] = since[1].get(template, 0) + 1
 
 
+def placeable(nodes: list[NodeRecord]) -> list[NodeRecord]:
+    """The nodes no operator holds out of placement (cordoned, draining, drained)."""
+    return [node for node in nodes if node_states.of_labels(node.labels) in node_states.PLACEABLE]
+
+
 def schedulable_nodes(store: Store, fresh_within_s: float | None) -> list[NodeRecord]:
-    """Ready nodes whose last heartbeat is younger than `fresh_within_s` (None: every ready node)."""
-    nodes = store.list_nodes("ready")
+    """Ready, uncordoned nodes whose last heartbeat is younger than `fresh_within_s` (None: any age)."""
+    nodes = placeable(store.list_nodes("ready"))
     if fresh_within_s is None:
         return nodes
     cutoff = store.now() - timedelta(seconds=fresh_within_s)
@@ -186,7 +192,9 @@ def _best(
 def check_admissible(store: Store, limits: SandboxLimits) -> None:
     """StorageExhausted when no ready node that reports its disk could ever hold `limits.disk_mb` (even
     empty). Silent when no node reports a disk: nothing is known yet, the create waits for a node."""
-    rooms = [room for node in store.list_nodes("ready") if (room := disk_room_mb(node)) is not None]
+    rooms = [
+        room for node in placeable(store.list_nodes("ready")) if (room := disk_room_mb(node)) is not None
+    ]
     if rooms and limits.disk_mb > max(rooms):
         raise errors.StorageExhausted(
             f"disk_mb {limits.disk_mb} is more than any node can hold: the largest takes {max(rooms)} MB "

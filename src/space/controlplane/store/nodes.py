@@ -10,6 +10,13 @@ Invariants:
   labels, status and heartbeat time.
 - A heartbeat moves a sandbox's last activity only for sandboxes assigned to that node, never backwards.
 - `mark_lost` returns only the nodes it changed, so exactly one caller acts on each loss.
+- The operator's admin state (cordon, drain: space.core.node_states, ADR 0065) and a drain's bookkeeping
+  live under the reserved `space.` labels, which every registration keeps: a drained node that restarts,
+  is upgraded or was lost comes back cordoned. Admin changes take the node's row lock.
+- A node is removed only when no sandbox but deleted or failed ones is recorded on it, and only when it
+  is cordoned, drained, lost or offline (an active ready node could be given a sandbox meanwhile); the
+  references of its deleted and failed sandboxes and of its snapshots are cleared in the same
+  transaction, and its identity goes with the row (its next call is a 401).
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from space.controlplane.store.database import Repository
 from space.controlplane.store.digests import MAX_SECRET_LENGTH, hash_secret, matches, plausible_secret
 from space.controlplane.store.enrolment_tokens import consume_enrolment
 from space.controlplane.store.mapping import node_record
-from space.controlplane.store.models import Node, Sandbox
+from space.controlplane.store.models import Node, Sandbox, Snapshot
 from space.controlplane.store.records import NodeRecord, NodeStatus
 from space.controlplane.store.values import aware, seconds, text
-from space.core import ids
-from space.core.errors import AlreadyExists, Conflict, InvalidArgument, NotFound
+from space.core import ids, node_states
+from space.core.errors import AlreadyExists, Conflict, InvalidArgument, InvalidState, NotFound
+from space.core.lifecycle import State
+from space.core.node_states import NodeAdmin, NodeAdminEvent
 
 _NODE_STATUSES: Final = frozenset(get_args(NodeStatus))
 URL_LENGTH: Final = 512
@@ -49,7 +58,9 @@ def _set_registration(
     row.rpc_token_sealed = rpc_token_sealed
     row.capacity = dict(capacity or {})
     row.templates = list(templates)
-    row.labels = dict(labels or {})
+    reserved = {k: v for k, v in (row.labels or {}).items() if k.startswith(node_states.RESERVED_PREFIX)}
+    given = {k: v for k, v in (labels or {}).items() if not k.startswith(node_states.RESERVED_PREFIX)}
+    row.labels = {**given, **reserved}  # the operator's hold outlives any registration (ADR 0065)
     row.status = status
     row.last_heartbeat_at = now
 
@@ -300,3 +311,63 @@ class NodeRepository(Repository):
             query = query.where(Node.status == status)
         with self._tx("listing nodes") as session:
             return [node_record(row) for row in session.scalars(query.order_by(Node.registered_at, Node.id))]
+
+    # -- the operator's admin state (space.core.node_states, ADR 0065) ------------------------------------
+    def node_admin_event(self, node_id: str, event: NodeAdminEvent) -> NodeRecord | None:
+        """Apply `event` to the node's admin state under its row lock: the node after it, or None when
+        `remove` removed it. NotFound for an unknown node; InvalidState (409) naming the state otherwise."""
+        with self._tx(f"node {node_id}: {event.value}") as session:
+            row = session.get(Node, node_id, with_for_update=True)
+            if row is None:
+                raise NotFound(f"node {node_id} not found")
+            state = node_states.of_labels(row.labels)
+            target = node_states.next_state(state, event)
+            if target is None:
+                self._remove(session, row, state)
+                return None
+            labels = dict(row.labels or {})
+            labels[node_states.ADMIN_LABEL] = target.value
+            if target is NodeAdmin.ACTIVE:  # an uncordon ends a drain: what it moved keeps its wish
+                labels = {k: v for k, v in labels.items() if k != node_states.ADMIN_LABEL}
+            row.labels = labels
+            session.flush()
+            return node_record(row)
+
+    def _remove(self, session: Session, row: Node, state: NodeAdmin) -> None:
+        if state is NodeAdmin.ACTIVE and row.status not in ("lost", "offline"):
+            raise InvalidState(
+                f"node {row.id} is {row.status} and active: cordon or drain it before removing it",
+                state=state.value, event="remove",
+            )  # fmt: skip
+        done = (State.DELETED.value, State.FAILED.value)
+        held = session.scalars(
+            select(Sandbox.id).where(Sandbox.node_id == row.id, Sandbox.state.not_in(done)).limit(5)
+        ).all()
+        if held or node_states.drain_entries(row.labels):
+            raise InvalidState(
+                f"node {row.id} ({state.value}, {row.status}) still holds sandboxes "
+                f"({', '.join(held) or 'being moved'}): drain it first",
+                state=state.value, event="remove",
+            )  # fmt: skip
+        for table in (Sandbox, Snapshot):
+            session.execute(
+                update(table).where(table.node_id == row.id).values(node_id=None)
+                .execution_options(synchronize_session=False)
+            )  # fmt: skip
+        session.delete(row)
+
+    def note_drain(self, node_id: str, sandbox_id: str, desired: str | None) -> bool:
+        """Record (`desired` given) or forget (None) that a drain of `node_id` is moving `sandbox_id` and
+        what its desired state was. False when the node is gone."""
+        with self._tx(f"node {node_id}: drain bookkeeping") as session:
+            row = session.get(Node, node_id, with_for_update=True)
+            if row is None:
+                return False
+            labels = dict(row.labels or {})
+            key = node_states.DRAIN_LABEL + sandbox_id
+            if desired is None:
+                labels.pop(key, None)
+            else:
+                labels[key] = desired
+            row.labels = labels
+            return True
