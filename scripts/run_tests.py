@@ -22,6 +22,10 @@ import time
 
 # pytest's per-test failure lines and its final "N passed, ... in S" line.
 VERDICT_PREFIXES = (b"FAILED ", b"ERROR ", b"XPASS ")
+# Each session picks its test services' loopback ports in its own part of the range below the kernel's
+# ephemeral ports (tests/support/cluster.py free_port): a port one session freed to restart a service on is
+# never taken by the other.
+ROOT_PORTS, UNIT_PORTS = "10000-21000", "21000-32000"
 SUMMARY = re.compile(rb"^=* ?\d+ (passed|failed|error|errors|skipped|deselected)\b.* in \d+(\.\d+)?s")
 
 
@@ -38,13 +42,14 @@ def main(extra: list[str]) -> int:
             [*base, "-m", "not root", "-p", "no:cacheprovider", "--durations=15"],
             stdout=unit_log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "SPACE_TEST_PORTS": UNIT_PORTS},
         )
         try:
             # Unbuffered: through a pipe, its progress would come in 8 KiB blocks, minutes late.
             root = subprocess.Popen(
                 [*base, "-m", "root", "--durations=40"],
                 stdout=subprocess.PIPE,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "SPACE_TEST_PORTS": ROOT_PORTS},
             )
             assert root.stdout is not None
             for line in root.stdout:

@@ -61,20 +61,30 @@ def free_port() -> int:
     """A free loopback port BELOW the kernel's ephemeral range. Services the tests kill and start again
     rebind their port; a port from the ephemeral range can meanwhile become the source port of some
     outgoing connection (agents retrying the dead control plane, say), and the restart then fails with
-    EADDRINUSE. Ports below the range are never handed out as source ports."""
-    try:
-        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
+    EADDRINUSE. Ports below the range are never handed out as source ports.
+
+    `make test` runs two pytest sessions side by side (scripts/run_tests.py) and gives each its own part
+    of that range in SPACE_TEST_PORTS ("LOW-HIGH"): a port one session checked free, or freed to restart
+    its service on it, is never picked by the other (CI once had a control plane fail to bind that way)."""
+    low, high = 10000, _ephemeral_low()
+    if ports := os.environ.get("SPACE_TEST_PORTS"):
+        low, high = (int(part) for part in ports.split("-", 1))
     for _attempt in range(200):
-        port = random.randrange(10000, max(low, 10001))
+        port = random.randrange(low, max(high, low + 1))
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no free loopback port below the ephemeral range")
+    raise RuntimeError(f"no free loopback port in {low}-{high}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_for(check: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:
