@@ -110,10 +110,21 @@ class KeyBody(_Body):
 
 
 # -- credentials, egress, private networks, tenant keys ------------------------------------------------------
+class LoginFormBody(_Body):
+    origin: str = Field(max_length=300)
+    username_field: str = Field(max_length=128)
+    password_field: str = Field(max_length=128)
+    form_action: str | None = Field(default=None, max_length=1024)
+
+
 class PutCredential(_Body):
     value: str | None = Field(default=None, max_length=64 << 10, repr=False)  # write-only: never in a repr
+    # method "login" (ADR 0063): write-only like value, both given at create and at each rotation
+    username: str | None = Field(default=None, max_length=4096, repr=False)
+    password: str | None = Field(default=None, max_length=4096, repr=False)
+    login: LoginFormBody | None = None
     hosts: list[str] | None = None
-    method: Literal["header", "bearer", "basic", "query"] | None = None
+    method: Literal["header", "bearer", "basic", "query", "login"] | None = None
     header: str | None = Field(default=None, max_length=4096)
     query_param: str | None = None
     env_var: str | None = None

@@ -5,6 +5,8 @@
   GET    /v1/credentials                    metadata of the org's, the project's and its sandboxes' ones
   DELETE /v1/credentials/{name}             ?scope=&sandbox_id=&project=
   GET    /v1/credentials/{name}/audit       ?scope=&sandbox_id=&project=&after=&limit=
+  POST   /v1/sandboxes/{id}/credentials/{name}/login   a bound login credential's origin and the
+                                            placeholders to type into its form (ADR 0063); member key
 
 Invariants:
 - No answer to an API key ever carries a credential value or vault reference.
@@ -14,6 +16,9 @@ Invariants:
   org admin keys); a member key binds existing credentials to its sandboxes and nothing more, so it
   cannot send a value to a host the credential was not made for.
 - A value is checked against the injection it will be used with (the stored one or the new one).
+- A `login` credential (ADR 0063) is bound to one https origin: its hosts are that origin's host, its value
+  is given as username + password (both at once), and its placeholders are handed to a sandbox only for
+  a credential bound to it (its egress policy names it).
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ from space.controlplane.api.views import (
     CredentialChange,
     CredentialDeleted,
     Credentials,
+    LoginPlaceholders,
     audit_view,
 )
 from space.controlplane.credentials import spec
 from space.controlplane.credentials.service import CredentialService
-from space.controlplane.store.credentials import CredentialFields, credential_view
+from space.controlplane.store.credentials import AuditEntry, CredentialFields, credential_view
 from space.controlplane.store.store import Store
 from space.core import errors
 
@@ -92,18 +98,56 @@ async def _checked_value(
     name: str,
     injection: spec.Injection | None,
 ) -> bytes | None:
-    if body.value is None:
-        return None
     current = await asyncio.to_thread(service.credentials.get_credential, scope_id, name)
     effective = injection or (current.injection if current else spec.parse_injection(None))
+    if current is not None and (current.injection.method == "login") != (effective.method == "login"):
+        raise errors.InvalidArgument(
+            "a credential cannot change between method 'login' and the others (delete and create it)",
+            field="method",
+        )
+    if effective.method == "login":
+        if body.hosts is not None:
+            raise errors.InvalidArgument(
+                "a login credential's host is its origin's (change login.origin)", field="hosts"
+            )
+        if body.value is not None:
+            raise errors.InvalidArgument(
+                "a login credential takes username and password, not value", field="value"
+            )
+        if body.username is None and body.password is None:
+            return None
+        return spec.login_value(body.username, body.password)
+    if body.username is not None or body.password is not None:
+        raise errors.InvalidArgument("username and password are only for method 'login'", field="username")
+    if body.value is None:
+        return None
     return spec.validate_value(body.value, effective)
+
+
+def _injection(body: PutCredential) -> spec.Injection | None:
+    if body.method == "login" or body.login is not None:
+        if body.method not in (None, "login") or body.header is not None or body.query_param is not None:
+            raise errors.InvalidArgument("login is only for method 'login'", field="login")
+        if body.login is None:
+            raise errors.InvalidArgument("method 'login' needs login (origin and field names)", field="login")
+        form = body.login
+        injection = spec.parse_login(form.origin, form.username_field, form.password_field, form.form_action)
+        if body.hosts is not None:
+            raise errors.InvalidArgument("a login credential's host is its origin's: no hosts", field="hosts")
+        return injection
+    if body.method is not None or body.header is not None or body.query_param is not None:
+        return spec.parse_injection(body.method, body.header, body.query_param)
+    return None
 
 
 def _fields(body: PutCredential, injection: spec.Injection | None, store: Store) -> CredentialFields:
     """The metadata a PUT changes, validated; an explicit null clears expiry or rate."""
     explicit = body.model_fields_set
+    hosts = spec.normalize_hosts(body.hosts) if body.hosts is not None else None
+    if injection is not None and injection.login is not None:
+        hosts = [injection.login.host]
     return CredentialFields(
-        hosts=spec.normalize_hosts(body.hosts) if body.hosts is not None else None,
+        hosts=hosts,
         injection=injection,
         env_var=spec.validate_env_var(body.env_var) if body.env_var is not None else None,
         expires_at=spec.validate_expiry(body.expires_at, store.now()),
@@ -122,9 +166,7 @@ async def put_credential(name: str, body: PutCredential, who: Auth, services: Sv
     org_id, project_id, sandbox_id, scope_id = await owner(
         services, who, body.scope, body.project, body.sandbox_id
     )
-    injection = None
-    if body.method is not None or body.header is not None or body.query_param is not None:
-        injection = spec.parse_injection(body.method, body.header, body.query_param)
+    injection = _injection(body)
     value = await _checked_value(service, body, scope_id, name, injection)
     change = await asyncio.to_thread(
         service.put, org_id=org_id, project_id=project_id, sandbox_id=sandbox_id, scope=body.scope,
@@ -181,3 +223,48 @@ async def credential_audit(
         project_id=who.key.project_id, limit=limit, after_id=after,
     )  # fmt: skip
     return {"entries": [audit_view(e) for e in entries]}
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/credentials/{name}/login", response_model=LoginPlaceholders)
+async def login_placeholders(sandbox_id: str, name: str, who: Auth, services: Svc) -> dict[str, Any]:
+    """What to type into a login form (ADR 0063): the bound login credential's origin and, per form field,
+    the placeholder the egress gateway replaces in that origin's form submission. Never a value."""
+    who.require("member")
+    spec.validate_name(name)
+    service = credential_service(services)
+    sb = await sandbox_of(services, who.project_id, sandbox_id, "sandbox_id")
+    project = await asyncio.to_thread(services.store.get_project, sb.project_id)
+    if project is None:
+        raise errors.NotFound(f"project {sb.project_id} not found")
+    policy = await asyncio.to_thread(service.effective_egress, sb)
+    missing = errors.NotFound(f"no login credential {name!r} is bound to sandbox {sb.id}", field="name")
+    if policy is None or name not in policy.credentials:
+        raise missing
+    resolved = await asyncio.to_thread(
+        service.credentials.resolve, project.org_id, sb.project_id, sb.id, [name]
+    )
+    record = resolved.get(name)
+    if record is None or record.injection.login is None:
+        raise missing
+    if record.expired(services.store.now()):
+        raise errors.Conflict(f"credential {name!r} has expired (rotate it with a new expiry)", field="name")
+    form = record.injection.login
+    await asyncio.to_thread(
+        service.credentials.audit,
+        [
+            AuditEntry(
+                org_id=project.org_id, action="login_requested", actor=actor(who), project_id=sb.project_id,
+                sandbox_id=sb.id, credential_id=record.id, credential_name=name, scope=record.scope,
+                host=form.host, detail={"version": record.version},
+            )
+        ],
+    )  # fmt: skip
+    return {
+        "credential": name,
+        "origin": form.origin,
+        "form_action": form.form_action,
+        "fields": {
+            form.username_field: spec.login_username_placeholder(record.placeholder),
+            form.password_field: record.placeholder,
+        },
+    }

@@ -194,8 +194,14 @@ class Credential(_View):
     method: str
     header: str | None
     query_param: str | None
+    login: dict[str, str | None] | None = Field(
+        default=None, description="method 'login': origin, username_field, password_field, form_action"
+    )
     env_var: str
     placeholder: str
+    username_placeholder: str | None = Field(
+        default=None, description="method 'login': the username's placeholder (placeholder is the password's)"
+    )
     version: int
     expires_at: str | None
     expired: bool
@@ -203,6 +209,15 @@ class Credential(_View):
     created_at: str
     updated_at: str
     rotated_at: str
+
+
+class LoginPlaceholders(_View):
+    """What an agent types into a login form: placeholders the egress gateway replaces (ADR 0063)."""
+
+    credential: str
+    origin: str
+    form_action: str | None
+    fields: dict[str, str] = Field(description="form field name -> the placeholder to type into it")
 
 
 class CredentialChange(Credential):

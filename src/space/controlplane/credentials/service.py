@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from space.controlplane.credentials.spec import Scope, within_approval
+from space.controlplane.credentials.spec import Scope, split_login_value, within_approval
 from space.controlplane.credentials.vault import EncryptedLocalVault, VaultBackend
 from space.controlplane.store.credentials import (
     AuditEntry,
@@ -64,9 +64,10 @@ class NodeBundle:
             },
             "credentials": [
                 {
+                    **_login_wire(record, value),
                     "name": record.name,
                     "scope": record.scope,
-                    "value": value,
+                    "value": _wire_value(record, value),
                     "hosts": record.hosts,
                     "method": record.injection.method,
                     "header_name": record.injection.header_name,
@@ -83,6 +84,19 @@ class NodeBundle:
             "missing": self.missing,
             "expired": self.expired,
         }
+
+
+def _login_wire(record: CredentialRecord, value: str) -> dict[str, Any]:
+    """A login credential's form and username for the node (its `value` becomes the password alone)."""
+    login = record.injection.login
+    if record.injection.method != "login" or login is None:
+        return {}
+    username, _password = split_login_value(value)
+    return {**login.to_json(), "username": username}
+
+
+def _wire_value(record: CredentialRecord, value: str) -> str:
+    return split_login_value(value)[1] if record.injection.method == "login" else value
 
 
 class CredentialService:

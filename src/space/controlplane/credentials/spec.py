@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import functools
 import ipaddress
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -38,13 +39,14 @@ from publicsuffixlist import PublicSuffixList
 from pydantic import ValidationError
 
 from space.core import errors
+from space.node.egress.credentials import username_placeholder
 from space.node.egress.policy import ALWAYS_BLOCKED, PRIVATE, Destination, EgressPolicy, IPNetwork
 from space.node.egress.policy import normalize_host as gateway_normalize_host
 
 Scope = Literal["org", "project", "sandbox"]
-Method = Literal["header", "bearer", "basic", "query"]
+Method = Literal["header", "bearer", "basic", "query", "login"]
 SCOPES: Final[tuple[Scope, ...]] = ("org", "project", "sandbox")
-METHODS: Final[tuple[Method, ...]] = ("header", "bearer", "basic", "query")
+METHODS: Final[tuple[Method, ...]] = ("header", "bearer", "basic", "query", "login")
 # Most specific first: a sandbox's own credential shadows its project's, which shadows the org's.
 SCOPE_PRECEDENCE: Final[tuple[Scope, ...]] = ("sandbox", "project", "org")
 
@@ -52,6 +54,10 @@ NAME_PATTERN: Final = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 ENV_VAR_PATTERN: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 HEADER_NAME_PATTERN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")  # RFC 9110 token
 QUERY_PARAM_PATTERN: Final = re.compile(r"[A-Za-z0-9_.~-]{1,128}")
+# A login form's field name: what HTML allows in practice, minus controls and the form encodings' separators.
+FORM_FIELD_PATTERN: Final = re.compile(r"[^\x00-\x1f\x7f&=\"%+;\\]{1,128}")
+FORM_ACTION_PATTERN: Final = re.compile(r"/[A-Za-z0-9._~!$'()*+,;=:@/%-]{0,1023}")
+MAX_LOGIN_PART: Final = 4096
 MAX_HOSTS: Final = 64
 MAX_PRIVATE_NETWORKS: Final = 64
 _IPV4_CARRIERS: Final = (ipaddress.IPv6Network("::ffff:0:0/96"), ipaddress.IPv6Network("64:ff9b::/96"))
@@ -313,6 +319,29 @@ def normalize_policy(
 
 
 @dataclass(frozen=True, slots=True)
+class LoginForm:
+    """Where a `login` credential goes (ADR 0063): a form posted to `origin` (https://host[:port]) at
+    `form_action` (a path; None: any path of the origin), its values in these two fields."""
+
+    origin: str
+    username_field: str
+    password_field: str
+    form_action: str | None = None
+
+    @property
+    def host(self) -> str:
+        return _origin_parts(self.origin)[1]
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "origin": self.origin,
+            "username_field": self.username_field,
+            "password_field": self.password_field,
+            "form_action": self.form_action,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Injection:
     """How the gateway puts a value into a request to a bound host."""
 
@@ -320,12 +349,16 @@ class Injection:
     header_name: str | None = None
     header_template: str | None = None  # "{value}" is replaced by the value (basic: base64(value))
     query_param: str | None = None
+    login: LoginForm | None = None  # method "login" only
 
     def render(self, value: str) -> tuple[str, str]:
         """(header or query parameter name, what to send) for `value` (used by tests and the gateway)."""
         if self.method == "query":
             assert self.query_param is not None
             return self.query_param, value
+        if self.method == "login":
+            assert self.login is not None
+            return self.login.password_field, value
         assert self.header_name is not None and self.header_template is not None
         if self.method == "basic":
             value = base64.b64encode(value.encode()).decode()
@@ -341,6 +374,8 @@ def parse_injection(method: object, header: object = None, query_param: object =
         raise errors.InvalidArgument(
             f"invalid method {_quote(method)}: expected one of {list(METHODS)}", field="method"
         )
+    if method == "login":
+        raise errors.InvalidArgument("method 'login' needs login (origin and field names)", field="login")
     if method != "header" and header is not None:
         raise errors.InvalidArgument(
             f"header is only for method 'header' (method is {method!r})", field="header"
@@ -387,12 +422,96 @@ def _header_injection(header: object) -> Injection:
     return Injection("header", name, template)
 
 
+def _origin_parts(origin: str) -> tuple[str, str, int | None]:
+    scheme, _sep, rest = origin.partition("://")
+    host, _, port = rest.rpartition(":") if rest.count(":") == 1 else (rest, "", "")
+    return scheme, host, int(port) if port else None
+
+
+def parse_login(
+    origin: object, username_field: object, password_field: object, form_action: object = None
+) -> Injection:
+    """A `login` injection (ADR 0063): `origin` is https://host[:port] (a host name as for other
+    credentials, never an address; no path, user info, query), the two field names differ, and
+    `form_action` (optional) is an absolute path. Stored as the canonical `https://host[:port]`."""
+    if not isinstance(origin, str) or not origin.startswith("https://"):
+        raise errors.InvalidArgument(
+            "login.origin must be https://host[:port] (a login's values never cross the network in clear)",
+            field="login.origin",
+        )
+    rest = origin[len("https://") :].rstrip("/")
+    if not rest or any(ch in rest for ch in "/?#@[]"):
+        raise errors.InvalidArgument(
+            "invalid login.origin: https://host[:port] without path, query or user info, got "
+            + _quote(origin),
+            field="login.origin",
+        )
+    host_text, _, port_text = rest.partition(":")
+    host = normalize_host(host_text, "login.origin")
+    if host.startswith("*."):
+        raise errors.InvalidArgument("login.origin names one host, not a wildcard", field="login.origin")
+    port: int | None = None
+    if port_text:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise errors.InvalidArgument(
+                f"invalid login.origin port {_quote(port_text)}", field="login.origin"
+            )
+        port = int(port_text)
+    canonical = f"https://{host}" + (f":{port}" if port not in (None, 443) else "")
+    names: list[str] = []
+    for value, where in ((username_field, "login.username_field"), (password_field, "login.password_field")):
+        if not isinstance(value, str) or FORM_FIELD_PATTERN.fullmatch(value) is None:
+            raise errors.InvalidArgument(
+                f"invalid {where}: a form field name, got {_quote(value)}", field=where
+            )
+        names.append(value)
+    if names[0] == names[1]:
+        raise errors.InvalidArgument(
+            "login.username_field and login.password_field must differ", field="login"
+        )
+    if form_action is not None and (
+        not isinstance(form_action, str) or FORM_ACTION_PATTERN.fullmatch(form_action) is None
+    ):
+        raise errors.InvalidArgument(
+            f"invalid login.form_action: an absolute path such as '/session', got {_quote(form_action)}",
+            field="login.form_action",
+        )
+    return Injection("login", login=LoginForm(canonical, names[0], names[1], form_action))
+
+
+def login_value(username: object, password: object) -> bytes:
+    """What the vault holds for a login credential: its username and password as one JSON object."""
+    parts: dict[str, str] = {}
+    for value, where in ((username, "username"), (password, "password")):
+        if not isinstance(value, str) or not value or len(value) > MAX_LOGIN_PART:
+            raise errors.InvalidArgument(f"{where} must be a non-empty string (at most 4096)", field=where)
+        if any(ch in value for ch in "\0"):
+            raise errors.InvalidArgument(f"{where} may not contain NUL", field=where)
+        parts[where] = value
+    return json.dumps(parts).encode("utf-8")
+
+
+def login_username_placeholder(placeholder: str) -> str:
+    """A login credential's second placeholder (its username's), derived exactly as the gateway does."""
+    return username_placeholder(placeholder)
+
+
+def split_login_value(value: str) -> tuple[str, str]:
+    """(username, password) of a login credential's vault value (login_value)."""
+    parts = json.loads(value)
+    return str(parts["username"]), str(parts["password"])
+
+
 def validate_value(value: object, injection: Injection, field: str = "value") -> bytes:
     if not isinstance(value, str) or not value:
         raise errors.InvalidArgument(f"{field} must be a non-empty string", field=field)
     if any(ch in value for ch in "\r\n\0"):
         raise errors.InvalidArgument(
             f"{field} may not contain CR, LF or NUL (it is sent in headers)", field=field
+        )
+    if injection.method == "login":
+        raise errors.InvalidArgument(
+            "a login credential's value is given as username and password, not value", field=field
         )
     if injection.method == "basic" and ":" not in value:
         raise errors.InvalidArgument(f"method 'basic' needs {field} as 'user:password'", field=field)

@@ -274,7 +274,7 @@ class IdempotencyRecord(Base):
 # Read and written by the repositories of store/credentials/. Values of credentials are never in these
 # tables: only an opaque vault reference; the default vault keeps AES-GCM sealed values in `vault_secrets`.
 CREDENTIAL_SCOPES = ("org", "project", "sandbox")
-CREDENTIAL_METHODS = ("header", "bearer", "basic", "query")
+CREDENTIAL_METHODS = ("header", "bearer", "basic", "query", "login")
 ORG_KEY_SERVICES = ("local", "kms")
 ORG_KEY_STATES = ("active", "revoked")
 
@@ -301,6 +301,8 @@ class Credential(Base):
     header_name: Mapped[str | None] = mapped_column(String(128))
     header_template: Mapped[str | None] = mapped_column(Text)
     query_param: Mapped[str | None] = mapped_column(String(128))
+    # method "login" (migration 0012, ADR 0063): origin, username_field, password_field, form_action
+    login: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     env_var: Mapped[str] = mapped_column(String(128))
     placeholder: Mapped[str] = mapped_column(String(128), unique=True)
     vault: Mapped[str] = mapped_column(String(32))

@@ -125,7 +125,7 @@ class ControlPlaneCredentials:
 
 _CREDENTIAL_FIELDS = (
     "name", "value", "hosts", "method", "header_name", "header_template", "query_param", "placeholder",
-    "rate_per_minute", "expires_at",
+    "rate_per_minute", "expires_at", "username", "origin", "username_field", "password_field", "form_action",
 )  # fmt: skip
 
 

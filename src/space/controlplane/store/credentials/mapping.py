@@ -1,14 +1,14 @@
 """Rows of the credential tables to their records, by the generic RowMapper of store/mapping.py.
 
-A credential's injection is stored as four columns (method, header name, header template, query
-parameter) and handed out as one `Injection`: the one field derived rather than read.
+A credential's injection is stored as five columns (method, header name, header template, query
+parameter, login form) and handed out as one `Injection`: the one field derived rather than read.
 """
 
 from __future__ import annotations
 
 from typing import cast
 
-from space.controlplane.credentials.spec import Injection, Method
+from space.controlplane.credentials.spec import Injection, LoginForm, Method
 from space.controlplane.store.credentials.records import (
     AuditRecord,
     CredentialRecord,
@@ -20,7 +20,8 @@ from space.controlplane.store.models import Credential
 
 
 def _injection(row: Credential) -> Injection:
-    return Injection(cast(Method, row.method), row.header_name, row.header_template, row.query_param)
+    login = LoginForm(**row.login) if row.login else None
+    return Injection(cast(Method, row.method), row.header_name, row.header_template, row.query_param, login)
 
 
 credential_record = RowMapper(CredentialRecord, injection=_injection)

@@ -83,6 +83,7 @@ def _new_row(
         header_name=injection.header_name,
         header_template=injection.header_template,
         query_param=injection.query_param,
+        login=injection.login.to_json() if injection.login else None,
         env_var=fields.env_var or default_env_var(name),
         placeholder=new_placeholder(name),
         vault=vault,
@@ -106,6 +107,7 @@ def _update_metadata(row: Credential, fields: CredentialFields) -> None:
         row.header_name = fields.injection.header_name
         row.header_template = fields.injection.header_template
         row.query_param = fields.injection.query_param
+        row.login = fields.injection.login.to_json() if fields.injection.login else None
     if fields.env_var is not None:
         row.env_var = fields.env_var
     if fields.clear_expiry:

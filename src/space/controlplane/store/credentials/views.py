@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from space.controlplane.credentials.spec import login_username_placeholder
 from space.controlplane.store.credentials.records import CredentialRecord, EgressRecord
 
 
@@ -37,8 +38,12 @@ def credential_view(record: CredentialRecord, now: datetime) -> Mapping[str, Any
             else None
         ),
         "query_param": record.injection.query_param,
+        "login": record.injection.login.to_json() if record.injection.login else None,
         "env_var": record.env_var,
         "placeholder": record.placeholder,
+        "username_placeholder": (
+            login_username_placeholder(record.placeholder) if record.injection.method == "login" else None
+        ),
         "version": record.version,
         "expires_at": record.expires_at.isoformat() if record.expires_at else None,
         "expired": record.expired(now),
