@@ -33,6 +33,7 @@ import typer
 from rich.console import Console
 
 from space.cli.installation import DEFAULT_DATA_DIR, alive, state_file, stop_leftovers, supervisor_pid
+from space.cli.nodes import node_app
 from space.controlplane.supervisor import Emit
 from space.core import errors
 from space.node import filemodes
@@ -265,23 +266,6 @@ def _down_without_supervisor(data_dir: pathlib.Path, *, purge: bool) -> None:
         stderr.print(f"error: {exc.code}: {exc.message}")
         raise typer.Exit(1) from exc
     stderr.print(f"SPACE was not running; {data_dir} purged")
-
-
-node_app = typer.Typer(help="This machine's node.", no_args_is_help=True)
-
-
-@node_app.command("cleanup")
-def node_cleanup(
-    data_dirs: Annotated[list[pathlib.Path] | None, typer.Argument(help="node data directories")] = None,
-    all_test_dirs: Annotated[
-        bool, typer.Option("--all-test-dirs", help="also every directory the test suites left in /var/tmp")
-    ] = False,
-) -> None:
-    """Tear down what a crashed run left of a node (sandboxes, network, mounts) and remove its directory."""
-    from space.node import cleanup  # the node's machinery is imported by the command that runs it
-
-    argv = [str(path) for path in data_dirs or []] + (["--all-test-dirs"] if all_test_dirs else [])
-    raise typer.Exit(cleanup.main(argv))
 
 
 def register(app: typer.Typer) -> None:

@@ -19,7 +19,8 @@ Invariants:
   settles; a failed sandbox holds nothing and does not keep a node from being drained.
 - A node becomes `drained` only when no sandbox but failed ones is recorded on it and nothing it moved
   waits for its wish: a drained node is empty and can be removed.
-- An uncordon ends a drain: sandboxes not yet off the node get their wish back in place; ones already
+- An uncordon ends a drain: sandboxes not yet off the node get their wish back in place once no step is
+  in flight (also after a suspend that failed for good, e.g. without object storage); ones already
   suspended are restored as usual.
 """
 
@@ -31,7 +32,7 @@ import logging
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
 from space.core import errors, node_states
-from space.core.lifecycle import State
+from space.core.lifecycle import IN_PROGRESS_STATES, State
 from space.core.node_states import NodeAdmin, NodeAdminEvent
 
 log = logging.getLogger("space.controlplane.drain")
@@ -73,7 +74,7 @@ def _give_back(store: Store, node: NodeRecord, sandbox_id: str, wish: str, drain
         store.note_drain(node.id, sandbox_id, None)
         return None
     if sb.node_id == node.id:
-        if draining or sb.state != sb.desired_state:
+        if draining or sb.state in IN_PROGRESS_STATES:
             return False  # still being moved off; or (uncordoned meanwhile) mid-step: wait until it settles
     elif not (sb.state == State.SUSPENDED and sb.desired_state == State.SUSPENDED):
         store.note_drain(node.id, sandbox_id, None)  # moved elsewhere already, or its owner changed it

@@ -34,6 +34,7 @@ from space.controlplane.api import (
     events,
     jobs,
     limits,
+    node_admin,
     node_routes,
     overview,
     projects,
@@ -113,6 +114,7 @@ def create_app(
     app.include_router(templates.router, prefix="/v1")  # ADR 0055
     app.include_router(code.router, prefix="/v1")  # run_code in the sandbox's kernel (ADR 0058)
     app.include_router(overview.router, prefix="/v1")  # whoami, sandbox updates, nodes (ADR 0061)
+    app.include_router(node_admin.router, prefix="/v1")  # cordon, drain, remove nodes (ADR 0065)
     console.mount(app)  # the web console's static files at /console/ (ADR 0061)
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):

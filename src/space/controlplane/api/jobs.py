@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from space.controlplane.api.deps import Services
+from space.controlplane.node_drain import drain_round
 from space.controlplane.retention import RetentionSettings, purge_expired
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import report_lost_node_crashes
@@ -112,6 +113,12 @@ async def pause_idle(services: Services) -> None:
                 services.reconciler.poke()
 
 
+async def _drain_nodes(services: Services) -> None:
+    """Move sandboxes off the nodes an operator drains (space.controlplane.node_drain, ADR 0065)."""
+    if await asyncio.to_thread(drain_round, services.store):
+        services.reconciler.poke()
+
+
 async def _mark_lost(services: Services) -> None:
     await asyncio.to_thread(services.store.mark_lost, services.settings.node_lost_after_s)
 
@@ -132,6 +139,7 @@ JOBS: tuple[Job, ...] = (
     # replica, the nodes (which fenced if it lasted longer than their lease) get to report first.
     Job(1.0, _mark_lost, "marking lost nodes", warm_up_s=lambda settings: settings.node_lost_after_s),
     Job(5.0, lambda s: s.reconciler.collect_orphans(), "collecting orphans"),
+    Job(1.0, _drain_nodes, "draining nodes"),
     Job(1.0, _scheduled_snapshots, "taking scheduled snapshots", once_per_cluster=True),
     Job(2.0, lambda s: s.snapshots.collect(), "removing deleted snapshots"),
     Job(

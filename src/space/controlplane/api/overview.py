@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from space.controlplane.api.deps import Auth, Principal, Services, Svc, authenticate, require_org_admin
+from space.controlplane.api.node_admin import Nodes, list_views
 from space.controlplane.api.views import _View, sandbox_view
 from space.controlplane.store.sandbox_listing import MAX_PAGE, SandboxQuery
 from space.core import errors
@@ -55,22 +56,6 @@ class WhoAmI(_View):
     org_key: bool = Field(description="An organisation-wide key (not bound to one project).")
 
 
-class NodeView(_View):
-    id: str
-    status: str
-    capacity: dict[str, Any]
-    used: dict[str, Any]
-    templates: list[str]
-    pools: dict[str, int] | None = Field(description="Ready pooled sandboxes per template (null: unknown).")
-    labels: dict[str, str]
-    last_heartbeat_at: str
-    registered_at: str
-
-
-class Nodes(_View):
-    nodes: list[NodeView]
-
-
 @router.get("/whoami", response_model=WhoAmI)
 async def whoami(who: Auth) -> dict[str, Any]:
     key = who.key
@@ -87,23 +72,7 @@ async def whoami(who: Auth) -> dict[str, Any]:
 @router.get("/cluster/nodes", response_model=Nodes)
 async def list_nodes(who: Auth, services: Svc) -> dict[str, Any]:
     require_org_admin(who, "list the cluster's nodes")
-    nodes = await asyncio.to_thread(services.store.list_nodes, None)
-    return {
-        "nodes": [
-            {
-                "id": node.id,
-                "status": node.status,
-                "capacity": node.capacity,
-                "used": node.used,
-                "templates": node.templates,
-                "pools": node.pools,
-                "labels": node.labels,
-                "last_heartbeat_at": node.last_heartbeat_at.isoformat(),
-                "registered_at": node.registered_at.isoformat(),
-            }
-            for node in nodes
-        ]
-    }
+    return {"nodes": await list_views(services)}  # one view for the console and `space node list`
 
 
 @router.get("/sandbox-updates", response_model=None, responses=SSE_ANSWER)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Final, get_args
 
-from sqlalchemy import case, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session
 
 from space.controlplane.store.database import Repository
@@ -371,3 +371,13 @@ class NodeRepository(Repository):
                 labels[key] = desired
             row.labels = labels
             return True
+
+    def sandboxes_per_node(self) -> dict[str, int]:
+        """node id -> how many sandboxes (any state but deleted) are recorded on it."""
+        query = (
+            select(Sandbox.node_id, func.count())
+            .where(Sandbox.node_id.is_not(None), Sandbox.state != State.DELETED.value)
+            .group_by(Sandbox.node_id)
+        )
+        with self._tx("counting sandboxes per node") as session:
+            return {str(node_id): int(count) for node_id, count in session.execute(query).all()}

@@ -6,7 +6,7 @@ AsyncHTTP -> SyncHTTP). What differs beyond that lives in space.sdk._backend; wh
 space.sdk.models and space.sdk._policy. `make check` fails while the generated copy is stale.
 """
 
-from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
+from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncNodes, AsyncProjects
 from space.sdk._async.client import AsyncSpace
 from space.sdk._async.files import AsyncFiles
 from space.sdk._async.processes import AsyncProcess, AsyncProcesses
@@ -23,6 +23,7 @@ __all__ = [
     "AsyncCredentials",
     "AsyncFiles",
     "AsyncKeys",
+    "AsyncNodes",
     "AsyncProcess",
     "AsyncProcesses",
     "AsyncProjectSnapshots",

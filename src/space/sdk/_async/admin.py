@@ -1,4 +1,5 @@
-"""The organisation's resources: projects, API keys, and the credentials the egress gateway injects.
+"""The organisation's resources: projects, API keys, the credentials the egress gateway injects, and (for
+an organisation admin key) the cluster's nodes (docs/adr/0065-node-operations.md).
 
 Invariants:
 - A secret is shown once: an API key's `.key` only in the answer that created it; a credential's value
@@ -14,8 +15,9 @@ from typing import Any
 
 from space.sdk._async.http import AsyncHTTP
 from space.sdk.models import ApiKey, Credential, Project, credential_body, seg
+from space.sdk.node_models import Node
 
-__all__ = ["AsyncCredentials", "AsyncKeys", "AsyncProjects"]
+__all__ = ["AsyncCredentials", "AsyncKeys", "AsyncNodes", "AsyncProjects"]
 
 
 class AsyncProjects:
@@ -110,3 +112,32 @@ class AsyncCredentials:
         params = {"scope": scope, "sandbox_id": sandbox_id, "after": after, "limit": limit}
         answer = await self._http.json("GET", f"/v1/credentials/{seg(name)}/audit", params=params)
         return [dict(entry) for entry in answer.get("entries", [])]
+
+
+class AsyncNodes:
+    """The cluster's nodes: an organisation admin key's view and the operator's hold on each."""
+
+    def __init__(self, http: AsyncHTTP) -> None:
+        self._http = http
+
+    async def list(self) -> builtins.list[Node]:
+        answer = await self._http.json("GET", "/v1/cluster/nodes")
+        return [Node(item) for item in answer.get("nodes", [])]
+
+    async def get(self, node_id: str) -> Node:
+        return Node(await self._http.json("GET", f"/v1/cluster/nodes/{seg(node_id)}"))
+
+    async def cordon(self, node_id: str) -> Node:
+        """No new sandbox is placed on the node; its sandboxes stay."""
+        return Node(await self._http.json("POST", f"/v1/cluster/nodes/{seg(node_id)}/cordon"))
+
+    async def uncordon(self, node_id: str) -> Node:
+        return Node(await self._http.json("POST", f"/v1/cluster/nodes/{seg(node_id)}/uncordon"))
+
+    async def drain(self, node_id: str) -> Node:
+        """Cordon and move every sandbox off the node; poll `get` until `.admin == "drained"`."""
+        return Node(await self._http.json("POST", f"/v1/cluster/nodes/{seg(node_id)}/drain"))
+
+    async def remove(self, node_id: str) -> None:
+        """Forget a drained (or empty, cordoned, lost or offline) node; its agent is refused after."""
+        await self._http.json("DELETE", f"/v1/cluster/nodes/{seg(node_id)}")

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncProjects
+from space.sdk._async.admin import AsyncCredentials, AsyncKeys, AsyncNodes, AsyncProjects
 from space.sdk._async.http import AsyncHTTP
 from space.sdk._async.sandboxes import AsyncProjectSnapshots, AsyncSandboxes
 from space.sdk._async.templates import AsyncTemplates
@@ -57,6 +57,8 @@ class AsyncSpace:
         )
         self.sandboxes = AsyncSandboxes(self._http)
         self.projects = AsyncProjects(self._http)
+        #: The cluster's nodes (organisation admin keys only, ADR 0065).
+        self.nodes = AsyncNodes(self._http)
         self.keys = AsyncKeys(self._http)
         self.credentials = AsyncCredentials(self._http)
         self.templates = AsyncTemplates(self._http)

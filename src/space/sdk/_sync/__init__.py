@@ -9,7 +9,7 @@ AsyncHTTP -> SyncHTTP). What differs beyond that lives in space.sdk._backend; wh
 space.sdk.models and space.sdk._policy. `make check` fails while the generated copy is stale.
 """
 
-from space.sdk._sync.admin import Credentials, Keys, Projects
+from space.sdk._sync.admin import Credentials, Keys, Nodes, Projects
 from space.sdk._sync.client import Space
 from space.sdk._sync.files import Files
 from space.sdk._sync.processes import Process, Processes
@@ -26,6 +26,7 @@ __all__ = [
     "Credentials",
     "Files",
     "Keys",
+    "Nodes",
     "Process",
     "Processes",
     "ProjectSnapshots",

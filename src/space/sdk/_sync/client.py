@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from space.sdk._sync.admin import Credentials, Keys, Projects
+from space.sdk._sync.admin import Credentials, Keys, Nodes, Projects
 from space.sdk._sync.http import SyncHTTP
 from space.sdk._sync.sandboxes import ProjectSnapshots, Sandboxes
 from space.sdk._sync.templates import Templates
@@ -60,6 +60,8 @@ class Space:
         )
         self.sandboxes = Sandboxes(self._http)
         self.projects = Projects(self._http)
+        #: The cluster's nodes (organisation admin keys only, ADR 0065).
+        self.nodes = Nodes(self._http)
         self.keys = Keys(self._http)
         self.credentials = Credentials(self._http)
         self.templates = Templates(self._http)
