@@ -466,3 +466,28 @@ def test_a_lost_nodes_sandbox_comes_back_on_the_other_node(two_nodes: TwoNodeClu
         if lost is not None and not lost.agent.alive:
             two.start_agent(lost)
         delete_quietly(two, sb)
+
+
+# -- 5 -------------------------------------------------------------------------------------------------------
+def test_draining_a_node_moves_its_sandbox_to_the_other_with_its_files(two_nodes: TwoNodeCluster) -> None:
+    """`space node drain` (ADR 0065) through the SDK: the running sandbox is suspended off the drained node
+    and restored on the other, which answers with its file; the drained node holds nothing of it."""
+    two = two_nodes
+    sb = two.sdk.sandboxes.create(limits=LIMITS)
+    source_id = ""
+    try:
+        sb.files.write("/work/kept.txt", b"kept across the drain\n")
+        source = two.node(two.record(sb.id).node_id)
+        target, source_id = two.other(source), two.node_id(source)
+        assert two.sdk.nodes.drain(source_id).admin == "draining"
+        c.wait_for(lambda: two.sdk.nodes.get(source_id).admin == "drained", timeout=120, what="drained")
+        moved = two.wait_settled(sb.id, State.RUNNING)
+        assert moved.node_id == two.node_id(target)
+        assert sb.files.read("/work/kept.txt") == b"kept across the drain\n"
+        assert sb.exec("cat /work/kept.txt").stdout == "kept across the drain\n"
+        c.wait_for(lambda: two.holding(sb.id) == {target.name: "running"}, timeout=30, what="one copy")
+        assert two.sdk.nodes.get(source_id).sandboxes == 0
+    finally:
+        if source_id:
+            two.sdk.nodes.uncordon(source_id)
+        delete_quietly(two, sb)
