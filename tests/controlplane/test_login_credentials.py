@@ -17,6 +17,7 @@ from space.core.ids import new_sandbox_id
 from space.node.agent.credential_manager import ControlPlaneCredentials
 from space.node.agent.identity import IdentityAuth, NodeIdentity
 from tests.support import cluster as c
+from tests.support.mcp_clients import over_http
 from tests.support.node_identity import as_node
 
 fake_cluster = c.fake_cluster
@@ -84,6 +85,16 @@ def test_login_credentials_end_to_end_through_the_api(fake_cluster: c.Cluster, p
     assert "login_requested" in [
         e["action"] for e in client.get("/v1/credentials/site/audit").json()["entries"]
     ]
+    # The same through the SDK and the MCP tool (the caller's member key).
+    with project.sdk() as sp:
+        assert sp.sandboxes.ref(sid).login_placeholders("site") == answer.json()
+
+    async def over_mcp() -> str:
+        async with over_http(fake_cluster.url, project.key) as mcp:
+            return await mcp.ok("login_placeholders", {"id": sid, "credential": "site"})
+
+    text = asyncio.run(over_mcp())
+    assert "https://login.example.com" in text and f"pw={body['placeholder']}" in text
 
     # The node's bundle: the password as the value, the username beside it, the form; the node's manager
     # makes a gateway credential of it that matches exactly the form's origin and action.

@@ -188,6 +188,7 @@ BY_ID = {
     "rollback": {"snapshot_id": new_snapshot_id()},
     "fork": {"count": 1},
     "set_egress_policy": {"allow": ["*.example.com"]},
+    "login_placeholders": {"credential": "site"},
 }
 
 

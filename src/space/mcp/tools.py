@@ -4,7 +4,8 @@ through SPACE's async SDK on the client `clients(ctx)` hands them for each call.
 Tools (argument names are those agents know from Daytona's MCP server and E2B's SDK: `id` for the
 sandbox, `command`, `cwd`, `timeout`, `path`, `content` + `encoding`, `code`): create_sandbox,
 list_sandboxes, delete_sandbox, execute_command, run_code, read_file, write_file, list_files,
-pause_sandbox, resume_sandbox, snapshot, list_snapshots, rollback, fork, set_egress_policy.
+pause_sandbox, resume_sandbox, snapshot, list_snapshots, rollback, fork, set_egress_policy,
+login_placeholders.
 
 Invariants:
 - Every argument is bounded in the schema (lengths, counts, ranges), so an oversized argument is refused
@@ -254,6 +255,24 @@ class SpaceTools:
             f" deny {policy.get('deny') or 'nothing'}."
         )
 
+    async def login_placeholders(
+        self,
+        ctx: ToolContext,
+        *,
+        id: SandboxId,
+        credential: Annotated[
+            str, Field(min_length=1, max_length=64, description="A login credential bound to the sandbox.")
+        ],
+    ) -> str:
+        """What to type into a site's login form for a `login` credential bound to the sandbox: the origin
+        and, per form field, a placeholder. SPACE's egress gateway replaces the placeholders with the real
+        username and password only when that form is submitted to that origin; the sandbox never sees them."""
+        async with self.acting(ctx) as space:
+            answer = await space.sandboxes.ref(id).login_placeholders(credential)
+        fields = ", ".join(f"{name}={value}" for name, value in answer.get("fields", {}).items())
+        action = answer.get("form_action") or "its login form"
+        return f"Log in at {answer.get('origin')} ({action}) with {fields}."
+
     # -- commands and code -------------------------------------------------------------------------------
     async def execute_command(
         self,
@@ -385,6 +404,7 @@ TOOLS: tuple[tuple[str, ToolAnnotations], ...] = (
     ("rollback", DESTROYS),
     ("fork", CHANGES),
     ("set_egress_policy", CHANGES),
+    ("login_placeholders", CHANGES),
 )
 
 

@@ -320,6 +320,13 @@ class AsyncSandbox:
         body = egress_body(allow, deny, credentials)
         return dict(await self._http.json("PUT", f"{self.path}/egress", json_body=body))
 
+    async def login_placeholders(self, credential: str) -> dict[str, Any]:
+        """What to type into the login form of `credential` (a `login` credential bound to this sandbox):
+        {"credential", "origin", "form_action", "fields": {field: placeholder}}. The egress gateway replaces
+        the placeholders with the username and password only in that origin's form submission (ADR 0063)."""
+        path = f"{self.path}/credentials/{seg(credential)}/login"
+        return dict(await self._http.json("POST", path))
+
     # commands ----------------------------------------------------------------------------------------
 
     async def exec(
