@@ -6,6 +6,7 @@ node is uncordoned again whatever happens. (What a drain moves: tests/controlpla
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -76,3 +77,31 @@ def test_cordon_stops_placement_and_remove_refuses_a_node_with_sandboxes(
             lambda: space.sandboxes.get(waiting.id).state == "running", timeout=20, what="placed again"
         )
     assert fake_cluster.store.get_node(node.id) is not None
+
+
+def test_the_cli(fake_cluster: c.Cluster, project: c.Project, admin: Space) -> None:
+    """`space node list|cordon|uncordon|remove` against the shared node (a drain would move other tests'
+    sandboxes: the real two-node test drives that), and the CLI's errors for a project key and an
+    unknown node."""
+    from typer.testing import CliRunner
+
+    from space.cli.main import app
+
+    node_id = admin.nodes.list()[0].id
+
+    def space(key: str, *args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, ["--url", fake_cluster.url, "--api-key", key, "node", *args])
+        return result.exit_code, result.output
+
+    admin_key = fake_cluster.admin_key
+    assert space(admin_key, "cordon", node_id) == (0, f"{node_id}: cordoned\n")
+    code, listed = space(admin_key, "list")
+    assert code == 0 and "ADMIN" in listed and f"{node_id}  ready" in listed and "cordoned" in listed, listed
+    code, as_json = space(admin_key, "list", "--json")
+    assert code == 0 and json.loads(as_json)[0]["admin"] == "cordoned"
+    assert space(admin_key, "uncordon", node_id) == (0, f"{node_id}: active\n")
+    code, refused = space(project.key, "cordon", node_id)
+    assert code != 0 and "permission_denied" in refused, refused
+    code, missing = space(admin_key, "remove", "node-aaaaaaaaaaaaaaaaaaaaaaaaaa")
+    assert code != 0 and "not_found" in missing, missing
+    assert admin.nodes.get(node_id).admin == "active"

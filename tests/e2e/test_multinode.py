@@ -470,7 +470,7 @@ def test_a_lost_nodes_sandbox_comes_back_on_the_other_node(two_nodes: TwoNodeClu
 
 # -- 5 -------------------------------------------------------------------------------------------------------
 def test_draining_a_node_moves_its_sandbox_to_the_other_with_its_files(two_nodes: TwoNodeCluster) -> None:
-    """`space node drain` (ADR 0065) through the SDK: the running sandbox is suspended off the drained node
+    """`space node drain --wait` (ADR 0065): the running sandbox is suspended off the drained node
     and restored on the other, which answers with its file; the drained node holds nothing of it."""
     two = two_nodes
     sb = two.sdk.sandboxes.create(limits=LIMITS)
@@ -479,8 +479,13 @@ def test_draining_a_node_moves_its_sandbox_to_the_other_with_its_files(two_nodes
         sb.files.write("/work/kept.txt", b"kept across the drain\n")
         source = two.node(two.record(sb.id).node_id)
         target, source_id = two.other(source), two.node_id(source)
-        assert two.sdk.nodes.drain(source_id).admin == "draining"
-        c.wait_for(lambda: two.sdk.nodes.get(source_id).admin == "drained", timeout=120, what="drained")
+        from typer.testing import CliRunner
+
+        from space.cli.main import app
+
+        drain = ["--url", two.cp.url, "--api-key", two.admin_key, "node", "drain", source_id, "--wait"]
+        result = CliRunner().invoke(app, [*drain, "--timeout", "120"])
+        assert result.exit_code == 0 and result.stdout.endswith(f"{source_id}: drained\n"), result.output
         moved = two.wait_settled(sb.id, State.RUNNING)
         assert moved.node_id == two.node_id(target)
         assert sb.files.read("/work/kept.txt") == b"kept across the drain\n"
