@@ -188,3 +188,29 @@ def test_a_login_credential_cannot_be_repointed_by_hosts_or_turned_into_another_
     error(put(client, "plain", login=FORM, username="u", password="p"), 400, "invalid_argument")
     moved = put(client, "fixed", login=FORM | {"origin": "https://auth.example.com"})
     assert moved.status_code == 200 and moved.json()["hosts"] == ["auth.example.com"]
+
+
+def test_sdk_and_cli_create_login_credentials_without_echoing_them(project: c.Project) -> None:
+    from typer.testing import CliRunner
+
+    from space.cli.main import app
+
+    key = project.new_key("admin")[1]
+    password = "cli-pw-" + secrets.token_hex(8)
+    with project.cluster.sdk(key) as sp:
+        made = sp.credentials.set("sdk-login", login=FORM, username="sdk-user", password=password)
+        assert made["method"] == "login" and made["hosts"] == ["login.example.com"]
+    result = CliRunner().invoke(
+        app,
+        ["--url", project.cluster.url, "--api-key", key, "credential", "set", "cli-login",
+         "--login-origin", "https://login.example.com", "--username-field", "email",
+         "--password-field", "pw", "--username", "cli-user", "--password", "-", "--json"],
+        input=password + "\n",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert password not in result.output and "cli-user" not in result.output
+    shown = admin(project).get("/v1/credentials").json()["credentials"]
+    logins = {x["name"]: x["login"] for x in shown if x["method"] == "login"}
+    assert logins["cli-login"] == {"origin": "https://login.example.com", "username_field": "email",
+                                   "password_field": "pw", "form_action": None}  # fmt: skip
+    assert set(logins) == {"sdk-login", "cli-login"}

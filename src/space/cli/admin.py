@@ -101,16 +101,34 @@ def credential_set(  # noqa: PLR0917
         int | None, typer.Option("--rate-per-minute", help="Uses allowed per minute at the gateway.")
     ] = None,
     project: Annotated[str | None, typer.Option("--project", metavar="P", help="Project name or id.")] = None,
+    login_origin: Annotated[
+        str | None, typer.Option("--login-origin", help="A login credential's https://host[:port].")
+    ] = None,
+    username_field: Annotated[str | None, typer.Option("--username-field", help="Its form's field.")] = None,
+    password_field: Annotated[str | None, typer.Option("--password-field", help="Its form's field.")] = None,
+    form_action: Annotated[str | None, typer.Option("--form-action", help="The path it posts to.")] = None,
+    username: Annotated[str | None, typer.Option("--username", help="A login's username.")] = None,
+    password: Annotated[
+        str | None, typer.Option("--password", help="A login's password ('-' reads it from stdin).")
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Store, update or rotate a credential; sandboxes see a placeholder, the gateway injects the value."""
+    """Store, update or rotate a credential; sandboxes see a placeholder, the gateway injects the value.
+    A login (ADR 0063): --login-origin, --username-field, --password-field [--form-action], --username and
+    --password instead of --value and --host."""
     secret = value
     if value == "-":
         secret = binary_stream("stdin").read().decode("utf-8").rstrip("\r\n")
+    if password == "-":  # noqa: S105 - "-" means "read it from stdin", not a password
+        password = binary_stream("stdin").read().decode("utf-8").rstrip("\r\n")
+    login = None
+    if login_origin is not None or username_field is not None or password_field is not None:
+        login = {"origin": login_origin, "username_field": username_field, "password_field": password_field,
+                 "form_action": form_action}  # fmt: skip
     credential = client().credentials.set(
         name, value=secret, hosts=host or None, header=header, project=project, method=method,
         query_param=query_param, scope=scope, sandbox_id=sandbox, env_var=env_var, expires_at=expires_at,
-        rate_per_minute=rate_per_minute,
+        rate_per_minute=rate_per_minute, login=login, username=username, password=password,
     )  # fmt: skip
     if as_json:
         print_json(credential.data)

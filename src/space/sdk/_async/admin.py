@@ -9,7 +9,7 @@ Invariants:
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -76,16 +76,22 @@ class AsyncCredentials:
         env_var: str | None = None,
         expires_at: datetime | str | None = None,
         rate_per_minute: int | None = None,
+        login: Mapping[str, str | None] | None = None,
+        username: str | None = None,
+        password: str | None = None,
     ) -> Credential:
         """Create, update or rotate (a new `value`) a credential. `header` is e.g. 'Authorization: Bearer
         {value}'; or `method` "bearer" (default), "basic" (value 'user:password') or "query" (with
         `query_param`). `scope` is "project" (default), "org" (org admin keys) or "sandbox" (with
-        `sandbox_id`); the most specific one of a name wins for a sandbox."""
+        `sandbox_id`); the most specific one of a name wins for a sandbox. A `login` credential (ADR 0063)
+        takes `login` ({"origin": "https://host", "username_field", "password_field", "form_action"?}),
+        `username` and `password` instead of value and hosts."""
         host_list = [hosts] if isinstance(hosts, str) else (list(hosts) if hosts is not None else None)
         body = credential_body(
             name, value=value, hosts=host_list, header=header, project=project, method=method,
             query_param=query_param, scope=scope, sandbox_id=sandbox_id, env_var=env_var,
-            expires_at=expires_at, rate_per_minute=rate_per_minute,
+            expires_at=expires_at, rate_per_minute=rate_per_minute, login=login, username=username,
+            password=password,
         )  # fmt: skip
         return Credential(await self._http.json("PUT", f"/v1/credentials/{seg(name)}", json_body=body))
 
