@@ -107,7 +107,17 @@ def test_drain_moves_running_paused_and_stopped_sandboxes_with_their_files(world
     again = world.store.get_node(a)
     assert again is not None and node_states.of_labels(again.labels) is NodeAdmin.DRAINED
     assert again.labels["zone"] == "z1"
+    # The API's path: a node that was lost, or left cleanly (offline), registers with its identity.
+    world.store.register_node(node.url, "tok", capacity=node.capacity, identity="identity-of-a")
+    for status in ("lost", "offline"):
+        world.store.set_node_status(a, status)  # type: ignore[arg-type]
+        back = world.store.reregister_node(a, "identity-of-a", node.url, rpc_token_sealed=b"sealed")
+        assert back is not None and back.status == "ready"
+        assert node_states.of_labels(back.labels) is NodeAdmin.DRAINED
+    world.store.heartbeat(a, used={})
     assert a not in [n.id for n in scheduler.schedulable_nodes(world.store, None)]
+    world.store.node_admin_event(a, NodeAdminEvent.UNCORDON)
+    assert a in [n.id for n in scheduler.schedulable_nodes(world.store, None)]
 
 
 def test_drain_without_room_leaves_sandboxes_suspended_then_restores_them(world: World) -> None:
