@@ -8,7 +8,8 @@ Where each part comes from (the report says so in `sources`):
 - the control plane's health: GET /healthz at the url the supervisor recorded (no key needed), and the
   E2B front's: GET /health of its control API (docs/e2b.md; a port it could not bind shows here);
 - the nodes (status, capacity, use, last heartbeat): the control plane's own database in DATA_DIR, read
-  directly, so they are shown even when the API is down (the API has no route that lists nodes).
+  directly, so they are shown even when the API is down (`space node list` asks the API, with an org
+  admin key); with the operator's hold on each (`admin`: active, cordoned, draining, drained, ADR 0065).
 
 Exit code 0 when the supervisor runs, 6 (unavailable) when it does not; `--json` prints JSON only.
 """
@@ -87,6 +88,7 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     # Imported here: SQLAlchemy and the store cost every other `space` command ~0.4 s of start-up.
     from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
     from space.controlplane.store.store import Store
+    from space.core import node_states
 
     if not (data_dir / SQLITE_FILENAME).is_file():
         return None
@@ -101,7 +103,8 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     finally:
         store.close()
     return [
-        {"id": node.id, "url": node.url, "status": node.status, "capacity": node.capacity, "used": node.used,
+        {"id": node.id, "url": node.url, "status": node.status,
+         "admin": node_states.of_labels(node.labels).value, "capacity": node.capacity, "used": node.used,
          "last_heartbeat_at": node.last_heartbeat_at.isoformat()}
         for node in nodes
     ]  # fmt: skip
@@ -145,7 +148,8 @@ def render(report: dict[str, Any]) -> str:
     for node in nodes or []:
         cap, used = node["capacity"], node["used"]
         lines.append(
-            f"node {node['id']} {node['status']} at {node['url']}: sandboxes {used.get('sandboxes', 0)}/"
+            f"node {node['id']} {node['status']} ({node.get('admin', 'active')}) at {node['url']}: "
+            f"sandboxes {used.get('sandboxes', 0)}/"
             f"{cap.get('sandboxes', '?')}, cpus {cap.get('cpus', '?')}, mem {cap.get('memory_mb', '?')} MiB"
         )
     return "\n".join(lines)
