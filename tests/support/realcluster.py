@@ -217,9 +217,9 @@ class TwoNodeCluster:
 
     @contextlib.contextmanager
     def drained(self, node: ClusterNode) -> Iterator[None]:
-        """Keep the scheduler off `node` (status `draining`: not a candidate, its sandboxes stay). There is
-        no API to drain a node yet, so this is set in the database; a node that registers again (an agent
-        restart) becomes `ready`, so restart only the OTHER node's agent inside this block."""
+        """Keep the scheduler off `node` (status `draining`: not a candidate, its sandboxes stay), set in
+        the database: unlike a cordon (ADR 0065, kept across registrations) a node that registers again (an
+        agent restart) becomes `ready`, so restart only the OTHER node's agent inside this block."""
         node_id = self.node_id(node)
         self.db.set_node_status(node_id, "draining")
         try:
