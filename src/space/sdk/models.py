@@ -435,9 +435,6 @@ def credential_body(
     env_var: str | None = None,
     expires_at: datetime | str | None = None,
     rate_per_minute: int | None = None,
-    login: Mapping[str, str | None] | None = None,
-    username: str | None = None,
-    password: str | None = None,
 ) -> dict[str, Any]:
     """The body of PUT /v1/credentials/{name} (the name is in the path): only the fields given, so an
     update changes only those (a new credential needs value and hosts; the server says which is missing)."""
@@ -451,7 +448,6 @@ def credential_body(
         "project": project, "method": method, "query_param": query_param, "scope": scope,
         "sandbox_id": sandbox_id, "env_var": env_var, "rate_per_minute": rate_per_minute,
         "expires_at": expires_at.isoformat() if isinstance(expires_at, datetime) else expires_at,
-        "login": dict(login) if login is not None else None, "username": username, "password": password,
     }  # fmt: skip
     body.update({k: v for k, v in optional.items() if v is not None})
     return body

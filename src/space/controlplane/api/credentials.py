@@ -48,7 +48,7 @@ from space.controlplane.api.views import (
     LoginPlaceholders,
     audit_view,
 )
-from space.controlplane.credentials import spec
+from space.controlplane.credentials import login, spec
 from space.controlplane.credentials.service import CredentialService
 from space.controlplane.store.credentials import AuditEntry, CredentialFields, credential_view
 from space.controlplane.store.store import Store
@@ -116,7 +116,7 @@ async def _checked_value(
             )
         if body.username is None and body.password is None:
             return None
-        return spec.login_value(body.username, body.password)
+        return login.login_value(body.username, body.password)
     if body.username is not None or body.password is not None:
         raise errors.InvalidArgument("username and password are only for method 'login'", field="username")
     if body.value is None:
@@ -131,7 +131,7 @@ def _injection(body: PutCredential) -> spec.Injection | None:
         if body.login is None:
             raise errors.InvalidArgument("method 'login' needs login (origin and field names)", field="login")
         form = body.login
-        injection = spec.parse_login(form.origin, form.username_field, form.password_field, form.form_action)
+        injection = login.parse_login(form.origin, form.username_field, form.password_field, form.form_action)
         if body.hosts is not None:
             raise errors.InvalidArgument("a login credential's host is its origin's: no hosts", field="hosts")
         return injection
@@ -264,7 +264,7 @@ async def login_placeholders(sandbox_id: str, name: str, who: Auth, services: Sv
         "origin": form.origin,
         "form_action": form.form_action,
         "fields": {
-            form.username_field: spec.login_username_placeholder(record.placeholder),
+            form.username_field: login.login_username_placeholder(record.placeholder),
             form.password_field: record.placeholder,
         },
     }

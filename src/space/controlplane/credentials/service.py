@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from space.controlplane.credentials.spec import Scope, split_login_value, within_approval
+from space.controlplane.credentials.login import split_login_value
+from space.controlplane.credentials.spec import Scope, within_approval
 from space.controlplane.credentials.vault import EncryptedLocalVault, VaultBackend
 from space.controlplane.store.credentials import (
     AuditEntry,

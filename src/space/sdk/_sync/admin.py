@@ -93,9 +93,10 @@ class Credentials:
         body = credential_body(
             name, value=value, hosts=host_list, header=header, project=project, method=method,
             query_param=query_param, scope=scope, sandbox_id=sandbox_id, env_var=env_var,
-            expires_at=expires_at, rate_per_minute=rate_per_minute, login=login, username=username,
-            password=password,
+            expires_at=expires_at, rate_per_minute=rate_per_minute,
         )  # fmt: skip
+        extra = {"login": dict(login) if login else None, "username": username, "password": password}
+        body.update({k: v for k, v in extra.items() if v is not None})
         return Credential(self._http.json("PUT", f"/v1/credentials/{seg(name)}", json_body=body))
 
     def list(self, *, project: str | None = None) -> builtins.list[Credential]:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from space.controlplane.credentials.spec import login_username_placeholder
+from space.controlplane.credentials.login import login_username_placeholder
 from space.controlplane.store.credentials.records import CredentialRecord, EgressRecord
 
 
