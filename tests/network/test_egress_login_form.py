@@ -95,6 +95,8 @@ def test_login_credential_rules() -> None:
     assert not action.login_matches("https", "login.example.com", 8443, "/session/x")
     assert "alice" not in repr(credential) and "hunter2" not in repr(credential)
     assert {b"alice", b"hunter2-secret"} <= set(credential.secret_forms())
+    quoted = login(value='pw<"&>\u00e9').secret_forms()  # as a login page may echo it
+    assert {b"pw&lt;&quot;&amp;&gt;\xc3\xa9", b'pw<\\"&>\\u00e9', b"pw%3C%22%26%3E%C3%A9"} <= set(quoted)
     for bad in (
         {"origin": None},
         {"username": None},

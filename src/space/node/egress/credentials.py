@@ -17,6 +17,8 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import html
+import json
 import secrets
 import time
 from collections.abc import Iterable, Sequence
@@ -173,6 +175,8 @@ class Credential(BaseModel):
         forms: set[str] = set()
         for value in values:
             forms |= {value, quote(value, safe=""), quote(value, safe="/"), quote_plus(value)}
+            if self.method == "login":  # a login page may echo a submitted field into HTML or JSON
+                forms |= {html.escape(value), json.dumps(value)[1:-1]}
         if self.method == "basic" and ":" in self.value:
             forms.add(base64.b64encode(self.value.encode()).decode())
         if self.method == "header":
