@@ -37,7 +37,7 @@ TEMPLATE_FETCH_ATTEMPTS = 3
 TEMPLATE_FETCH_RETRY_S = 2.0
 #: The templates every node can build from its base (space.node.volumes.templates.BUILTIN_TEMPLATES, which
 #: the unprivileged agent may not import; tests/node/test_base_template.py checks that the two agree).
-BUILTIN_TEMPLATE_NAMES = ("python", "base")
+BUILTIN_TEMPLATE_NAMES = ("python", "base", "browser")
 
 
 class TemplatePreparation(SandboxSnapshots):

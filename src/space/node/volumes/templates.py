@@ -55,6 +55,7 @@ from space.node.volumes.template_files import (
     run,
     write_json_atomic,
 )
+from space.node.volumes.template_packages import ensure_packages
 
 GUEST_LIB = "/opt/space/lib"  # inside the template
 GUEST_PYTHON = "/usr/bin/python3"
@@ -97,6 +98,10 @@ class BuiltinTemplate:
     env: tuple[tuple[str, str], ...] = ()
     # (absolute path in the template, content, mode): written into the template's own layer.
     files: tuple[tuple[str, str, int], ...] = ()
+    # Debian packages installed on the base in a cached layer of their own (template_packages, ADR 0064);
+    # `packages_version` names that layer and its cache file: bump it when `packages` change.
+    packages: tuple[str, ...] = ()
+    packages_version: str = ""
 
 
 _USER_HOME = f"/home/{USER_NAME}"
@@ -104,6 +109,21 @@ SUDO_WRAPPER = (
     "#!/bin/sh\n"
     "# SPACE (ADR 0057): setuid binaries do not gain privileges under gVisor; the sandbox's daemon runs it.\n"
     f'exec {GUEST_PYTHON} -I -S -B {GUEST_LIB}/space/guest/sudo_client.py "$@"\n'
+)
+# The browser template (ADR 0064): Chromium headless with its DevTools port on the sandbox's loopback only.
+# --no-sandbox: Chromium's own sandbox needs user namespaces or a setuid helper, neither of which gVisor
+# gives an unprivileged user; the gVisor sandbox around the whole sandbox is the isolation boundary.
+BROWSER_PACKAGES = ("chromium", "fonts-liberation", "fonts-dejavu-core")
+BROWSER_CDP_PORT = 9222
+BROWSER_START = "/opt/space/browser/start"
+BROWSER_START_SCRIPT = (
+    "#!/bin/sh\n"
+    "# SPACE (ADR 0064): Chromium headless, DevTools on the sandbox's loopback; started by the CDP relay.\n"
+    "mkdir -p /tmp/space-browser\n"
+    "exec setsid /usr/bin/chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage \\\n"
+    f"  --remote-debugging-address=127.0.0.1 --remote-debugging-port={BROWSER_CDP_PORT} \\\n"
+    "  --user-data-dir=/tmp/space-browser --no-first-run --no-default-browser-check \\\n"
+    "  about:blank </dev/null >/tmp/space-browser/chromium.log 2>&1\n"
 )
 BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
     "python": BuiltinTemplate(
@@ -127,6 +147,19 @@ BUILTIN_TEMPLATES: dict[str, BuiltinTemplate] = {
         ),
     ),
 }
+BUILTIN_TEMPLATES["browser"] = BuiltinTemplate(
+    name="browser",
+    description=(
+        "base + Debian's Chromium and fonts; its DevTools protocol through SPACE "
+        "(GET /v1/sandboxes/{id}/cdp), Chromium started headless on first use"
+    ),
+    default_user=BUILTIN_TEMPLATES["base"].default_user,
+    workdir=BUILTIN_TEMPLATES["base"].workdir,
+    env=BUILTIN_TEMPLATES["base"].env,
+    files=(*BUILTIN_TEMPLATES["base"].files, (BROWSER_START, BROWSER_START_SCRIPT, 0o755)),
+    packages=BROWSER_PACKAGES,
+    packages_version="p1",
+)
 TEMPLATE_NAMES = tuple(BUILTIN_TEMPLATES)  # the names ensure_template builds
 
 
@@ -270,7 +303,10 @@ def _install_template_files(root: Path, spec: BuiltinTemplate) -> int:
     size = 0
     for path, content, mode in spec.files:
         dst = root / path.lstrip("/")
+        missing = [d for d in (dst.parent, *dst.parent.parents) if d.is_relative_to(root) and not d.exists()]
         dst.parent.mkdir(parents=True, exist_ok=True)
+        for d in missing:  # made with the helper's owner-only umask: the template's users must enter them
+            os.chmod(d, 0o755)  # noqa: S103 - world-readable directories, writable by root only
         dst.write_text(content)
         os.chmod(dst, mode)
         size += len(content)
@@ -315,9 +351,16 @@ def ensure_template(
             return Template(name, target, meta)
         base = ensure_base(templates, cache_dir=cache_dir, mirror=mirror, progress=progress)
         base_meta = read_json(templates / f"{BASE_NAME}.json") or {}
+        parent = base
+        if spec.packages:
+            parent = ensure_packages(
+                templates, base, name, spec.packages_version, spec.packages, cache_dir=cache_dir,
+                progress=progress,
+            )  # fmt: skip
+            base_meta = {**base_meta, **(read_json(templates / f"{parent.name}.json") or {})}
         t0 = time.monotonic()
         discard_subvolume(staging)
-        btrfs.snapshot(base, staging, readonly=False)
+        btrfs.snapshot(parent, staging, readonly=False)
         guest_size = _install_guest_code(staging, space_src) + _install_template_files(staging, spec)
         btrfs.set_readonly(staging, True)
         # Metadata goes first, then the old tree, then the new tree moves in; metadata is written last.
@@ -333,7 +376,7 @@ def ensure_template(
             "created": now(),
             "suite": SUITE,
             "variant": VARIANT,
-            "packages": list(PACKAGES),
+            "packages": [*PACKAGES, *spec.packages],
             "base": BASE_NAME,
             "base_version": BASE_VERSION,
             "base_created": base_meta.get("created"),
