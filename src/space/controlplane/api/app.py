@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space.controlplane import console
 from space.controlplane.api import (
     byok,
+    cdp,
     code,
     credentials,
     data_plane,
@@ -113,6 +114,7 @@ def create_app(
     app.include_router(sandbox_metrics.router, prefix="/v1")  # ADR 0053
     app.include_router(templates.router, prefix="/v1")  # ADR 0055
     app.include_router(code.router, prefix="/v1")  # run_code in the sandbox's kernel (ADR 0058)
+    app.include_router(cdp.router, prefix="/v1")  # Chromium's DevTools in a browser sandbox (ADR 0064)
     app.include_router(overview.router, prefix="/v1")  # whoami, sandbox updates, nodes (ADR 0061)
     app.include_router(node_admin.router, prefix="/v1")  # cordon, drain, remove nodes (ADR 0065)
     console.mount(app)  # the web console's static files at /console/ (ADR 0061)

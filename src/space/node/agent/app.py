@@ -24,7 +24,7 @@ from space.faults import failpoints
 from space.node.agent.agent import NodeAgent
 from space.node.agent.killpoints import KillPointMiddleware
 from space.node.agent.metrics import MetricsSampler
-from space.node.agent.routes import files, metrics, node, processes, pty, sandboxes, snapshots, templates
+from space.node.agent.routes import cdp, files, metrics, node, processes, pty, sandboxes, snapshots, templates
 from space.node.agent.rpc_auth import BearerAuth
 from space.node.agent.rpc_models import API_PREFIX
 from space.node.agent.service import NodeService
@@ -35,7 +35,7 @@ from space.rest import errors as rest_errors
 #: The routers in the order their routes are matched and listed.
 ROUTERS = (
     node.router, sandboxes.router, metrics.router, snapshots.router, processes.router, files.router,
-    pty.router, templates.router,
+    pty.router, cdp.router, templates.router,
 )  # fmt: skip
 
 

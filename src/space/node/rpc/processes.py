@@ -126,3 +126,13 @@ class ProcessCalls(NodeTransport):
             additional_headers={"Authorization": f"Bearer {self._token}", **self.capability(sandbox_id)},
             max_size=None,
         )
+
+    def cdp(self, sandbox_id: str) -> ws_connect:
+        """`async with client.cdp(id) as ws:` — the DevTools protocol of Chromium in a `browser` sandbox
+        (ADR 0064): whole messages both ways; a sandbox without a browser ends it with 4409."""
+        base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        return ws_connect(
+            f"{base}{API_PREFIX}{sandbox_path(sandbox_id, 'cdp')}",
+            additional_headers={"Authorization": f"Bearer {self._token}", **self.capability(sandbox_id)},
+            max_size=None,
+        )

@@ -19,6 +19,7 @@ from space.sdk._async.files import AsyncFiles
 from space.sdk._async.http import AsyncHTTP, AsyncSandboxRef
 from space.sdk._async.processes import AsyncProcesses
 from space.sdk._backend import AsyncBackend, AsyncOnData
+from space.sdk.browser import AsyncBrowser
 from space.sdk.code import CodeExecution
 from space.sdk.models import (
     Command,
@@ -161,6 +162,8 @@ class AsyncSandbox:
             raise SpaceError("unexpected answer: a sandbox without an id")
         self.files = AsyncFiles(self)
         self.processes = AsyncProcesses(self)
+        # A `browser` sandbox's Chromium (ADR 0064): cdp_url()/cdp_headers() for Playwright, screenshot().
+        self.browser = AsyncBrowser(http.url, http.headers, self.data["id"])
         self.snapshots = AsyncSnapshots(self)
 
     @property

@@ -22,6 +22,7 @@ from space.sdk._backend import SyncBackend, SyncOnData
 from space.sdk._sync.files import Files
 from space.sdk._sync.http import SyncHTTP, SyncSandboxRef
 from space.sdk._sync.processes import Processes
+from space.sdk.browser import SyncBrowser
 from space.sdk.code import CodeExecution
 from space.sdk.models import (
     Command,
@@ -164,6 +165,8 @@ class Sandbox:
             raise SpaceError("unexpected answer: a sandbox without an id")
         self.files = Files(self)
         self.processes = Processes(self)
+        # A `browser` sandbox's Chromium (ADR 0064): cdp_url()/cdp_headers() for Playwright, screenshot().
+        self.browser = SyncBrowser(http.url, http.headers, self.data["id"])
         self.snapshots = Snapshots(self)
 
     @property

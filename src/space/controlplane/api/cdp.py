@@ -1,0 +1,83 @@
+"""The DevTools protocol of a `browser` sandbox's Chromium through SPACE (ADR 0064).
+
+`GET /v1/sandboxes/{id}/cdp` (WebSocket) is Chromium's browser endpoint, relayed message for message to the
+node (space.node.agent.routes.cdp) and from there through the sandbox's channel to 127.0.0.1:9222 inside;
+`GET /v1/sandboxes/{id}/cdp/json/version` is Chromium's discovery document with its
+`webSocketDebuggerUrl` rewritten to that WebSocket, so Playwright's `connect_over_cdp` works with either
+URL (the API key in a header, as for every request).
+
+Invariants:
+- CDP is full control of the browser (every page, cookie and download in it), so it needs a member key
+  of the sandbox's project; another project's sandbox is 404 as everywhere; a request without a key is
+  refused before the WebSocket handshake completes (the real status and error body).
+- Nothing outside the sandbox connects to its network: the bytes travel in the sandbox's channel.
+- The rewritten URL is built from this request's own base URL and the validated sandbox id only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, WebSocket
+
+from space.controlplane.api.data_plane import _pump
+from space.controlplane.api.deps import (
+    Auth,
+    Svc,
+    authenticate,
+    authorization_of,
+    node_of,
+    running_sandbox,
+    services_of,
+)
+from space.core import errors
+from space.core.ids import parse_sandbox_id
+from space.node.agent.routes.cdp import no_browser, relay_argv
+from space.rest import errors as rest_errors
+
+router = APIRouter(tags=["browser"])
+
+
+@router.websocket("/sandboxes/{sandbox_id}/cdp")
+async def cdp(websocket: WebSocket, sandbox_id: str) -> None:
+    """Chromium's DevTools protocol: authenticate like any request, then relay messages to the node."""
+    services = services_of(websocket)
+    try:
+        who = await authenticate(
+            services,
+            authorization_of(websocket.headers, websocket=True),
+            websocket.headers.get("x-space-project"),
+        )
+        who.require("member")
+        parse_sandbox_id(sandbox_id, field="sandbox_id")
+        sb = await running_sandbox(services, who, sandbox_id)
+    except errors.SpaceError as exc:
+        await websocket.send_denial_response(rest_errors.error_response(exc))
+        return
+    await websocket.accept()
+    node = services.nodes.client(node_of(sb))
+    async with node.cdp(sb.id) as upstream:
+        await _pump(websocket, upstream)
+
+
+@router.get("/sandboxes/{sandbox_id}/cdp/json/version")
+@router.get("/sandboxes/{sandbox_id}/cdp/json/version/", include_in_schema=False)
+async def cdp_version(sandbox_id: str, request: Request, who: Auth, *, services: Svc) -> dict[str, Any]:
+    """Chromium's /json/version (started if needed), its `webSocketDebuggerUrl` this API's CDP WebSocket."""
+    who.require("member")
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+    sb = await running_sandbox(services, who, sandbox_id)
+    answer = await services.nodes.client(node_of(sb)).exec(sb.id, relay_argv("version"), timeout=60)
+    if answer.exit_code != 0:
+        raise no_browser(answer.stderr.strip() or f"the relay exited with {answer.exit_code}")
+    try:
+        document = json.loads(answer.stdout.splitlines()[0])
+        if not isinstance(document, dict):
+            raise ValueError("not an object")
+    except (ValueError, IndexError) as exc:
+        raise no_browser("the DevTools endpoint answered no JSON document") from exc
+    base = str(request.base_url).rstrip("/")
+    base = base.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+    document["webSocketDebuggerUrl"] = f"{base}/v1/sandboxes/{sb.id}/cdp"
+    return document

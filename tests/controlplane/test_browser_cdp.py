@@ -1,0 +1,96 @@
+"""A `browser` sandbox on a real node (runsc): Playwright over CDP through SPACE, SDK screenshots, and who may
+connect (ADR 0064).
+
+The page is served inside the sandbox (python3 -m http.server on its loopback), so no traffic leaves the
+machine. The template's package layer (Chromium from the machine's Debian mirror) is built once per machine
+and cached under /var/cache/space/rootfs; later runs receive it in seconds.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from playwright.sync_api import sync_playwright
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from space.sdk import Sandbox
+from tests.support import cluster as c
+
+pytestmark = pytest.mark.root
+
+real_cluster = c.real_cluster
+
+TITLE = "SPACE browser " + secrets.token_hex(4)
+PAGE = f"<!doctype html><title>{TITLE}</title><h1 style='font-size:80px'>hello from the sandbox</h1>"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def browser_sandbox(real_cluster: c.RealCluster) -> Iterator[Sandbox]:
+    with real_cluster.sdk() as sp:
+        sb = sp.sandboxes.create(template="browser", limits={"cpus": 1, "memory_mb": 1024})
+        try:
+            sb.files.write("/work/index.html", PAGE.encode())
+            sb.processes.start("exec python3 -m http.server 8000 --bind 127.0.0.1 --directory /work")
+            yield sb
+        finally:
+            sb.delete()
+
+
+def test_playwright_over_cdp_through_space_reads_a_page_served_in_the_sandbox(
+    real_cluster: c.RealCluster, browser_sandbox: Sandbox
+) -> None:
+    sb = browser_sandbox
+    headers = sb.browser.cdp_headers()
+    # The HTTP form: Playwright asks /json/version, whose webSocketDebuggerUrl SPACE rewrote to its own.
+    http_endpoint = f"{real_cluster.url}/v1/sandboxes/{sb.id}/cdp"
+    version = httpx.get(f"{http_endpoint}/json/version", headers=headers, timeout=60)
+    assert version.status_code == 200, version.text
+    assert version.json()["webSocketDebuggerUrl"] == sb.browser.cdp_url()
+    assert "Chrome" in version.json()["Browser"]
+    with sync_playwright() as pw:
+        for endpoint in (http_endpoint, sb.browser.cdp_url()):
+            browser = pw.chromium.connect_over_cdp(endpoint, headers=headers, timeout=60_000)
+            page = browser.contexts[0].new_page()
+            page.goto("http://127.0.0.1:8000/")
+            assert page.title() == TITLE
+            assert page.inner_text("h1") == "hello from the sandbox"
+            page.close()
+            browser.close()
+
+
+def test_sdk_screenshot_is_a_png_of_the_page(browser_sandbox: Sandbox) -> None:
+    png = browser_sandbox.browser.screenshot("http://127.0.0.1:8000/")
+    assert png.startswith(PNG_MAGIC)
+    assert len(png) > 2000  # a rendered page with large text, not an empty image
+    width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+    assert width > 100 and height > 100
+
+
+def test_another_tenant_and_no_key_cannot_connect(
+    real_cluster: c.RealCluster, browser_sandbox: Sandbox
+) -> None:
+    admin = httpx.Client(
+        base_url=real_cluster.url, headers={"Authorization": f"Bearer {real_cluster.api_key}"}, timeout=60
+    )
+    name = f"cdp-other-{secrets.token_hex(3)}"
+    assert admin.post("/v1/projects", json={"name": name}).status_code == 201
+    made = admin.post("/v1/keys", json={"project": name, "role": "admin"})
+    assert made.status_code == 201, made.text
+    other = {"Authorization": f"Bearer {made.json()['key']}"}
+    url = browser_sandbox.browser.cdp_url()
+    refused = {}
+    for who, headers in (("other tenant", other), ("no key", {})):
+        with pytest.raises(InvalidStatus) as caught:
+            connect(url, additional_headers=headers, open_timeout=30).close()
+        refused[who] = caught.value.response.status_code
+        version = httpx.get(f"{real_cluster.url}/v1/sandboxes/{browser_sandbox.id}/cdp/json/version",
+                            headers=headers, timeout=60)  # fmt: skip
+        refused[f"{who} /json/version"] = version.status_code
+    assert refused == {
+        "other tenant": 404, "other tenant /json/version": 404, "no key": 401, "no key /json/version": 401,
+    }  # fmt: skip
