@@ -759,6 +759,7 @@ MCP_TOOL_ARGUMENTS: dict[str, dict[str, Any]] = {
     "rollback": {"snapshot_id": "{snapshot}"},
     "fork": {"count": 2},
     "set_egress_policy": {"allow": ["*.example.com"], "deny": []},
+    "login_placeholders": {"credential": "site"},
 }
 
 
