@@ -8,16 +8,19 @@ and cached under /var/cache/space/rootfs; later runs receive it in seconds.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import secrets
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from playwright.sync_api import sync_playwright
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from space.sdk import Sandbox
+from space.core.errors import NotFound
+from space.sdk import Sandbox, Space
 from tests.support import cluster as c
 
 pytestmark = pytest.mark.root
@@ -94,3 +97,27 @@ def test_another_tenant_and_no_key_cannot_connect(
     assert refused == {
         "other tenant": 404, "other tenant /json/version": 404, "no key": 401, "no key /json/version": 401,
     }  # fmt: skip
+    # Through the SDK, the other tenant's screenshot is the typed 404 of a missing sandbox.
+    with Space(url=real_cluster.url, api_key=made.json()["key"]) as sp, pytest.raises(NotFound):
+        sp.sandboxes.ref(browser_sandbox.id).browser.screenshot("data:text/html,x", timeout=30)
+
+
+def test_a_sandbox_without_a_browser_is_a_typed_conflict(real_cluster: c.RealCluster) -> None:
+    with real_cluster.sdk() as sp:
+        sb = sp.sandboxes.create(template="python", limits={"cpus": 0.5, "memory_mb": 256})
+        try:
+            version = httpx.get(
+                f"{real_cluster.url}/v1/sandboxes/{sb.id}/cdp/json/version",
+                headers=sb.browser.cdp_headers(), timeout=60,
+            )  # fmt: skip
+            assert version.status_code == 409 and version.json()["error"]["code"] == "invalid_state"
+            assert "browser" in version.json()["error"]["message"]
+            frames = []
+            ws = connect(sb.browser.cdp_url(), additional_headers=sb.browser.cdp_headers())
+            with ws, contextlib.suppress(ConnectionClosed):
+                while True:
+                    frames.append(json.loads(ws.recv(timeout=60)))
+            assert ws.close_code == 4409
+            assert [f["error"]["code"] for f in frames] == ["invalid_state"]
+        finally:
+            sb.delete()

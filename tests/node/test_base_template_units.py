@@ -25,7 +25,7 @@ def _environment(tmp_path: Path, meta: dict[str, Any] | None) -> dict[str, str]:
 
 
 def test_the_built_ins_and_their_defaults() -> None:
-    assert templates.TEMPLATE_NAMES == ("python", "base")
+    assert templates.TEMPLATE_NAMES == ("python", "base", "browser")
     assert templates.builtin_defaults("python") == {}
     assert templates.builtin_defaults("base") == {
         "default_user": "user",
@@ -35,6 +35,12 @@ def test_the_built_ins_and_their_defaults() -> None:
     files = {path: mode for path, _content, mode in templates.BUILTIN_TEMPLATES["base"].files}
     assert files == {"/etc/sudoers.d/user": 0o440, "/usr/local/bin/sudo": 0o755}
     assert "sudo_client.py" in templates.SUDO_WRAPPER and templates.SUDO_WRAPPER.startswith("#!/bin/sh\n")
+    # browser (ADR 0064): base's defaults and files, Chromium from a package layer, its start script
+    browser = templates.BUILTIN_TEMPLATES["browser"]
+    assert templates.builtin_defaults("browser") == templates.builtin_defaults("base")
+    assert {path: mode for path, _content, mode in browser.files} == {**files, templates.BROWSER_START: 0o755}
+    assert "chromium" in browser.packages and browser.packages_version
+    assert "--remote-debugging-address=127.0.0.1" in templates.BROWSER_START_SCRIPT
 
 
 def test_python_s_hash_ignores_the_table_and_base_s_follows_its_recipe() -> None:

@@ -85,7 +85,7 @@ def test_a_commit_needs_its_base_and_its_build_sandbox(ctx: HelperContext) -> No
 def test_claims_are_recorded_answered_and_dropped(ctx: HelperContext) -> None:
     first, second = new_sandbox_id(), new_sandbox_id()
     assert _call(ctx, "template.list", {})["result"] == {
-        "templates": [], "claims": [], "builtin_names": ["python", "base"]
+        "templates": [], "claims": [], "builtin_names": ["python", "base", "browser"]
     }  # fmt: skip
     assert _call(ctx, "template.claim", {"name": NAME, "sandbox_id": first})["result"]["previous"] is None  # type: ignore[index]
     answer = _call(ctx, "template.claim", {"name": NAME, "sandbox_id": second})

@@ -20,9 +20,11 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection as AsyncConnection
 from websockets.asyncio.client import connect as async_connect
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from space.core.errors import SpaceError
+from space.sdk.errors import error_from_response
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -30,6 +32,12 @@ DEFAULT_TIMEOUT_S = 60.0
 def _ws_url(base_url: str, sandbox_id: str) -> str:
     base = base_url.rstrip("/").replace("https://", "wss://", 1).replace("http://", "ws://", 1)
     return f"{base}/v1/sandboxes/{sandbox_id}/cdp"
+
+
+def _refusal(exc: InvalidStatus) -> SpaceError:
+    """The typed error of a refused handshake (404 another project's or a missing sandbox, 401 no key)."""
+    response = exc.response
+    return error_from_response(response.status_code, bytes(response.body or b""), dict(response.headers))
 
 
 class _Steps:
@@ -118,6 +126,8 @@ class SyncBrowser:
                     self._call(ws, steps, "Target.closeTarget", {"targetId": created}, deadline=deadline)
         except TimeoutError as exc:
             raise SpaceError(f"browser: no screenshot within {timeout:g} s") from exc
+        except InvalidStatus as exc:
+            raise _refusal(exc) from exc
         return base64.b64decode(shot["data"])
 
 
@@ -179,3 +189,5 @@ class AsyncBrowser:
             return await asyncio.wait_for(shoot(), timeout)
         except TimeoutError as exc:
             raise SpaceError(f"browser: no screenshot within {timeout:g} s") from exc
+        except InvalidStatus as exc:
+            raise _refusal(exc) from exc
