@@ -19,7 +19,7 @@ from playwright.sync_api import sync_playwright
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from space.core.errors import NotFound
+from space.core.errors import InvalidArgument, InvalidState, NotFound
 from space.sdk import Sandbox, Space
 from tests.support import cluster as c
 
@@ -67,6 +67,9 @@ def test_playwright_over_cdp_through_space_reads_a_page_served_in_the_sandbox(
 
 
 def test_sdk_screenshot_is_a_png_of_the_page(browser_sandbox: Sandbox) -> None:
+    for bad in ("", "x" * 8193, "http://127.0.0.1:8000/\r\nX-Injected: 1"):
+        with pytest.raises(InvalidArgument):
+            browser_sandbox.browser.screenshot(bad)
     png = browser_sandbox.browser.screenshot("http://127.0.0.1:8000/")
     assert png.startswith(PNG_MAGIC)
     assert len(png) > 2000  # a rendered page with large text, not an empty image
@@ -119,5 +122,7 @@ def test_a_sandbox_without_a_browser_is_a_typed_conflict(real_cluster: c.RealClu
                     frames.append(json.loads(ws.recv(timeout=60)))
             assert ws.close_code == 4409
             assert [f["error"]["code"] for f in frames] == ["invalid_state"]
+            with pytest.raises(InvalidState):
+                sb.browser.screenshot("data:text/html,x", timeout=30)
         finally:
             sb.delete()

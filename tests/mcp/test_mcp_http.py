@@ -189,6 +189,7 @@ BY_ID = {
     "fork": {"count": 1},
     "set_egress_policy": {"allow": ["*.example.com"]},
     "login_placeholders": {"credential": "site"},
+    "screenshot": {"url": "data:text/html,x"},
 }
 
 

@@ -5,7 +5,7 @@ Tools (argument names are those agents know from Daytona's MCP server and E2B's 
 sandbox, `command`, `cwd`, `timeout`, `path`, `content` + `encoding`, `code`): create_sandbox,
 list_sandboxes, delete_sandbox, execute_command, run_code, read_file, write_file, list_files,
 pause_sandbox, resume_sandbox, snapshot, list_snapshots, rollback, fork, set_egress_policy,
-login_placeholders.
+login_placeholders, screenshot (a PNG of a `browser` sandbox's page).
 
 Invariants:
 - Every argument is bounded in the schema (lengths, counts, ranges), so an oversized argument is refused
@@ -26,11 +26,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Annotated, Any, Literal
 
-from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver import Context, Image, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
 from pydantic import BaseModel, Field
 
+from space.core.cdp_screenshot import MAX_URL
 from space.core.errors import Conflict, SpaceError
 from space.core.sandbox_options import MAX_METADATA_KEY, MAX_METADATA_KEYS, MAX_METADATA_VALUE
 from space.mcp import render
@@ -273,6 +274,25 @@ class SpaceTools:
         action = answer.get("form_action") or "its login form"
         return f"Log in at {answer.get('origin')} ({action}) with {fields}."
 
+    async def screenshot(
+        self,
+        ctx: ToolContext,
+        *,
+        id: SandboxId,
+        url: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=MAX_URL,
+                description="A page to load first (in a page of its own); none: the browser's first page.",
+            ),
+        ] = None,
+    ) -> Image:
+        """A PNG screenshot from a `browser` sandbox's Chromium (ADR 0064)."""
+        async with self.acting(ctx) as space:
+            png = await space.sandboxes.ref(id).browser.screenshot(url)
+        return Image(data=png, format="png")
+
     # -- commands and code -------------------------------------------------------------------------------
     async def execute_command(
         self,
@@ -405,6 +425,7 @@ TOOLS: tuple[tuple[str, ToolAnnotations], ...] = (
     ("fork", CHANGES),
     ("set_egress_policy", CHANGES),
     ("login_placeholders", CHANGES),
+    ("screenshot", CHANGES),
 )
 
 

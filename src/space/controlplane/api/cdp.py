@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -32,7 +33,7 @@ from space.controlplane.api.deps import (
     running_sandbox,
     services_of,
 )
-from space.core import errors
+from space.core import cdp_screenshot, errors
 from space.core.ids import parse_sandbox_id
 from space.node.agent.routes.cdp import no_browser, relay_argv
 from space.rest import errors as rest_errors
@@ -124,3 +125,53 @@ async def cdp_version(sandbox_id: str, request: Request, who: Auth, *, services:
     base = base.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
     document["webSocketDebuggerUrl"] = f"{base}/v1/sandboxes/{sb.id}/cdp"
     return document
+
+
+class ScreenshotRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = None
+    timeout_s: float = 60.0
+
+
+class ScreenshotAnswer(BaseModel):
+    png_b64: str
+    bytes: int
+
+
+MAX_SCREENSHOT_TIMEOUT_S = 300.0
+
+
+@router.post("/sandboxes/{sandbox_id}/browser/screenshot", response_model=ScreenshotAnswer)
+async def screenshot(sandbox_id: str, body: ScreenshotRequest, who: Auth, *, services: Svc) -> dict[str, Any]:
+    """A PNG of `url` in a page of its own (or of the first page as it is), taken over the sandbox's CDP."""
+    who.require("member")
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+    url = cdp_screenshot.check_url(body.url)
+    if not 0 < body.timeout_s <= MAX_SCREENSHOT_TIMEOUT_S:
+        raise errors.InvalidArgument(
+            f"timeout_s must be in (0, {MAX_SCREENSHOT_TIMEOUT_S:g}]", field="timeout_s"
+        )
+    sb = await running_sandbox(services, who, sandbox_id)
+    from websockets.exceptions import ConnectionClosed
+
+    node = services.nodes.client(node_of(sb))
+    try:
+        async with asyncio.timeout(body.timeout_s), node.cdp(sb.id) as ws:
+
+            async def recv() -> str | bytes:
+                message = await ws.recv()
+                try:
+                    error = json.loads(message)
+                except ValueError:
+                    return message
+                if isinstance(error, dict) and error.get("type") == "error":  # the node's refusal
+                    raise no_browser(str((error.get("error") or {}).get("message", "")))
+                return message
+
+            png = await cdp_screenshot.screenshot(ws.send, recv, url)
+    except TimeoutError as exc:
+        raise errors.Timeout(f"no screenshot within {body.timeout_s:g} s") from exc
+    except ConnectionClosed as exc:
+        raise no_browser("the browser connection ended") from exc
+    return {"png_b64": base64.b64encode(png).decode(), "bytes": len(png)}

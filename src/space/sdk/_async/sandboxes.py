@@ -163,7 +163,7 @@ class AsyncSandbox:
         self.files = AsyncFiles(self)
         self.processes = AsyncProcesses(self)
         # A `browser` sandbox's Chromium (ADR 0064): cdp_url()/cdp_headers() for Playwright, screenshot().
-        self.browser = AsyncBrowser(http.url, http.headers, self.data["id"])
+        self.browser = AsyncBrowser(http, self.data["id"])
         self.snapshots = AsyncSnapshots(self)
 
     @property

@@ -166,7 +166,7 @@ class Sandbox:
         self.files = Files(self)
         self.processes = Processes(self)
         # A `browser` sandbox's Chromium (ADR 0064): cdp_url()/cdp_headers() for Playwright, screenshot().
-        self.browser = SyncBrowser(http.url, http.headers, self.data["id"])
+        self.browser = SyncBrowser(http, self.data["id"])
         self.snapshots = Snapshots(self)
 
     @property
