@@ -275,3 +275,39 @@ def test_pooled_node_connections_expire_before_the_node_closes_them() -> None:
 
     server_keep_alive = KEEPALIVE_S  # what the agent's uvicorn runs with (space.node.agent.launch, ADR 0044)
     assert 0 < KEEPALIVE_EXPIRY_S < server_keep_alive
+
+
+def refusal_events(declared: int, chunk_count: int) -> list[str]:
+    """What the middleware does, in order, with a node-facing POST whose declared body is over the limit:
+    `read` for each body message it takes, then the answer's message types."""
+    settings = limits.LimitSettings.from_env({"SPACE_API_NODE_BODY_BYTES": str(1024 * 1024)})
+    middleware = limits.RequestLimits(app=None, services=None, settings=settings)  # type: ignore[arg-type]
+    chunks = [b"x" * (declared // chunk_count)] * chunk_count
+    events: list[str] = []
+
+    async def receive() -> dict[str, object]:
+        events.append("read")
+        if not chunks:
+            return {"type": "http.disconnect"}
+        chunks.pop()
+        return {"type": "http.request", "body": b"x", "more_body": bool(chunks)}
+
+    async def send(message: dict[str, object]) -> None:
+        events.append(str(message["type"]))
+
+    headers = [(b"content-length", str(declared).encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/nodes/node-1/heartbeat", "headers": headers}
+    asyncio.run(middleware(scope, receive, send))  # type: ignore[arg-type]
+    return events
+
+
+def test_a_refused_body_of_moderate_size_is_read_before_the_answer() -> None:
+    # Closing with the body unread makes the kernel reset the connection, and the reset can discard the
+    # answer not yet delivered (a 413 seen as "connection reset by peer" in CI); a declared body up to
+    # REFUSAL_DRAIN_BYTES is read and dropped first, ...
+    assert limits.REFUSAL_DRAIN_BYTES >= 3 * 1024 * 1024
+    events = refusal_events(declared=3 * 1024 * 1024, chunk_count=48)
+    assert events == ["read"] * 48 + ["http.response.start", "http.response.body"], events
+    # ... a bigger one is not read at all: refused at once, as before.
+    events = refusal_events(declared=limits.REFUSAL_DRAIN_BYTES + 1, chunk_count=48)
+    assert events == ["http.response.start", "http.response.body"], events

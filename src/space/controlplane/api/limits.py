@@ -3,8 +3,9 @@
 Invariants:
 - A public request (/v1/... except the node-facing /v1/nodes/..., and /mcp) is authenticated from its
   headers before one byte of its body is read: no key, an unknown or revoked key is a 401 at once, with
-  `Connection: close` (the body is never read). Node-facing routes authenticate nodes themselves and get
-  only the size limit.
+  `Connection: close` (the body is never parsed; a declared one of at most REFUSAL_DRAIN_BYTES is read and
+  dropped first, for at most REFUSAL_DRAIN_S, so the client reads the answer instead of a reset). Node-facing
+  routes authenticate nodes themselves and get only the size limit.
 - Every body is bounded before it is parsed: a Content-Length over the route's limit is a 413 at once; a
   chunked body is counted while it streams in and cut at the limit (413 if nothing was answered yet).
   JSON routes get a small limit, file uploads and process stdin the large one.
@@ -39,6 +40,11 @@ from space.core import errors
 from space.rest import errors as rest_errors
 
 log = logging.getLogger(__name__)
+
+#: A refused request's declared body up to this size is read and dropped before the answer, for at most
+#: REFUSAL_DRAIN_S (see _drain_declared_body).
+REFUSAL_DRAIN_BYTES = 8 * 1024 * 1024
+REFUSAL_DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -328,7 +334,23 @@ class RequestLimits:
             # Refused before the handshake completes: the client sees the real status and error body.
             await WebSocket(scope, receive, send).send_denial_response(rest_errors.error_response(exc))
             return
+        await _drain_declared_body(receive, _headers(scope).get("content-length"))
         await _send_error(send, exc, close=True)
+
+
+async def _drain_declared_body(receive: Receive, length: str | None) -> None:
+    """Read and drop a refused request's body when its declared size is small enough: a connection closed
+    with unread data is reset by the kernel, and the reset can destroy the answer before the client reads
+    it (an upload refused with 413 was seen as a connection reset). Bounded in bytes and in time; a larger
+    or undeclared body is not read, and its sender may see the reset."""
+    if length is None or not length.strip().isdigit() or int(length) > REFUSAL_DRAIN_BYTES:
+        return
+    try:
+        async with asyncio.timeout(REFUSAL_DRAIN_S):
+            while (message := await receive())["type"] == "http.request" and message.get("more_body"):
+                pass
+    except TimeoutError:
+        return
 
 
 def _headers(scope: Scope) -> dict[str, str]:
