@@ -8,10 +8,13 @@ and cached under /var/cache/space/rootfs; later runs receive it in seconds.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import json
 import secrets
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ from websockets.sync.client import connect
 from space.core.errors import InvalidArgument, InvalidState, NotFound
 from space.sdk import Sandbox, Space
 from tests.support import cluster as c
+from tests.support.mcp_clients import over_http
 
 pytestmark = pytest.mark.root
 
@@ -66,7 +70,9 @@ def test_playwright_over_cdp_through_space_reads_a_page_served_in_the_sandbox(
             browser.close()
 
 
-def test_sdk_screenshot_is_a_png_of_the_page(browser_sandbox: Sandbox) -> None:
+def test_sdk_and_mcp_screenshots_are_pngs_of_the_page(
+    real_cluster: c.RealCluster, browser_sandbox: Sandbox
+) -> None:
     for bad in ("", "x" * 8193, "http://127.0.0.1:8000/\r\nX-Injected: 1"):
         with pytest.raises(InvalidArgument):
             browser_sandbox.browser.screenshot(bad)
@@ -75,6 +81,18 @@ def test_sdk_screenshot_is_a_png_of_the_page(browser_sandbox: Sandbox) -> None:
     assert len(png) > 2000  # a rendered page with large text, not an empty image
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
     assert width > 100 and height > 100
+
+    async def through_mcp() -> list[Any]:
+        async with over_http(real_cluster.url, real_cluster.api_key) as mcp:
+            answer = await mcp.client.call_tool(
+                "screenshot", {"id": browser_sandbox.id, "url": "http://127.0.0.1:8000/"}
+            )
+            assert not answer.is_error, answer
+            return list(answer.content)
+
+    [image] = asyncio.run(through_mcp())
+    assert image.type == "image" and image.mime_type == "image/png"
+    assert base64.b64decode(image.data).startswith(PNG_MAGIC)
 
 
 def test_another_tenant_and_no_key_cannot_connect(
