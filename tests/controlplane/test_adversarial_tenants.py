@@ -760,6 +760,7 @@ MCP_TOOL_ARGUMENTS: dict[str, dict[str, Any]] = {
     "fork": {"count": 2},
     "set_egress_policy": {"allow": ["*.example.com"], "deny": []},
     "login_placeholders": {"credential": "site"},
+    "screenshot": {},
 }
 
 

@@ -71,6 +71,16 @@ class Env:
         assert self.gateway._dns.in_flight.total == 0
 
 
+def udp_receive_buffer_errors() -> int:
+    """The kernel's count of UDP datagrams dropped for a full receive buffer (this network namespace)."""
+    lines = [
+        line.split()
+        for line in pathlib.Path("/proc/net/snmp").read_text().splitlines()
+        if line.startswith("Udp:")
+    ]
+    return int(lines[1][lines[0].index("RcvbufErrors")])
+
+
 def flood(port: int, source: str, count: int, marker: str) -> None:
     """`count` UDP queries for distinct never-answered names from `source`, sent without waiting."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -149,6 +159,7 @@ def test_a_hung_upstream_resolver_is_given_up_within_the_timeout(env: Env) -> No
 
 def test_a_udp_flood_is_capped_per_sandbox_and_the_neighbour_is_answered(env: Env) -> None:
     marker = f"cap{uuid.uuid4().hex[:6]}"
+    overflowed_before = udp_receive_buffer_errors()
     flood(env.dns_port, FLOODER, 2000, marker)
     time.sleep(0.3)
     assert env.gateway._dns.in_flight.by_source.get(FLOODER, 0) <= PER_SOURCE
@@ -160,7 +171,10 @@ def test_a_udp_flood_is_capped_per_sandbox_and_the_neighbour_is_answered(env: En
     # Only the first PER_SOURCE names ever went upstream. (How often each was asked, A + AAAA and the
     # resolver's retries, depends on the load of the machine, so the bound is on distinct names.)
     assert 1 <= len(env.names_seen(marker)) <= PER_SOURCE, sorted(env.names_seen(marker))
-    assert env.gateway._dns.in_flight.dropped >= 2000 - PER_SOURCE
+    # Every query that reached the gateway past its cap was dropped by it; the kernel itself drops what
+    # overflows the socket's buffer while the machine is busy (counted machine-wide, so a bound from below).
+    reached = 2000 - (udp_receive_buffer_errors() - overflowed_before)
+    assert env.gateway._dns.in_flight.dropped >= reached - PER_SOURCE
 
 
 def test_queries_in_flight_are_capped_in_total(env: Env) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -134,7 +135,9 @@ class LocalNode:
         finally:
             os.close(log)
         deadline = time.monotonic() + settings.helper_start_timeout_s
-        while not sock.exists():
+        # Listening, not merely bound: the socket file appears at bind(), and a call made between bind() and
+        # listen() is refused (a supervised restart of the helper failed that way).
+        while not _accepts(sock):
             if self.helper_process.poll() is not None:
                 tail = (self.layout.data_dir / "helper.log").read_text(errors="replace")[-2000:]
                 raise errors.RuntimeFailure(f"node helper exited at start: {tail}")
@@ -174,6 +177,15 @@ class LocalNode:
                 self.helper_process.kill()
                 self.helper_process.wait()
         self.helper_process = None
+
+
+def _accepts(path: pathlib.Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _uid_of(user: str) -> int:
