@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request, WebSocket
 from pydantic import BaseModel, ConfigDict
 
+from space.controlplane.api.data_plane import relay_websocket
 from space.controlplane.api.deps import (
     Auth,
     Svc,
@@ -69,40 +70,7 @@ async def cdp(websocket: WebSocket, sandbox_id: str) -> None:
     await websocket.accept()
     node = services.nodes.client(node_of(sb))
     async with node.cdp(sb.id) as upstream:
-        await _relay(websocket, upstream)
-
-
-async def _relay(websocket: WebSocket, upstream: Any) -> None:
-    """Messages both ways until either side ends; the node's close code (4409: no browser) goes on."""
-    from websockets.exceptions import ConnectionClosed
-
-    async def client_to_node() -> None:
-        while True:
-            message = await websocket.receive()
-            if message.get("type") == "websocket.disconnect":
-                await upstream.close()
-                return
-            if message.get("text") is not None:
-                await upstream.send(message["text"])
-            elif message.get("bytes") is not None:
-                await upstream.send(message["bytes"])
-
-    async def node_to_client() -> None:
-        try:
-            async for data in upstream:
-                if isinstance(data, bytes):
-                    await websocket.send_bytes(data)
-                else:
-                    await websocket.send_text(data)
-        except ConnectionClosed:
-            pass
-        code = upstream.close_code
-        await websocket.close(code=code if code is not None and 4000 <= code < 5000 else 1000)
-
-    tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
-    _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
+        await relay_websocket(websocket, upstream, keep_close_code=True)
 
 
 @router.get("/sandboxes/{sandbox_id}/cdp/json/version", response_model=CdpVersion)

@@ -285,7 +285,7 @@ async def pty(websocket: WebSocket, sandbox_id: str) -> None:
     await websocket.accept(subprotocol=chosen)
     node = services.nodes.client(node_of(sb))
     async with node.pty(sb.id, rows=terminal.rows, cols=terminal.cols, cmd=terminal.cmd) as upstream:
-        await _pump(websocket, upstream)
+        await relay_websocket(websocket, upstream)
 
 
 def pty_parameters(query: QueryParams) -> PtyParameters:
@@ -300,8 +300,10 @@ def pty_parameters(query: QueryParams) -> PtyParameters:
         raise errors.InvalidArgument(f"invalid PTY parameters: {problems}", field="query") from exc
 
 
-async def _pump(websocket: WebSocket, upstream: Any) -> None:
-    """Frames both ways until either side ends."""
+async def relay_websocket(websocket: WebSocket, upstream: Any, *, keep_close_code: bool = False) -> None:
+    """Messages both ways between a client and a node's WebSocket until either side ends (the PTY, CDP).
+    `keep_close_code`: the node's application close code (4000-4999, e.g. CDP's 4409: no browser) reaches
+    the client; otherwise the client's close is a normal one."""
     from websockets.exceptions import ConnectionClosed
 
     async def client_to_node() -> None:
@@ -324,7 +326,8 @@ async def _pump(websocket: WebSocket, upstream: Any) -> None:
                     await websocket.send_text(data)
         except ConnectionClosed:
             pass
-        await websocket.close()
+        code = upstream.close_code if keep_close_code else None
+        await websocket.close(code=code if code is not None and 4000 <= code < 5000 else 1000)
 
     tasks = [asyncio.create_task(client_to_node()), asyncio.create_task(node_to_client())]
     _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
