@@ -2,7 +2,8 @@
 
   PUT    /v1/credentials/{name}             set or rotate (value write-only) + metadata; project admin key
                                             (org scope: org admin key); members only bind (egress.py)
-  GET    /v1/credentials                    metadata of the org's, the project's and its sandboxes' ones
+  GET    /v1/credentials                    metadata of the org's, the project's and its sandboxes' ones,
+                                            each with its usage (injections, refusals, newest of each)
   DELETE /v1/credentials/{name}             ?scope=&sandbox_id=&project=
   GET    /v1/credentials/{name}/audit       ?scope=&sandbox_id=&project=&after=&limit=
   POST   /v1/sandboxes/{id}/credentials/{name}/login   a bound login credential's origin and the
@@ -12,6 +13,8 @@ Invariants:
 - No answer to an API key ever carries a credential value or vault reference.
 - Another project's credential or sandbox answers exactly like a missing one (404).
 - Every change (set, rotate, update, delete) is in the audit log.
+- Usage counts come from the audit log like the audit route: a project key counts only its project's uses
+  of a credential (an org credential's uses in other projects are not its business).
 - Credentials by capability: only admin keys create, rotate, change or delete a credential (org scope:
   org admin keys); a member key binds existing credentials to its sandboxes and nothing more, so it
   cannot send a value to a host the credential was not made for.
@@ -24,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -50,7 +54,12 @@ from space.controlplane.api.views import (
 )
 from space.controlplane.credentials import login, spec
 from space.controlplane.credentials.service import CredentialService
-from space.controlplane.store.credentials import AuditEntry, CredentialFields, credential_view
+from space.controlplane.store.credentials import (
+    AuditEntry,
+    CredentialFields,
+    CredentialUsage,
+    credential_view,
+)
 from space.controlplane.store.store import Store
 from space.core import errors
 
@@ -180,8 +189,29 @@ async def list_credentials(who: Auth, services: Svc, project: str | None = None)
     service = credential_service(services)
     project_id = await resolve_project(services, who, project)
     rows = await asyncio.to_thread(service.credentials.list_credentials, who.key.org_id, project_id)
+    usage = await asyncio.to_thread(
+        service.credentials.usage_of, who.key.org_id, [(row.id, row.name) for row in rows],
+        project_id=who.key.project_id,
+    )  # fmt: skip
     now = services.store.now()
-    return {"credentials": [credential_view(row, now) for row in rows]}
+    return {
+        "credentials": [
+            {**credential_view(row, now), "usage": usage_view(usage.get(row.id, CredentialUsage()))}
+            for row in rows
+        ]
+    }
+
+
+def usage_view(usage: CredentialUsage) -> dict[str, Any]:
+    def iso(at: datetime | None) -> str | None:
+        return at.isoformat() if at is not None else None
+
+    return {
+        "injected": usage.injected,
+        "last_used_at": iso(usage.last_used_at),
+        "refused": usage.refused,
+        "last_refused_at": iso(usage.last_refused_at),
+    }
 
 
 @router.delete("/v1/credentials/{name}", response_model=CredentialDeleted)

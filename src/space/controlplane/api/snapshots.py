@@ -6,6 +6,9 @@ Invariants:
 - A rollback moves through the lifecycle table (ROLLBACK, then ROLLED_BACK or FAIL), so a refused request
   is a 409 naming the current state, and a sandbox rolled back wants to run again. The request holds the
   sandbox's work lease while it runs, so only a dead control plane's rollback is taken over (failed).
+  A completed rollback writes the sandbox event `sandbox.rolled_back` (detail: the snapshot's id, kind and
+  name) in the same transaction as its ROLLED_BACK transition, so the history (the console's snapshot
+  tree: later snapshots branch off that snapshot) never misses one nor tells of one that did not finish.
 - A fork takes ONE full checkpoint and creates its children as records the reconciler brings up on the
   parent's node (FORK -> creating -> running), like any other create.
 - A snapshot of another project's sandbox answers like a missing one (404).
@@ -45,6 +48,7 @@ from space.controlplane.api.deps import (
 from space.controlplane.api.snapshot_sandboxes import find_snapshot
 from space.controlplane.api.views import Sandbox, Sandboxes, Snapshot, Snapshots, sandbox_view, snapshot_view
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
+from space.controlplane.store.sandbox_state import Note
 from space.core import errors
 from space.core.ids import SNAPSHOT, parse_snapshot_id
 from space.core.lifecycle import Event, State
@@ -117,6 +121,17 @@ async def list_snapshots(sandbox_id: str, who: Auth, services: Svc) -> dict[str,
     return {"snapshots": [snapshot_view(s, live.get(s.id)) for s in rows]}
 
 
+#: The sandbox event a completed rollback writes (docs/api.md lists the kinds).
+ROLLED_BACK_EVENT = "sandbox.rolled_back"
+
+
+def rolled_back_note(snap: SnapshotRecord) -> Note:
+    """The event of a completed rollback to `snap`: the snapshot, never anything of its contents."""
+    label = f"{snap.name} ({snap.id})" if snap.name else snap.id
+    detail = {"snapshot_id": snap.id, "snapshot_kind": snap.kind, "snapshot_name": snap.name}
+    return Note(ROLLED_BACK_EVENT, f"rolled back to {snap.kind} snapshot {label}", detail)
+
+
 @router.post("/sandboxes/{sandbox_id}/rollback", response_model=Sandbox)
 async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, services: Svc) -> dict[str, Any]:
     who.require("member")
@@ -140,7 +155,9 @@ async def rollback(sandbox_id: str, body: RollbackBody, who: Auth, services: Svc
         except errors.SpaceError:
             await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.FAIL)
             raise
-        sb = await asyncio.to_thread(store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK)
+        sb = await asyncio.to_thread(
+            store.transition, sb.id, sb.state, sb.generation, Event.ROLLED_BACK, note=rolled_back_note(snap)
+        )
     finally:
         with contextlib.suppress(errors.SpaceError):
             await asyncio.to_thread(store.release, sb.id, owner)

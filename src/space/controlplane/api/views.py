@@ -224,8 +224,21 @@ class CredentialChange(Credential):
     action: str = Field(description="create, rotate (a new value) or update.")
 
 
+class CredentialUsage(_View):
+    """What the gateways reported of a credential within the audit log's retention (never a value)."""
+
+    injected: int = Field(description="requests a gateway put its value into")
+    last_used_at: str | None
+    refused: int = Field(description="requests carrying its placeholder that a gateway refused")
+    last_refused_at: str | None
+
+
+class ListedCredential(Credential):
+    usage: CredentialUsage
+
+
 class Credentials(_View):
-    credentials: list[Credential]
+    credentials: list[ListedCredential]
 
 
 class CredentialDeleted(_View):

@@ -7,20 +7,24 @@ Invariants:
 - Entries are ordered by their autoincrement id (the order they were written in, also within one
   instant); pages and purges walk that id, so every batch is bounded.
 - The log outlives deleted credentials (no foreign key) and is purged by age only.
+- Usage (`usage_of`) counts only what gateways reported (INJECTED, REFUSED) per credential id, so a
+  credential deleted and made again under its name starts from nothing; with a project, only that
+  project's sandboxes' uses count (an org credential's uses elsewhere are not a project's business).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Final
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from space.controlplane.credentials.spec import Scope
 from space.controlplane.store.credentials.mapping import audit_record
-from space.controlplane.store.credentials.records import AuditEntry, AuditRecord
+from space.controlplane.store.credentials.records import AuditEntry, AuditRecord, CredentialUsage
 from space.controlplane.store.database import Repository
 from space.controlplane.store.models import CredentialAudit
 from space.controlplane.store.values import rowcount
@@ -28,6 +32,12 @@ from space.core.errors import InvalidArgument
 
 MAX_AUDIT_PAGE: Final = 1000
 HOST_LENGTH: Final = 255
+#: The gateway's report of a value put into a request (node_routes.NODE_AUDIT_ACTIONS).
+INJECTED: Final = "injected"
+#: The gateway's reports of a request that carried a credential's placeholder and was refused.
+REFUSED: Final = frozenset({"denied", "rate_limited", "expired", "placeholder_blocked"})
+#: Credentials per usage query (bound parameters stay far below any database's limit).
+USAGE_BATCH: Final = 400
 
 
 def write_audit(session: Session, at: datetime, entry: AuditEntry) -> None:
@@ -47,6 +57,17 @@ def write_audit(session: Session, at: datetime, entry: AuditEntry) -> None:
             detail=dict(entry.detail),
         )
     )
+
+
+def _counted(
+    have: CredentialUsage | None, action: str, count: int, newest: datetime | None
+) -> CredentialUsage:
+    """`have` with one (action, count, newest) group of the usage query added."""
+    have = have or CredentialUsage()
+    if action == INJECTED:
+        return replace(have, injected=have.injected + count, last_used_at=newest)
+    times = [t for t in (have.last_refused_at, newest) if t is not None]
+    return replace(have, refused=have.refused + count, last_refused_at=max(times) if times else None)
 
 
 def _page(limit: int) -> int:
@@ -92,6 +113,36 @@ class AuditRepository(Repository):
         with self._tx("reading the credential audit log") as session:
             rows = session.scalars(query.order_by(CredentialAudit.id).limit(_page(limit)))
             return [audit_record(row) for row in rows]
+
+    def usage_of(
+        self, org_id: str, credentials: Collection[tuple[str, str]], *, project_id: str | None
+    ) -> dict[str, CredentialUsage]:
+        """Usage per credential id of `credentials` ((id, name) pairs); with `project_id`, only the uses in
+        that project. One grouped query per USAGE_BATCH credentials, walking the (org, name) index."""
+        pairs = sorted(set(credentials))
+        found: dict[str, CredentialUsage] = {}
+        with self._tx("counting credential uses") as session:
+            for start in range(0, len(pairs), USAGE_BATCH):
+                batch = pairs[start : start + USAGE_BATCH]
+                query = (
+                    select(
+                        CredentialAudit.credential_id, CredentialAudit.action, func.count(),
+                        func.max(CredentialAudit.at),
+                    )
+                    .where(
+                        CredentialAudit.org_id == org_id,
+                        CredentialAudit.credential_name.in_(sorted({name for _id, name in batch})),
+                        CredentialAudit.credential_id.in_([credential_id for credential_id, _name in batch]),
+                        CredentialAudit.action.in_(sorted({INJECTED, *REFUSED})),
+                    )
+                    .group_by(CredentialAudit.credential_id, CredentialAudit.action)
+                )  # fmt: skip
+                if project_id is not None:
+                    query = query.where(CredentialAudit.project_id == project_id)
+                for credential_id, action, count, newest in session.execute(query):
+                    if credential_id is not None:  # the query names ids: never None, but typed so
+                        found[credential_id] = _counted(found.get(credential_id), action, count, newest)
+        return found
 
     def purge_audit(self, older_than_s: float, *, limit: int = 1000) -> int:
         """Delete audit entries older than `older_than_s` among the `limit` oldest (by id), in one short

@@ -63,6 +63,17 @@ class AuditRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class CredentialUsage:
+    """What the gateways reported of one credential, from the audit entries still kept (ADR 0025's
+    retention): values injected into requests and requests refused, each with its newest time."""
+
+    injected: int = 0
+    last_used_at: datetime | None = None
+    refused: int = 0
+    last_refused_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EgressRecord:
     sandbox_id: str
     project_id: str
