@@ -3,14 +3,18 @@
 
 A member signs in (a bad key first: it stays on the sign-in page), creates a sandbox, types in its terminal
 and sees the output, uploads a file and sees it listed, takes a snapshot, forks, sees the fork as a branch of
-the tree, and deletes with a confirmation (a cancelled one deletes nothing). A read-only key sees the
-sandboxes with every action disabled, and the API refuses the action when asked anyway. No page logs an
+the tree, rolls back to the first snapshot by keyboard (a file written since is gone) and sees the rollback in
+the tree with the next snapshot hanging off it as a new branch, also in a 360 px window (nothing overflows),
+and deletes with a confirmation (a cancelled one deletes nothing). A read-only key sees the sandboxes with
+every action disabled (rollbacks too), and the API refuses the action when asked anyway; it sees a
+credential's usage on the credentials page (the uses its node reported, never the value). No page logs an
 error (a CSP violation would). A screenshot of each page goes to tests/artifacts/console/ (gitignored).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import secrets
 from collections.abc import Iterator
@@ -21,6 +25,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
+from space.node.agent.identity import default_identity_file
 from tests.support import cluster as c
 
 pytestmark = pytest.mark.root
@@ -39,6 +44,7 @@ class Tenant:
     member: str
     reader: str
     admin: str
+    data_dir: pathlib.Path
 
     def http(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
@@ -61,7 +67,9 @@ def tenant(real_cluster: c.RealCluster) -> Iterator[Tenant]:
             json={"value": SECRET, "hosts": ["api.example.com"], "scope": "project", "project": name},
         )
         assert made.status_code == 200, made.text
-    tenant = Tenant(real_cluster.url, name, keys["member"], keys["read-only"], real_cluster.api_key)
+    tenant = Tenant(
+        real_cluster.url, name, keys["member"], keys["read-only"], real_cluster.api_key, real_cluster.data_dir
+    )
     try:
         yield tenant
     finally:
@@ -123,6 +131,21 @@ def only_expected(problems: list[str]) -> list[str]:
     return [p for p in problems if "Failed to load resource" not in p]
 
 
+def report_uses(tenant: Tenant, sandbox_id: str, *, injected: int, refused: int) -> None:
+    """Report uses of CREDENTIAL in `sandbox_id` as the installation's node does (its identity from its data
+    directory): no upstream is reachable from here, so the gateway itself cannot inject for real."""
+    identity = json.loads(default_identity_file(tenant.data_dir).read_text())
+    events = [
+        {"sandbox_id": sandbox_id, "action": "injected", "credential": CREDENTIAL, "host": "api.example.com"}
+    ]
+    events = events * injected + [{**events[0], "action": "rate_limited"}] * refused
+    with httpx.Client(
+        base_url=tenant.url, headers={"Authorization": f"Bearer {identity['identity']}"}
+    ) as node:
+        answer = node.post(f"/v1/nodes/{identity['node_id']}/audit", json={"events": events})
+    assert answer.status_code == 200 and answer.json()["accepted"] == len(events), answer.text
+
+
 def test_a_member_works_with_a_sandbox(browser: Browser, tenant: Tenant) -> None:
     with console_page(browser, tenant) as (page, problems):
         sign_in(page, "space_not_a_key")
@@ -180,6 +203,49 @@ def test_a_member_works_with_a_sandbox(browser: Browser, tenant: Tenant) -> None
         expect(fork_point.locator(f'[data-sandbox="{child}"]')).to_be_visible()
         shot(page, "3-sandbox")
 
+        # Roll back to the first snapshot (by keyboard); what was written since is gone.
+        first = snapshot.get_attribute("data-snapshot")
+        with tenant.http(tenant.member) as api:
+            wrote = api.put(f"/v1/sandboxes/{sandbox_id}/files", params={"path": "later.txt"}, content=b"x")
+            assert wrote.status_code in (200, 201, 204), wrote.text
+        roll = page.locator(f'#tree button[data-rollback="{first}"]')
+        expect(roll).to_have_accessible_name(f"Roll back {sandbox_id} to {first}")
+        roll.focus()
+        page.keyboard.press("Enter")
+        expect(page.locator("#confirm-title")).to_have_text(f"Roll back {sandbox_id} to {first}?")
+        page.locator("#confirm-ok").click()
+        rolled = page.locator(f'#tree li[data-snapshot="{first}"] > ul > li.rolled[data-rolled-to="{first}"]')
+        expect(rolled).to_be_visible(timeout=WAIT_MS)
+        expect(rolled.locator(".node.now")).to_contain_text(f"{sandbox_id} is running")
+        expect(page.locator("#tree li.left")).to_contain_text(f"rolled back to {first}")  # the line it left
+        with tenant.http(tenant.member) as api:
+            assert (
+                api.get(f"/v1/sandboxes/{sandbox_id}/files", params={"path": "later.txt"}).status_code == 404
+            )
+            assert (
+                api.get(f"/v1/sandboxes/{sandbox_id}/files", params={"path": "hello.txt"}).status_code == 200
+            )
+            events = api.get(f"/v1/sandboxes/{sandbox_id}/events", params={"kind": "sandbox.rolled_back"})
+            assert [e["detail"]["snapshot_id"] for e in events.json()["events"]] == [first]
+        # The next snapshot continues the new branch; the fork stays where it was.
+        expect(actions.get_by_role("button", name=f"Snapshot {sandbox_id}")).to_be_enabled(timeout=WAIT_MS)
+        actions.get_by_role("button", name=f"Snapshot {sandbox_id}").click()
+        expect(rolled.locator("li[data-snapshot]")).to_have_count(1, timeout=WAIT_MS)
+        expect(rolled.locator("li.now")).to_have_count(1)
+        expect(page.locator("#tree li.now")).to_have_count(2)  # the sandbox's and its fork's
+        expect(fork_point.locator(f'[data-sandbox="{child}"]')).to_be_visible()
+        expect(page.locator("#status")).to_be_empty(timeout=10_000)  # the toast would cover the tree
+        shot(page, "3b-sandbox-rolled-back")
+        page.set_viewport_size({"width": 360, "height": 800})
+        expect(rolled).to_be_visible()
+        overflow = page.evaluate(
+            "() => [...document.querySelectorAll('#tree .node')].filter((n) =>"
+            " n.getBoundingClientRect().right > document.documentElement.clientWidth + 1).length"
+        )
+        assert overflow == 0 and page.evaluate("document.documentElement.scrollWidth <= innerWidth")
+        page.locator("#tree").screenshot(path=str(ARTIFACTS / "3c-tree-narrow.png"))
+        page.set_viewport_size({"width": 1280, "height": 900})
+
         delete = actions.get_by_role("button", name=f"Delete {sandbox_id}")
         delete.focus()  # by keyboard: Enter opens the confirmation, Escape closes it, Cancel by click too
         page.keyboard.press("Enter")
@@ -200,6 +266,7 @@ def test_a_member_works_with_a_sandbox(browser: Browser, tenant: Tenant) -> None
         credentials = page.get_by_role("table", name="Credentials")
         expect(credentials.locator("tbody tr")).to_contain_text(CREDENTIAL)
         expect(credentials).to_contain_text("api.example.com")
+        expect(credentials.locator("tbody tr").first).to_contain_text("not used")
         assert SECRET not in page.content()  # names, hosts, expiry: never a value
         shot(page, "5-credentials")
         page.get_by_role("link", name="Nodes").click()
@@ -246,8 +313,12 @@ def test_a_read_only_key_cannot_act(browser: Browser, tenant: Tenant) -> None:
             sandbox_id,
         )
         assert answer["status"] == 403 and answer["body"]["error"]["code"] == "permission_denied"
+        with tenant.http(tenant.member) as api:
+            taken = api.post(f"/v1/sandboxes/{sandbox_id}/snapshots", json={"full": False})
+            assert taken.status_code == 201, taken.text
         page.get_by_role("link", name=sandbox_id).click()
         expect(page.get_by_role("button", name="Open terminal")).to_be_disabled()
+        expect(page.locator(f'#tree button[data-rollback="{taken.json()["id"]}"]')).to_be_disabled()
         expect(page.locator("#files-upload")).to_be_disabled()
         # Its bound credential: named in its egress policy, its use (the node fetching it) in the audit.
         expect(page.locator("#egress")).to_contain_text(CREDENTIAL)
@@ -255,6 +326,17 @@ def test_a_read_only_key_cannot_act(browser: Browser, tenant: Tenant) -> None:
         expect(use.locator("tbody tr").first).to_contain_text(CREDENTIAL, timeout=WAIT_MS)
         assert SECRET not in page.content()
         shot(page, "7-sandbox-read-only-narrow")
+
+        # Its uses as its node's gateway reports them (POST /v1/nodes/{id}/audit with the node's own
+        # identity): the credentials page counts them; never the value.
+        report_uses(tenant, sandbox_id, injected=3, refused=1)
+        page.get_by_role("link", name="Credentials").click()
+        credentials = page.get_by_role("table", name="Credentials")
+        usage = credentials.locator(f'tbody tr:has-text("{CREDENTIAL}") td[data-label="Usage"]')
+        expect(usage).to_contain_text("3 injections")
+        expect(usage).to_contain_text("1 refusal")
+        assert SECRET not in page.content()
+        shot(page, "8-credentials-usage-narrow")
         assert only_expected(problems) == [], problems
     with tenant.http(tenant.member) as api:
         assert api.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"

@@ -64,8 +64,12 @@ export function sandboxPage(main, sandboxId) {
   const files = filesSection(sandboxId);
   let shown = null, timer = null;
 
+  let drawing = 0; // refreshes overlap (a live update during a rollback): only the newest one is shown
   async function refreshTree() {
-    try { replace(tree, await drawTree(sandboxId)); } catch (exc) { replace(tree, exc.message); }
+    const mine = ++drawing;
+    let drawn;
+    try { drawn = await drawTree(sandboxId, { onChange: refreshTree }); } catch (exc) { drawn = exc.message; }
+    if (mine === drawing) replace(tree, drawn);
   }
   async function refreshMetrics() {
     try {
@@ -93,7 +97,7 @@ export function sandboxPage(main, sandboxId) {
       h("section", { "aria-labelledby": "facts-title" }, h("h2", { id: "facts-title" }, "Sandbox"), actions, info),
       h("section", { "aria-labelledby": "egress-title" }, h("h2", { id: "egress-title" }, "Egress policy"), egress)),
     terminal.section, files.section,
-    h("section", { "aria-labelledby": "tree-title" }, h("h2", { id: "tree-title" }, "Snapshots and forks"), tree),
+    h("section", { "aria-labelledby": "tree-title" }, h("h2", { id: "tree-title" }, "Snapshots, rollbacks and forks"), tree),
     h("section", { "aria-labelledby": "metrics-title" }, h("h2", { id: "metrics-title" }, "Metrics (last hour)"), metrics),
     h("section", { "aria-labelledby": "audit-title" }, h("h2", { id: "audit-title" }, "Credential use"), audit));
 
