@@ -439,6 +439,8 @@ def start_fake_cluster(
     object_store: bool = False,
     control_plane_args: tuple[str, ...] = (),
     control_plane_env: dict[str, str] | None = None,
+    node_args: tuple[str, ...] = (),
+    node_env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """Control plane(s) over `database_url` (default: SQLite in `root`) + fake node(s) that register with
     and heartbeat to control plane number `node_reports_to`; everything is killed at the end and nothing
@@ -446,7 +448,7 @@ def start_fake_cluster(
     directory store (`cluster.store_url`, under `root/objects`): suspend, restore, uploads.
     `control_plane_args`: extra arguments of the control planes (e.g. --snapshot-min-intervals 1,1); they
     survive restarts, unlike `extra_env`. `control_plane_env`: environment of the control planes' first
-    start (e.g. SPACE_NODE_LOST_AFTER_S)."""
+    start (e.g. SPACE_NODE_LOST_AFTER_S). `node_args`, `node_env`: the same for the fake nodes."""
     root.mkdir(parents=True, exist_ok=True)
     url = database_url or sqlite_url(root / "cp")
     token_file = root / "node.token"
@@ -488,6 +490,9 @@ def start_fake_cluster(
                 name="node" if i == 0 else f"node{i}",
             )
         )  # fmt: skip
+    for each in fake_nodes:
+        each.argv += list(node_args)
+        each.extra_env.update(node_env or {})
     node = fake_nodes[0]
     cluster = Cluster(root, url, token_file, store, org_id, project_id, admin_key, cps, node)
     cluster.more_nodes = fake_nodes[1:]

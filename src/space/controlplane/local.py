@@ -41,6 +41,7 @@ from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, Emit, Supervisor
 from space.core import errors
+from space.core.log_records import LOG_FORMAT_ENV
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.rpc_listen import MAX_SOCKET_PATH, default_rpc_socket
@@ -137,6 +138,8 @@ class LocalCluster:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
         src = pathlib.Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = str(src)
+        if LOG_FORMAT_ENV in os.environ:  # `SPACE_LOG_FORMAT=json space up`: JSON log lines (ADR 0071)
+            env[LOG_FORMAT_ENV] = os.environ[LOG_FORMAT_ENV]
         if user is not None and user[0] != 0:
             argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
             env["HOME"] = "/"

@@ -7,7 +7,6 @@ reconcilers divide the work through leases.
 from __future__ import annotations
 
 import argparse
-import logging
 import pathlib
 
 import uvicorn
@@ -24,6 +23,7 @@ from space.controlplane.store.store import Store
 from space.core import errors, retention
 from space.node.filemodes import set_owner_only_umask
 from space.node.rlimits import raise_fd_limit
+from space.rest.logs import configure_process_logging, uvicorn_log_config
 
 
 def build_store(database_url: str) -> Store:
@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, errors.InvalidArgument):
         parser.error("--snapshot-min-intervals is DISK,FULL: two whole numbers of seconds, each at least 1")
     set_owner_only_umask()  # the database, its WAL, key files: owner-only (ADR 0022)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s controlplane %(levelname)s %(message)s"
-    )
+    try:  # text, or one JSON object per line (SPACE_LOG_FORMAT; ADR 0071)
+        configure_process_logging("controlplane", args.log_level)
+    except errors.InvalidArgument as exc:
+        parser.error(exc.message)
     raise_fd_limit()  # every relayed stream holds a client and a node connection
     url = args.database_url or sqlite_url(args.data_dir)
     store = build_store(url)
@@ -114,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     if listen.api or listen.sandbox:  # the E2B front beside the API, over the same services
         e2b_serve.run(app, host=args.host, port=args.port, log_level=args.log_level, listen=listen)
     else:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+            log_config=uvicorn_log_config(),
+        )  # fmt: skip
     return 0
 
 

@@ -42,6 +42,7 @@ from space.objectstore.backends import open_store
 HELPER_ENV = (
     "PATH", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "LANG", "LC_ALL", "TMPDIR",
     "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+    "SPACE_LOG_FORMAT",  # text or json lines (ADR 0071)
 )  # fmt: skip
 
 

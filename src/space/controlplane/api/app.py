@@ -58,6 +58,10 @@ from space.controlplane.store.store import Store
 from space.controlplane.template_builds import TemplateBuilds
 from space.core import errors
 from space.rest import errors as rest_errors
+from space.rest.request_id import RequestIdMiddleware
+
+#: Requests without an access line: health checks, scrapes and the nodes' heartbeats (every 2 s per node).
+QUIET_PATHS = r"^/(healthz|metrics)$|^/v1/nodes/[^/]+/heartbeat$"
 
 
 def create_app(
@@ -123,6 +127,8 @@ def create_app(
         app.include_router(router)
     # Outermost: before any body is read.
     app.add_middleware(limits.RequestLimits, services=services)
+    # Around even that: a refused request's answer and log lines name its request id too (ADR 0071).
+    app.add_middleware(RequestIdMiddleware, issue=True, quiet=QUIET_PATHS)
     return app
 
 

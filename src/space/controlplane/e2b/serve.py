@@ -28,6 +28,7 @@ from starlette.types import ASGIApp
 
 from space.controlplane.api.deps import Services
 from space.core import errors
+from space.rest.logs import uvicorn_log_config
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ def _companion(
     host, port = parse_listen(listen, what)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=False, lifespan=lifespan,
+        log_config=uvicorn_log_config(),
         timeout_keep_alive=KEEP_ALIVE_S,
     )  # fmt: skip
     return _Companion(config)
@@ -109,6 +111,8 @@ async def _serve_companion(server: uvicorn.Server) -> None:
 
 def run(app: FastAPI, *, host: str, port: int, log_level: str, listen: E2bListen) -> None:
     """Serve the SPACE API `app` on host:port, and the E2B front where `listen` says."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, log_config=uvicorn_log_config()
+    )
     services: Services = app.state.services
     asyncio.run(serve_with_e2b(uvicorn.Server(config), companions(services, listen, log_level)))

@@ -31,12 +31,17 @@ from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
 from space.node.agent.template_build import TemplateBuilds
 from space.rest import errors as rest_errors
+from space.rest.request_id import RequestIdMiddleware
 
 #: The routers in the order their routes are matched and listed.
 ROUTERS = (
     node.router, sandboxes.router, metrics.router, snapshots.router, processes.router, files.router,
     pty.router, cdp.router, templates.router,
 )  # fmt: skip
+
+
+#: Requests without an access line: the control plane's periodic reads (node info, the sandbox list).
+QUIET_PATHS = r"^/node/v1/(info|sandboxes)$"
 
 
 def create_app(
@@ -71,4 +76,6 @@ def create_app(
     if failpoints.armed():  # tests only; added first, so it runs inside BearerAuth
         app.add_middleware(KillPointMiddleware, routes=[r for router in ROUTERS for r in router.routes])
     app.add_middleware(BearerAuth, token=token)
+    # The control plane's request id (never one made here) names this node's log lines (ADR 0071).
+    app.add_middleware(RequestIdMiddleware, issue=False, quiet=QUIET_PATHS)
     return app

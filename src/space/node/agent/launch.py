@@ -54,6 +54,7 @@ from space.node.agent.rpc_listen import KEEPALIVE_S, close_listeners, open_liste
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
 from space.node.rlimits import raise_fd_limit
+from space.rest.logs import configure_process_logging, uvicorn_log_config
 
 log = logging.getLogger("space.node.rpc")
 DESCRIPTION = (
@@ -211,7 +212,7 @@ async def serve(
         server = _Server(
             uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                timeout_keep_alive=KEEPALIVE_S,
+                timeout_keep_alive=KEEPALIVE_S, log_config=uvicorn_log_config(),
             )
         )  # fmt: skip
         # TCP, and with `listen_socket` a unix socket for a control plane on this machine (ADR 0044).
@@ -344,9 +345,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError:  # pydantic's ValidationError is a ValueError
         parser.error("--disk-reserve is PERCENT,MB: a percentage from 0 to 50 and a whole number of MB")
     os.umask(0o077)  # the agent's object-store parts, CA key, policies: its own only (ADR 0022)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:  # text, or one JSON object per line (SPACE_LOG_FORMAT; ADR 0071)
+        configure_process_logging("agent", args.log_level)
+    except errors.InvalidArgument as exc:
+        parser.error(exc.message)
     data_dir = args.data_dir.resolve()
     raise_fd_limit()  # descriptors per sandbox channel, stream and connection
     # uvicorn handles SIGINT/SIGTERM inside serve(); SIGPIPE must not kill us when a client vanishes.

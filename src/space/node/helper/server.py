@@ -44,6 +44,7 @@ from space.node.helper.runsc import Runsc
 from space.node.helper.verbs import VERBS
 from space.node.layout import NodeLayout
 from space.node.rlimits import raise_fd_limit
+from space.rest.logs import configure_process_logging
 
 log = logging.getLogger("space.node.helper")
 MAX_REQUEST = 64 * 1024
@@ -203,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Before anything is created: what the helper, runsc and the holders write is root's only (ADR 0022).
     set_owner_only_umask()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s helper %(levelname)s %(message)s")
+    try:  # text, or one JSON object per line (SPACE_LOG_FORMAT; ADR 0071)
+        configure_process_logging("helper")
+    except errors.InvalidArgument as exc:
+        parser.error(exc.message)
     raise_fd_limit()  # one holder connection and descriptors per sandbox
     layout = NodeLayout(args.data_dir.resolve())
     layout.data_dir.mkdir(parents=True, exist_ok=True)

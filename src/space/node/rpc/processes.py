@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from space.core import request_ids
 from space.node.agent import rpc_models as rm
 from space.node.rpc.transport import API_PREFIX, STREAM_TIMEOUT, Body, NodeTransport, sandbox_path
 from space.protocol.commands import command_params
@@ -123,7 +124,11 @@ class ProcessCalls(NodeTransport):
         query = httpx.QueryParams({"rows": rows, "cols": cols, "cmd": cmd})
         return ws_connect(
             f"{base}{API_PREFIX}{sandbox_path(sandbox_id, 'pty')}?{query}",
-            additional_headers={"Authorization": f"Bearer {self._token}", **self.capability(sandbox_id)},
+            additional_headers={
+                "Authorization": f"Bearer {self._token}",
+                **self.capability(sandbox_id),
+                **request_ids.outgoing_headers(),
+            },
             max_size=None,
         )
 
@@ -133,6 +138,10 @@ class ProcessCalls(NodeTransport):
         base = self.base_url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
         return ws_connect(
             f"{base}{API_PREFIX}{sandbox_path(sandbox_id, 'cdp')}",
-            additional_headers={"Authorization": f"Bearer {self._token}", **self.capability(sandbox_id)},
+            additional_headers={
+                "Authorization": f"Bearer {self._token}",
+                **self.capability(sandbox_id),
+                **request_ids.outgoing_headers(),
+            },
             max_size=None,
         )

@@ -10,6 +10,8 @@ Invariants:
   client's node token), minted from the `sandbox_id` the caller passes explicitly, never from a path; a
   capability header the caller passes is dropped, never forwarded.
 - NDJSON answers are read line by line, never whole; an error line raises the typed error it carries.
+- A call made while serving an API request carries that request's id (`X-Request-Id`, a validated token:
+  space.core.request_ids), so the node's log lines name it (ADR 0071).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from urllib.parse import quote
 
 import httpx
 
-from space.core import errors
+from space.core import errors, request_ids
 from space.core.capability import CAPABILITY_HEADER, mint
 from space.core.ids import parse_sandbox_id
 
@@ -91,6 +93,11 @@ def idempotency_header(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key} if key is not None else {}
 
 
+async def _with_request_id(request: httpx.Request) -> None:
+    """Every call made while serving an API request carries its id (ADR 0071): the node logs under it."""
+    request.headers.update(request_ids.outgoing_headers())
+
+
 class NodeTransport:
     """The HTTP client of one node agent's RPC (under API_PREFIX, with the node's bearer token)."""
 
@@ -109,6 +116,7 @@ class NodeTransport:
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
             transport=transport,
+            event_hooks={"request": [_with_request_id]},
         )
 
     async def aclose(self) -> None:

@@ -1,0 +1,134 @@
+"""Request ids through real processes (ADR 0071): a control plane and a fake-driver node agent, both
+writing JSON log lines. One id, taken from the caller or made by the API, is answered, and names the API's
+and the node's log lines of that request, so one grep follows it from the gateway to the node; a hostile
+`X-Request-Id` (newlines, 10 KB, JSON) is replaced and never reaches a log."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.support import cluster as c
+
+JSON_LOGS = {"SPACE_LOG_FORMAT": "json"}
+INFO = ("--log-level", "info")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[c.Cluster]:
+    with c.start_fake_cluster(
+        tmp_path_factory.mktemp("request-ids"), control_plane_args=INFO, control_plane_env=JSON_LOGS,
+        node_args=INFO, node_env=JSON_LOGS,
+    ) as made:  # fmt: skip
+        yield made
+
+
+@pytest.fixture(scope="module")
+def project(cluster: c.Cluster) -> Iterator[c.Project]:
+    made = c.new_project(cluster)
+    try:
+        yield made
+    finally:
+        c.delete_all(cluster, made)
+
+
+@pytest.fixture(scope="module")
+def sandbox_id(project: c.Project) -> str:
+    created = project.http().post("/v1/sandboxes", json={"template": "python", "limits": c.SMALL})
+    assert created.status_code == 201, created.text
+    return str(created.json()["id"])
+
+
+def _lines(service: c.Service) -> list[dict[str, Any]]:
+    """Every line of a service's log, each of which must be one JSON object (but the harness's own
+    `--- start ...` lines)."""
+    rows = []
+    for line in service.log_path.read_text(errors="replace").splitlines():
+        if line.strip() and not line.startswith("--- "):
+            rows.append(json.loads(line))  # not JSON: the format is broken (this fails the test)
+    return rows
+
+
+def _with(service: c.Service, request_id: str) -> list[dict[str, Any]]:
+    return [row for row in _lines(service) if row.get("request_id") == request_id]
+
+
+def test_one_id_follows_an_exec_from_the_api_to_the_node(
+    cluster: c.Cluster, project: c.Project, sandbox_id: str
+) -> None:
+    answer = project.http().post(
+        f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": "true"}, headers={"X-Request-Id": "follow-me.1"},
+        timeout=60,
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == "follow-me.1"
+    api = c.wait_for(lambda: _with(cluster.cp, "follow-me.1"), timeout=10, what="the API's access line")
+    node = c.wait_for(lambda: _with(cluster.node, "follow-me.1"), timeout=10, what="the node's access line")
+    assert any(row["msg"].startswith(f"POST /v1/sandboxes/{sandbox_id}/exec 200") for row in api), api
+    assert all(row["component"] == "controlplane" and row["sandbox_id"] == sandbox_id for row in api)
+    assert any(f"/node/v1/sandboxes/{sandbox_id}/" in row["msg"] for row in node), node
+    assert all(row["component"] == "agent" and row["sandbox_id"] == sandbox_id for row in node)
+
+
+def test_the_api_makes_an_id_when_the_caller_sends_none(project: c.Project, cluster: c.Cluster) -> None:
+    answer = project.http().get("/v1/sandboxes")
+    made = answer.headers["x-request-id"]
+    assert made.startswith("req_") and len(made) == 20
+    assert c.wait_for(lambda: _with(cluster.cp, made), timeout=10, what="the access line")
+    assert project.http().get("/v1/sandboxes").headers["x-request-id"] != made  # one per request
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        'x","level":"error","msg":"forged',
+        '{"request_id":"forged"}',
+        "forged-" * 1500,
+        "forged\\nline",
+        "../forged",
+    ],
+)
+def test_a_hostile_request_id_is_replaced_and_logged_nowhere(
+    cluster: c.Cluster, project: c.Project, sandbox_id: str, hostile: str
+) -> None:
+    answer = project.http().post(
+        f"/v1/sandboxes/{sandbox_id}/exec",
+        json={"cmd": "true"},
+        headers={"X-Request-Id": hostile},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    replaced = answer.headers["x-request-id"]
+    assert replaced.startswith("req_") and "forged" not in replaced
+    assert c.wait_for(
+        lambda: _with(cluster.node, replaced), timeout=10, what="the node's line under the new id"
+    )
+    for service in (cluster.cp, cluster.node):
+        text = service.log_path.read_text(errors="replace")
+        assert "forged" not in text
+        _lines(service)  # and every line is still one JSON object
+
+
+def test_a_raw_header_with_a_newline_or_control_bytes_never_reaches_a_log(
+    cluster: c.Cluster, project: c.Project
+) -> None:
+    # (A bare LF ends the header line for the HTTP parser: the id is then `forged!`, still refused.)
+    for value in (b"forged!\nX-Injected: 1", b"forged\x0bvalue", b"forged\x00nul"):
+        request = (
+            b"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + project.key.encode()
+            + b"\r\nX-Request-Id: " + value + b"\r\nConnection: close\r\n\r\n"
+        )  # fmt: skip
+        with socket.create_connection(("127.0.0.1", cluster.cp.port), timeout=10) as conn:
+            conn.sendall(request)
+            answer = b""
+            while chunk := conn.recv(65536):
+                answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0]
+        assert b"forged" not in head and b"X-Injected" not in head  # refused (400) or answered with a new id
+        assert head.startswith(b"HTTP/1.1 400") or b"\r\nx-request-id: req_" in head, head
+    assert "forged" not in cluster.cp.log_path.read_text(errors="replace")
+    _lines(cluster.cp)
