@@ -113,6 +113,10 @@ class JoinOptions(BaseSettings):
         default="python", pattern=r"^[a-z0-9,_-]{0,512}$", validation_alias="SPACE_NODE_TEMPLATES",
         description="Built-in templates prepared at start (comma-separated).",
     )  # fmt: skip
+    cgroup_parent: str = Field(
+        default="space", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", validation_alias="SPACE_NODE_CGROUP_PARENT",
+        description="The cgroup under which the node's sandboxes run (one per node on a machine).",
+    )  # fmt: skip
 
 
 class ObjectsOptions(BaseSettings):
@@ -273,6 +277,9 @@ def _build(
         name = str(problem["loc"][0])
         origin = given.get(name, f"environment variable {name}")
         message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "string_pattern_mismatch":  # the pattern itself helps no one
+            key = next((k for k in model.model_fields if env_name(model, k) == name), name)
+            message = f"{problem['input']!r} is not valid: {model.model_fields[key].description}"
         raise errors.InvalidArgument(f"{origin}: {message}", field=name) from exc
 
 
@@ -291,8 +298,10 @@ def export_to_environment(config: ConfigFile, section: str, model: type[BaseSett
     keys = section_keys(section)
     exported: dict[str, str] = {}
     for key, value in config.values(section).items():
+        if keys[key] is not model:
+            continue
         name = env_name(model, key)
-        if keys[key] is model and name not in os.environ:
+        if name not in os.environ:
             text = str(value).lower() if isinstance(value, bool) else str(value)
             os.environ[name] = exported[name] = text
     return exported

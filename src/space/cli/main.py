@@ -13,8 +13,11 @@ import typer
 from space.cli._common import EXIT_USAGE, state
 from space.cli.admin import bench, credential_app, key_app, project_app
 from space.cli.backup import backup_app
+from space.cli.controlplane_role import controlplane_app
 from space.cli.data import exec_command, files_app
 from space.cli.mcp_server import mcp_command
+from space.cli.node_join import join as node_join
+from space.cli.nodes import node_app
 from space.cli.sandbox import sandbox_app, snapshot_app
 from space.cli.status import status
 from space.cli.templates import template_app
@@ -51,6 +54,7 @@ app.add_typer(key_app, name="key")
 app.add_typer(credential_app, name="credential")
 app.add_typer(template_app, name="template")
 app.add_typer(backup_app, name="backup")
+app.add_typer(controlplane_app, name="controlplane")
 app.command(
     "exec",
     context_settings={"allow_interspersed_args": False},
@@ -58,6 +62,7 @@ app.command(
 app.command("bench")(bench)
 app.command("status")(status)
 app.command("mcp")(mcp_command)
+node_app.command("join")(node_join)  # node_app joins `space` with `up` (space.cli.up.register)
 
 
 def _register_up(target: typer.Typer) -> None:

@@ -31,6 +31,14 @@ def build_store(database_url: str) -> Store:
     return Store(database_url)
 
 
+def _check_tls(parser: argparse.ArgumentParser, args: argparse.Namespace, listen: E2bListen) -> None:
+    """--tls-cert and --tls-key come together, and not with the E2B front (served in plain HTTP)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert is not None and (listen.api or listen.sandbox):
+        parser.error("the E2B front is served without TLS: leave out --e2b-*-listen with --tls-cert")
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = ControlPlaneSettings.from_env()  # environment variables: space.controlplane.settings
     parser = argparse.ArgumentParser(description="SPACE control plane")
@@ -75,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         "--e2b-sandbox-listen", default=settings.e2b_sandbox_listen, metavar="HOST:PORT",
         help="also serve E2B's in-sandbox API at the root of that address (docs/e2b.md)",
     )  # fmt: skip
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.node_socket:
@@ -85,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except errors.InvalidArgument as exc:
         parser.error(exc.message)
     listen = E2bListen(api=args.e2b_api_listen or None, sandbox=args.e2b_sandbox_listen or None)
+    _check_tls(parser, args, listen)
     for value, flag in ((listen.api, "--e2b-api-listen"), (listen.sandbox, "--e2b-sandbox-listen")):
         try:
             if value is not None:
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         uvicorn.run(
             app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-            log_config=uvicorn_log_config(),
+            log_config=uvicorn_log_config(), ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key,
         )  # fmt: skip
     return 0
 
