@@ -155,6 +155,17 @@ def test_credentials_carry_their_usage_never_values(fake_cluster: c.Cluster, two
         assert usage_of(victim.http(), org_name, "org")["injected"] == 1
         assert usage_of(attacker.http(), org_name, "org")["injected"] == 1
         assert usage_of(org, org_name, "org")["injected"] == 2  # the org admin sees every project's
+        # `space credential list` shows the same counts.
+        from typer.testing import CliRunner
+
+        from space.cli.main import app
+
+        listed_cli = CliRunner().invoke(
+            app, ["--url", fake_cluster.url, "--api-key", victim.key, "credential", "list"]
+        )
+        assert listed_cli.exit_code == 0, listed_cli.output
+        (line,) = [row for row in listed_cli.stdout.splitlines() if row.startswith(f"{name} ")]
+        assert "2 (2 refused)" in line and all(value not in listed_cli.stdout for value in values)
         # The attacker's own credential of that name: none of the victim's uses.
         assert usage_of(attacker.http(), name)["injected"] == 0
         assert all(value not in attacker.http().get("/v1/credentials").text for value in values[::2])

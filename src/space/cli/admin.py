@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -149,10 +149,19 @@ def credential_list(
         return
     rows = [
         [c.data.get("name"), c.data.get("scope"), ",".join(c.data.get("hosts") or []), c.data.get("method"),
-         c.data.get("version"), c.data.get("expires_at") or "-", c.data.get("placeholder")]
+         c.data.get("version"), c.data.get("expires_at") or "-", _usage(c.data.get("usage")),
+         c.data.get("placeholder")]
         for c in credentials
     ]  # fmt: skip
-    table(rows, ["NAME", "SCOPE", "HOSTS", "METHOD", "VERSION", "EXPIRES", "PLACEHOLDER"])
+    table(rows, ["NAME", "SCOPE", "HOSTS", "METHOD", "VERSION", "EXPIRES", "USED", "PLACEHOLDER"])
+
+
+def _usage(usage: Any) -> str:
+    """Injections (and refusals) as the list counts them from the audit log; '-' from an older server."""
+    if not isinstance(usage, dict):
+        return "-"
+    refused = usage.get("refused") or 0
+    return f"{usage.get('injected', 0)}" + (f" ({refused} refused)" if refused else "")
 
 
 @credential_app.command("delete")
