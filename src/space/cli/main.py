@@ -1,6 +1,6 @@
 """`space`: the command line of SPACE, thin over the SDK (entry point `space.cli.main:app`).
 
-Commands: sandbox, snapshot, exec, files, project, key, credential, template, bench, status (the local
+Commands: sandbox, snapshot, exec, files, project, key, credential, template, bench, trace, status (the local
 installation); `up`/`down` come from space.cli.up when that module exists. Exit codes are documented
 in space.cli._common.
 """
@@ -21,6 +21,7 @@ from space.cli.nodes import node_app
 from space.cli.sandbox import sandbox_app, snapshot_app
 from space.cli.status import status
 from space.cli.templates import template_app
+from space.cli.trace import trace_command
 
 app = typer.Typer(
     name="space",
@@ -62,6 +63,7 @@ app.command(
 app.command("bench")(bench)
 app.command("status")(status)
 app.command("mcp")(mcp_command)
+app.command("trace")(trace_command)  # a sandbox's operations as waterfalls (ADR 0072)
 node_app.command("join")(node_join)  # node_app joins `space` with `up` (space.cli.up.register)
 
 

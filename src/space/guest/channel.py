@@ -209,6 +209,8 @@ class Call:
     ) -> None:
         self.stream = stream
         self.method = method
+        #: The node traces this call (its CALL carried a valid trace id): the RESULT carries our time.
+        self.traced = False
         self.inbound = Inbound()
         self.cancelled = threading.Event()
         self._writer = writer

@@ -32,6 +32,7 @@ from space.guest.channel import Call, ChannelWriter, GuestError, encode_error, e
 from space.guest.children import ChildWatcher
 from space.guest.settings import SETTINGS
 from space.protocol import methods as m
+from space.protocol import trace_ids
 from space.protocol.errors import ChannelClosed, MalformedPayload, ProtocolError, VersionMismatch
 from space.protocol.flow import announced_window, window_increment
 from space.protocol.frames import Frame, FrameDecoder, FrameType, encode_json
@@ -286,6 +287,7 @@ class Daemon:
         )
         if method not in m.BODY_METHODS:
             call.inbound.refuse()
+        call.traced = trace_ids.valid_trace_id(request.get(trace_ids.TRACE_FIELD))
         with self._lock:
             self._calls[stream] = call
             self._recent.discard(stream)
@@ -316,8 +318,11 @@ class Daemon:
             # import_module (not sys.modules) waits for a module the warm-up thread is still importing.
             module = importlib.import_module(module_name)
             handler: Handler = getattr(module, function_name)
-            result = handler(self, call, params)
-            call.result(result if result is not None else {})
+            started = time.perf_counter_ns()
+            result = handler(self, call, params) or {}
+            if call.traced:  # the node's trace gets our own time for the call (ADR 0072)
+                result = {**result, trace_ids.TIMING_FIELD: time.perf_counter_ns() - started}
+            call.result(result)
         except ChannelClosed:
             return
         except Exception as exc:

@@ -1,7 +1,7 @@
 """NodeClient: the control plane's (and gateway's) async client of one node agent's RPC.
 
 The calls are grouped by concern under space.node.rpc (transport, lifecycle, transfer, processes, files,
-relay, metrics, templates); NodeClient is all of them on one authenticated connection.
+relay, metrics, templates, traces); NodeClient is all of them on one authenticated connection.
 
 Invariants:
 - Every failure is a space.core error: an error answer is rebuilt with `errors.error_from_dict` (same code,
@@ -29,10 +29,18 @@ from space.node.rpc.metrics import MetricsCalls
 from space.node.rpc.processes import ProcessCalls
 from space.node.rpc.relay import RelayCalls
 from space.node.rpc.templates import TemplateCalls
+from space.node.rpc.traces import TraceCalls
 from space.node.rpc.transfer import TransferCalls
 
 
 class NodeClient(
-    LifecycleCalls, TransferCalls, ProcessCalls, FileCalls, RelayCalls, MetricsCalls, TemplateCalls
+    LifecycleCalls,
+    TransferCalls,
+    ProcessCalls,
+    FileCalls,
+    RelayCalls,
+    MetricsCalls,
+    TemplateCalls,
+    TraceCalls,
 ):
     """Every call of one node agent's RPC; `async with NodeClient(url, token) as node: ...`."""

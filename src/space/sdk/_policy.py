@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from space.core.errors import SpaceError
 from space.sdk.errors import TransportError
@@ -35,6 +36,8 @@ MAX_RETRY_AFTER_S = 30.0
 MAX_BACKOFF_S = 8.0
 #: A list value is a repeated parameter (`state=running&state=paused`).
 Params = Mapping[str, str | int | float | bool | list[str] | None]
+
+_W3C = TraceContextTextMapPropagator()
 
 
 class RequestPolicy:
@@ -67,9 +70,13 @@ class RequestPolicy:
 
     @staticmethod
     def request_headers(method: str, idempotency_key: str | None) -> dict[str, str]:
-        if method in {"GET", "HEAD"}:
-            return {}
-        return {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        headers = (
+            {} if method in {"GET", "HEAD"} else {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        )
+        # The caller's OpenTelemetry trace, if it has one: SPACE's spans join it (ADR 0072). Only the W3C
+        # traceparent (never baggage); nothing when no span is current.
+        _W3C.inject(headers)
+        return headers
 
     def delay(self, attempt: int, response: httpx.Response | None = None) -> float:
         if response is not None:

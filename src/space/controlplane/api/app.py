@@ -43,6 +43,7 @@ from space.controlplane.api import (
     sandboxes,
     snapshots,
     templates,
+    traces,
 )
 from space.controlplane.api.deps import Services, authenticate_key
 from space.controlplane.api.mcp_endpoint import McpEndpoint
@@ -56,9 +57,10 @@ from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import SnapshotKeeper
 from space.controlplane.store.store import Store
 from space.controlplane.template_builds import TemplateBuilds
-from space.core import errors
+from space.core import errors, tracing
 from space.rest import errors as rest_errors
 from space.rest.request_id import RequestIdMiddleware
+from space.rest.tracing import TraceRequests
 
 #: Requests without an access line: health checks, scrapes and the nodes' heartbeats (every 2 s per node).
 QUIET_PATHS = r"^/(healthz|metrics)$|^/v1/nodes/[^/]+/heartbeat$"
@@ -111,6 +113,9 @@ def create_app(
     app.state.templates = builds  # template builds driven by this process (ADR 0055)
     rest_errors.install(app, surface="control plane API")
     app.add_middleware(_Metrics, services=services)
+    # A span per request, in the caller's trace (ADR 0072); inside the limits: refused floods make none.
+    tracing.configure("space-controlplane")
+    app.add_middleware(TraceRequests, layer="space.controlplane", skip=("/healthz", "/metrics", "/v1/nodes"))
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", _metrics_route, methods=["GET"], include_in_schema=False)
     for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
@@ -121,6 +126,7 @@ def create_app(
     app.include_router(cdp.router, prefix="/v1")  # Chromium's DevTools in a browser sandbox (ADR 0064)
     app.include_router(overview.router, prefix="/v1")  # whoami, sandbox updates, nodes (ADR 0061)
     app.include_router(node_admin.router, prefix="/v1")  # cordon, drain, remove nodes (ADR 0065)
+    app.include_router(traces.router, prefix="/v1")  # a sandbox's recent operations, traced (ADR 0072)
     console.mount(app)  # the web console's static files at /console/ (ADR 0061)
     app.include_router(node_routes.router, prefix="/v1/nodes")
     for router in (credentials.router, egress.router, byok.router):

@@ -54,7 +54,7 @@ from space.controlplane.scheduler import DEFAULT_FRESH_S
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_state import Note
 from space.controlplane.store.store import Store
-from space.core import errors
+from space.core import errors, tracing
 from space.core.lifecycle import Event, State, can
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from space.objectstore.base import ObjectStore
 
 LEASE_S = 8.0
+LAYER = tracing.Layer("space.controlplane")
 BATCH = 16
 # Steps begun from a stable state that act on the sandbox's own node (not begun while it is gone).
 NODE_BOUND = frozenset({Event.PAUSE, Event.RESUME, Event.STOP, Event.START, Event.SUSPEND})
@@ -245,7 +246,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         """Advance `sb` by as many steps as it takes to reach a stable state (or a failure); the record
         as the last completed step left it (None when a step failed: its row says why)."""
         for _ in range(8):  # bounded: every loop either completes a step or returns
-            nxt = await self._advance(sb)
+            # One span per move (a new trace in the loop, a child of the request on the direct path).
+            with LAYER.span(f"reconcile.{sb.state.value}", root=True, sandbox_id=sb.id, state=sb.state.value):
+                nxt = await self._advance(sb)
             if nxt is None:
                 return sb if sb.state == sb.desired_state else None
             sb = nxt

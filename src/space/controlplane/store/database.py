@@ -25,8 +25,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from space.controlplane.store.errors import translate_db_errors
 from space.controlplane.store.values import aware
+from space.core import tracing
 
 Clock = Callable[[], datetime]
+LAYER = tracing.Layer("space.controlplane")  # one span per transaction within a trace (ADR 0072)
 
 
 def utcnow() -> datetime:
@@ -45,7 +47,11 @@ class Database:
     @contextmanager
     def transaction(self, what: str) -> Iterator[Session]:
         """One transaction; commits on success, rolls back on any exception, translates DB errors."""
-        with translate_db_errors(what), self._sessions.begin() as session:
+        with (
+            LAYER.span("db.transaction", what=what),
+            translate_db_errors(what),
+            self._sessions.begin() as session,
+        ):
             yield session
 
     def now(self) -> datetime:

@@ -20,11 +20,13 @@ from collections.abc import Sequence
 
 from fastapi import FastAPI
 
+from space.core import tracing
 from space.faults import failpoints
 from space.node.agent.agent import NodeAgent
 from space.node.agent.killpoints import KillPointMiddleware
 from space.node.agent.metrics import MetricsSampler
 from space.node.agent.routes import cdp, files, metrics, node, processes, pty, sandboxes, snapshots, templates
+from space.node.agent.routes import traces as trace_routes
 from space.node.agent.rpc_auth import BearerAuth
 from space.node.agent.rpc_models import API_PREFIX
 from space.node.agent.service import NodeService
@@ -32,11 +34,12 @@ from space.node.agent.settings import NodeAgentSettings
 from space.node.agent.template_build import TemplateBuilds
 from space.rest import errors as rest_errors
 from space.rest.request_id import RequestIdMiddleware
+from space.rest.tracing import TraceRequests
 
 #: The routers in the order their routes are matched and listed.
 ROUTERS = (
     node.router, sandboxes.router, metrics.router, snapshots.router, processes.router, files.router,
-    pty.router, cdp.router, templates.router,
+    pty.router, cdp.router, templates.router, trace_routes.router,
 )  # fmt: skip
 
 
@@ -75,6 +78,10 @@ def create_app(
     rest_errors.install(app, surface="node agent")
     if failpoints.armed():  # tests only; added first, so it runs inside BearerAuth
         app.add_middleware(KillPointMiddleware, routes=[r for router in ROUTERS for r in router.routes])
+    # A span per call, in the control plane's trace (ADR 0072); inside BearerAuth: only authenticated
+    # calls make spans.
+    tracing.configure("space-node-agent")
+    app.add_middleware(TraceRequests, layer="space.node", roots=False)
     app.add_middleware(BearerAuth, token=token)
     # The control plane's request id (never one made here) names this node's log lines (ADR 0071).
     app.add_middleware(RequestIdMiddleware, issue=False, quiet=QUIET_PATHS)

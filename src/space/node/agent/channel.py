@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from space.core import errors
+from space.core import errors, tracing
 from space.node.agent import channel_call
 from space.node.agent.channel_guard import (
     PROTOCOL_ERROR_BURST,
@@ -53,11 +53,13 @@ from space.protocol import (
     encode_json,
     hello_payload,
     negotiate,
+    trace_ids,
 )
 from space.protocol.flow import INITIAL_WINDOW, announced_window, frame_cost, window_increment
 from space.protocol.version import FLOW_CONTROL_VERSION
 
 log = logging.getLogger(__name__)
+LAYER = tracing.Layer("space.node")
 
 
 READ_SIZE = 1 << 20
@@ -159,8 +161,12 @@ class GuestChannel:
         stream = next(self._stream_ids)
         call = channel_call.Call(self, stream, method)
         self._calls[stream] = call
+        request: dict[str, Any] = {"method": method, "params": params or {}}
+        if (ids := tracing.current_ids()) is not None:  # only the trace id enters the sandbox (ADR 0072)
+            request[trace_ids.TRACE_FIELD] = ids[0]
+            call.span = LAYER.start(f"guest.{method}", guest_method=method)
         try:
-            call_frame = encode_json(FrameType.CALL, stream, {"method": method, "params": params or {}})
+            call_frame = encode_json(FrameType.CALL, stream, request)
             await self.write_frame(call_frame)
         except BaseException:
             self._calls.pop(stream, None)

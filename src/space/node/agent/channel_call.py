@@ -21,13 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from space.core import errors
+from space.core import errors, tracing
 from space.node.agent.channel_guard import GuestViolation
-from space.protocol import Channel, Frame, FrameType, ProtocolError, encode, encode_eof, iter_data_frames
+from space.protocol import (
+    Channel,
+    Frame,
+    FrameType,
+    ProtocolError,
+    encode,
+    encode_eof,
+    iter_data_frames,
+    trace_ids,
+)
 from space.protocol.flow import FLOW_CONTROLLED, ReceiveWindow, SendCredit, encode_window, frame_cost
 from space.protocol.frames import HEADER_SIZE
 
@@ -118,6 +128,8 @@ class Call:
         self._result: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._abandoned = False
         self._discarding = False  # nobody reads this call's events: do not queue them
+        #: The call's span while it runs (set by the channel when the call is opened within a trace).
+        self.span: Any = None
         flow = channel.flow_control
         self._receive = ReceiveWindow(channel.receive_window) if flow else None
         self._credit = SendCredit(channel.send_window) if flow else None
@@ -153,12 +165,28 @@ class Call:
             try:
                 body = frame.json()
                 if frame.type == FrameType.RESULT:
+                    self._traced_end(body.pop(trace_ids.TIMING_FIELD, None), error=False)
                     self._result.set_result(body)
                 else:
                     self._result.set_exception(guest_error(body))
             except ProtocolError as exc:
                 self._result.set_exception(errors.ChannelError(exc.message, guest_code=exc.code))
+        self._traced_end(None, error=True)
         self._end()
+
+    def _traced_end(self, spaced_ns: object, *, error: bool) -> None:
+        """End this call's span (ADR 0072), with spaced's own time as a span under it when it sent one."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        ctx = span.get_span_context()
+        if trace_ids.valid_timing(spaced_ns):
+            assert isinstance(spaced_ns, int)
+            end = time.time_ns()
+            ids = (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
+            record = tracing.child_record(ids, f"spaced.{self.method}", "space.guest", end - spaced_ns, end)
+            tracing.RING.add(record)
+        tracing.finish(span, error=error)
 
     def _fail_behind(self) -> None:
         """A version-1 guest outran this call's reader by LEGACY_CALL_BUDGET: fail it and cancel it."""
@@ -174,6 +202,7 @@ class Call:
     def fail(self, exc: errors.SpaceError) -> None:
         if not self._result.done():
             self._result.set_exception(exc)
+        self._traced_end(None, error=True)
         self._end()
 
     def _end(self) -> None:

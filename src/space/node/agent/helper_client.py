@@ -7,6 +7,8 @@ Invariants:
 - The helper sees runtime ids only, callers sandbox ids only: with `names` set, every call's sandbox-naming
   arguments are translated to runtime ids and its answer's back (space.node.agent.runtime_names), here and
   nowhere else.
+- A verb called within a trace carries its traceparent (`"trace"`); the spans the helper answers with join
+  this process's ring (ADR 0072).
 """
 
 from __future__ import annotations
@@ -16,10 +18,23 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from space.core import errors
+from space.core import errors, tracing
 from space.node.agent.runtime_names import RuntimeNames
 
 ProgressCallback = Callable[[str], None]
+MAX_HELPER_SPANS = 64
+
+
+LAYER = tracing.Layer("space.node")
+
+
+def _keep_spans(spans: object) -> None:
+    """The helper's spans of a traced verb, into this process's ring beside the agent's own."""
+    if isinstance(spans, list):
+        for value in spans[:MAX_HELPER_SPANS]:
+            record = tracing.record_from_wire(value)
+            if record is not None:
+                tracing.RING.add(record)
 
 
 class HelperClient:
@@ -54,11 +69,12 @@ class HelperClient:
     ) -> dict[str, Any]:
         if timeout is None:
             timeout = self.default_timeout
-        if self.names is None:
-            return await self._call(verb, args, progress, timeout)
-        result = await self._call(verb, self.names.args_to_runtime(args or {}), progress, timeout)
-        translated: dict[str, Any] = self.names.result_to_sandbox(result)
-        return translated
+        with LAYER.span(f"helper.{verb}", verb=verb):  # the agent's wait, the helper's own span inside
+            if self.names is None:
+                return await self._call(verb, args, progress, timeout)
+            result = await self._call(verb, self.names.args_to_runtime(args or {}), progress, timeout)
+            translated: dict[str, Any] = self.names.result_to_sandbox(result)
+            return translated
 
     async def _call(
         self, verb: str, args: dict[str, Any] | None, progress: ProgressCallback | None, timeout: float
@@ -66,7 +82,10 @@ class HelperClient:
         reader, writer = await self._connection()
         reusable = False
         try:
-            writer.write(json.dumps({"verb": verb, "args": args or {}}).encode() + b"\n")
+            request: dict[str, Any] = {"verb": verb, "args": args or {}}
+            if (traceparent := tracing.traceparent()) is not None:
+                request["trace"] = traceparent  # the helper's spans join this trace (ADR 0072)
+            writer.write(json.dumps(request).encode() + b"\n")
             await writer.drain()
             async with asyncio.timeout(timeout):
                 while True:
@@ -79,6 +98,7 @@ class HelperClient:
                             progress(str(answer["progress"]))
                         continue
                     reusable = True
+                    _keep_spans(answer.pop("spans", None))
                     if answer.get("ok"):
                         result = answer.get("result", {})
                         return result if isinstance(result, dict) else {}

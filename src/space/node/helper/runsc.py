@@ -23,13 +23,14 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from space.core import errors, runtimes
+from space.core import errors, runtimes, tracing
 from space.node.volumes import template_base
 
 CONTROL_TIMEOUT_S = 60.0
 VERSION_TIMEOUT_S = 10.0
 #: The runtime descriptor beside the files runsc writes into a checkpoint image directory.
 IMAGE_DESCRIPTOR = "runtime.json"
+LAYER = tracing.Layer("space.node.helper")
 
 
 @functools.cache
@@ -99,7 +100,8 @@ class Runsc:
     def control(self, *args: str, timeout: float = CONTROL_TIMEOUT_S) -> str:
         argv = [*self.global_flags(), *args]
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+            with LAYER.span(f"runsc.{args[0]}", command=args[0]):  # the subcommand: a fixed word (ADR 0072)
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise errors.RuntimeFailure(f"runsc {args[0]} timed out after {timeout}s") from exc
         if proc.returncode != 0:

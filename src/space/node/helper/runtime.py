@@ -33,9 +33,9 @@ import threading
 import time
 from typing import Any
 
-from space.core import errors
+from space.core import errors, tracing
 from space.node.helper import holder, network
-from space.node.helper.runsc import Runsc
+from space.node.helper.runsc import LAYER, Runsc
 from space.node.layout import NodeLayout
 
 SOCKET_WAIT_S = 10.0
@@ -247,6 +247,7 @@ class Runtimes:
         if spare is not None:
             self._discard(spare)
 
+    @tracing.timed(LAYER, "runsc.launch")  # runsc run|restore in a holder, until its channel is up (ADR 0072)
     def _spawn_holder(self, sandbox_id: str, runtime_argv: list[str]) -> str:
         run_dir = self.layout.run_dir(sandbox_id)
         socket_path = self.layout.channel_socket(sandbox_id)

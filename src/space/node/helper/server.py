@@ -34,13 +34,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from space.core import errors
+from space.core import errors, tracing
 from space.core.settings import NodeSettings
 from space.faults import failpoints
 from space.node.filemodes import set_owner_only_umask
 from space.node.helper.context import HelperContext
 from space.node.helper.network import SandboxNetworks
 from space.node.helper.runsc import Runsc
+from space.node.helper.traced import traced_dispatch
 from space.node.helper.verbs import VERBS
 from space.node.layout import NodeLayout
 from space.node.rlimits import raise_fd_limit
@@ -144,7 +145,9 @@ class _Handler(socketserver.StreamRequestHandler):
                     }
                 )
                 continue
-            answer = dispatch(self.server.context, request, lambda text: self._send({"progress": text}))
+            progress = lambda text: self._send({"progress": text})  # noqa: E731
+            # The request's trace context, if any, and the answer's spans (ADR 0072).
+            answer = traced_dispatch(dispatch, self.server.context, request, progress)
             self._send(answer)
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -161,6 +164,7 @@ class HelperServer(socketserver.ThreadingUnixStreamServer):
     def __init__(self, socket_path: str, context: HelperContext, allowed_uids: set[int]) -> None:
         self.context = context
         self.allowed_uids = allowed_uids
+        tracing.configure("space-node-helper")  # spans of verbs the agent traces (ADR 0072)
         if os.path.exists(socket_path):
             os.unlink(socket_path)
         super().__init__(socket_path, _Handler)

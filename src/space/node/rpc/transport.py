@@ -28,6 +28,7 @@ import httpx
 from space.core import errors, request_ids
 from space.core.capability import CAPABILITY_HEADER, mint
 from space.core.ids import parse_sandbox_id
+from space.node.rpc.traced import TracedTransport
 
 API_PREFIX = "/node/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
@@ -115,7 +116,8 @@ class NodeTransport:
             base_url=self.base_url + API_PREFIX,
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout,
-            transport=transport,
+            # One span per node call, its traceparent on the request (ADR 0072).
+            transport=TracedTransport(transport or httpx.AsyncHTTPTransport()),
             event_hooks={"request": [_with_request_id]},
         )
 

@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from space.core import tracing
 from space.core.errors import InvalidArgument, NotFound, RuntimeFailure
 from space.node.volumes.btrfs_ioctl import (
     BTRFS,
@@ -48,6 +49,8 @@ from space.node.volumes.btrfs_ioctl import (
     vol_args,
     vol_args_v2,
 )
+
+LAYER = tracing.Layer("space.node.helper")  # btrfs calls are the helper's (ADR 0072)
 
 
 # --- inspection -----------------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ def subvolume_id(path: PathLike) -> int:
 
 
 # --- subvolumes -----------------------------------------------------------------------------------------
+@tracing.timed(LAYER, "btrfs.create_subvolume")
 def create_subvolume(path: PathLike) -> Path:
     """Create an empty subvolume at `path` (its parent must exist on btrfs)."""
     parent, name = split_name(path, VOL_ARGS_NAME_MAX)
@@ -118,6 +122,7 @@ def create_subvolume(path: PathLike) -> Path:
     return Path(os.path.abspath(path))
 
 
+@tracing.timed(LAYER, "btrfs.snapshot")
 def snapshot(src: PathLike, dst: PathLike, *, readonly: bool = False) -> Path:
     """Snapshot subvolume `src` to `dst` (copy-on-write, O(1)); `readonly` makes it read-only atomically.
 
@@ -171,6 +176,7 @@ def _subvolume_root_of(path: Path) -> Path:
     return p
 
 
+@tracing.timed(LAYER, "btrfs.delete_subvolume")
 def delete_subvolume(path: PathLike) -> None:
     """Delete the subvolume at `path` with all its files, and any subvolumes nested inside it.
 

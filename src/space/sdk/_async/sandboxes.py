@@ -305,6 +305,13 @@ class AsyncSandbox:
         answer = await self._http.json("GET", f"{self.path}/metrics", params=params)
         return [MetricSample(item) for item in answer.get("samples", [])]
 
+    async def traces(self, *, limit: int = 10) -> builtins.list[dict[str, Any]]:
+        """The sandbox's newest `limit` operations (1 to 100) as traces, oldest first: each
+        {"trace_id", "spans": [{"name", "layer", "start_ns", "end_ns", "parent_id", ...}]} with the spans of
+        the control plane, the node agent, the root helper and spaced (what `space trace` draws)."""
+        answer = await self._http.json("GET", f"{self.path}/traces", params={"limit": limit})
+        return [dict(item) for item in answer.get("traces", [])]
+
     # egress ------------------------------------------------------------------------------------------
 
     async def egress(self) -> dict[str, Any]:
