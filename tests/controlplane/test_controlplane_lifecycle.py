@@ -10,7 +10,7 @@ import time
 import pytest
 from websockets.sync.client import connect
 
-from space.sdk import NotFound, Sandbox
+from space.sdk import InvalidState, NotFound, Sandbox, Space
 from tests.support import cluster as c
 
 fake_cluster = c.fake_cluster
@@ -21,6 +21,14 @@ def on_node(cluster: c.Cluster, sandbox_id: str) -> str | None:
     """The node's state of the sandbox (None if the node does not have it)."""
     item = cluster.node.sandboxes().get(sandbox_id)
     return None if item is None else str(item["state"])
+
+
+def gone(sp: Space, sandbox_id: str) -> bool:
+    try:
+        sp.sandboxes.get(sandbox_id)
+    except NotFound:
+        return True
+    return False
 
 
 def settled(cluster: c.Cluster, sb: Sandbox, state: str) -> None:
@@ -72,8 +80,11 @@ def test_create_exec_files_pause_resume_stop_start_delete(
         settled(fake_cluster, sb, "running")
         assert sb.files.read("dir/b.txt") == b"data\x00\xff", "the disk is kept across stop/start"
 
-        deleted = sb.delete()
-        assert deleted.data["desired_state"] == "deleted"
+        deleted = sb.delete()  # answers once `deleting`; the teardown goes on in the background (ADR 0073)
+        assert (deleted.state, deleted.data["desired_state"]) == ("deleting", "deleted")
+        with pytest.raises(InvalidState, match="deleting"):
+            sb.exec("true")
+        c.wait_for(lambda: gone(sp, sb.id), timeout=30, what=f"{sb.id} deleted")
         with pytest.raises(NotFound):
             sp.sandboxes.get(sb.id)
         assert on_node(fake_cluster, sb.id) is None

@@ -132,7 +132,14 @@ def test_tools_listed_and_a_sandbox_driven_through_them(fake_cluster: c.Cluster,
             for child in children:
                 await mcp.ok("delete_sandbox", {"id": child})
             assert f"Deleted sandbox {sb}" in await mcp.ok("delete_sandbox", {"id": sb})
-            assert sb not in await mcp.ok("list_sandboxes")
+            # Answered once `deleting`; listed as such until the background teardown ends (ADR 0073).
+            for _ in range(300):
+                listed = await mcp.ok("list_sandboxes")
+                if sb not in listed:
+                    break
+                assert "deleting" in next(line for line in listed.splitlines() if sb in line), listed
+                await asyncio.sleep(0.1)
+            assert sb not in listed
 
     run(scenario())
 

@@ -404,11 +404,22 @@ class LifecycleMachine(RuleBasedStateMachine):
             self._check_action(sandbox_id, action, before, outcome, answer)
         if outcome.accepted and action == "delete":
             self.live.pop(sandbox_id)
+            self._wait_gone(sandbox_id)
             self.deleted.add(sandbox_id)
         elif outcome.accepted:
             self._adopt(sandbox_id, self._settled(sandbox_id), outcome.state)
             if outcome.state == before.state and mode in KEYED_MODES:
                 assert self.live[sandbox_id].generation == before.generation, "a no-op moved the generation"
+
+    def _wait_gone(self, sandbox_id: str) -> None:
+        """A delete answered: the sandbox is refused by the data plane at once, and gone (404) later."""
+        refused = self.client.send("POST", f"/v1/sandboxes/{sandbox_id}/exec", {"cmd": "true"})
+        assert refused.status in (404, 409), f"exec on deleted {sandbox_id} answers {refused}"
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while (answer := self.client.send("GET", f"/v1/sandboxes/{sandbox_id}")).status != 404:
+            assert answer.body["state"] == State.DELETING.value, f"deleted {sandbox_id} answers {answer}"
+            assert time.monotonic() < deadline, f"{sandbox_id} not deleted in {SETTLE_TIMEOUT_S:.0f} s"
+            time.sleep(0.05)
 
     pause = _action_rule("pause")
     resume = _action_rule("resume")
@@ -439,9 +450,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not outcome.accepted:
             self._check_refused(answer, outcome, what)
             return
-        status = 202 if action == "delete" else 200
-        assert answer.status == status and answer.body["state"] == outcome.state.value, (
-            f"{what}: the table allows it, expected {status} '{outcome.state}'; got {answer}"
+        if action == "delete":
+            # Answered once `deleting` (refused everywhere from then on); the teardown is the background's
+            # (ADR 0073), so a late twin may already see `deleted`.
+            assert answer.status == 202 and answer.body["state"] in ("deleting", "deleted"), (
+                f"{what}: the table allows it, expected 202 'deleting'; got {answer}"
+            )
+            assert answer.body["desired_state"] == State.DELETED.value, f"{what}: {answer}"
+            return
+        assert answer.status == 200 and answer.body["state"] == outcome.state.value, (
+            f"{what}: the table allows it, expected 200 '{outcome.state}'; got {answer}"
         )
 
     # -- rules: data plane, snapshots, rollback ------------------------------------------------------------

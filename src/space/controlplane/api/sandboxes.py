@@ -3,7 +3,9 @@
 Invariants:
 - Lifecycle routes only *record desired state* (after checking the transition table allows the request,
   so a refused request is a 409 naming the current state) and then wait for the reconciler to settle it;
-  they never call a node themselves.
+  they never call a node themselves. A DELETE also takes the table's `delete` edge itself (the sandbox is
+  `deleting`, so refused everywhere, when it answers) and leaves the teardown to the reconciler
+  (space.controlplane.reconciler.deletion.begin_deletion, docs/adr/0073-delete-answers-at-once.md).
 - A create's `template` is a name or id the project sees (its own templates, the built-ins), recorded as
   the node-level name of a ready template (space.controlplane.template_catalog, ADR 0055).
 - A create that waits takes the direct path (docs/adr/0046-direct-create-path.md): the request records the
@@ -48,6 +50,7 @@ from space.controlplane.api.deps import (
 )
 from space.controlplane.api.egress import prepare_create
 from space.controlplane.api.views import Sandbox, Sandboxes, sandbox_view
+from space.controlplane.reconciler.deletion import begin_deletion
 from space.controlplane.scheduler import check_admissible
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_listing import DEFAULT_PAGE, MAX_PAGE, MAX_TOKEN_LENGTH, SandboxQuery
@@ -184,8 +187,11 @@ async def set_sandbox_timeout(sandbox_id: str, body: TimeoutBody, who: Auth, ser
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=202, response_model=Sandbox)
 async def delete_sandbox(
-    sandbox_id: str, who: Auth, services: Svc, idem: IdempotencyKey = None, wait: bool = True
+    sandbox_id: str, who: Auth, services: Svc, idem: IdempotencyKey = None, wait: bool = False
 ) -> JSONResponse:
+    """Answers once the sandbox is `deleting` (refused by every data and lifecycle route from then on);
+    the teardown runs in the background (docs/adr/0073-delete-answers-at-once.md). `wait=true` also waits
+    for it: the answer is then the `deleted` record."""
     who.require("member")
     parse_sandbox_id(sandbox_id, field="sandbox_id")
 
@@ -193,10 +199,10 @@ async def delete_sandbox(
         # Looked up inside: a replay of a finished DELETE must get its first answer, not a 404.
         sb = await find_sandbox(services, who, sandbox_id)
         services.forget(sb.id)
-        updated = await asyncio.to_thread(services.store.set_desired, sb.id, State.DELETED)
+        updated = await asyncio.to_thread(begin_deletion, services.store, sb)
+        services.reconciler.poke()  # the teardown starts now, in this process's reconciler
         if wait:
             updated = await wait_settled(services, sb.id)
-        services.reconciler.poke()
         return 202, sandbox_view(updated)
 
     return await idempotent(services, who, idem, f"DELETE /sandboxes/{sandbox_id}", work)

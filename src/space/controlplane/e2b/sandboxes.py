@@ -44,6 +44,7 @@ from space.controlplane.e2b.views import (
     sandbox_answer,
     space_template,
 )
+from space.controlplane.reconciler.deletion import begin_deletion
 from space.controlplane.store.records import SandboxRecord
 from space.core import errors
 from space.core.lifecycle import Event, State, transition
@@ -142,7 +143,7 @@ async def kill_sandbox(sandbox_id: str, who: E2bAuth, services: Svc) -> Response
     who.require("member")
     sb = await shown_sandbox(services, who, sandbox_id)
     services.forget(sb.id)
-    await asyncio.to_thread(services.store.set_desired, sb.id, State.DELETED)
+    await asyncio.to_thread(begin_deletion, services.store, sb)  # refused everywhere from now on (ADR 0073)
     services.reconciler.poke()  # the reconciler destroys it; E2B's view hides it from now on
     return Response(status_code=204)
 

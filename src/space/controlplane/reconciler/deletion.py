@@ -1,6 +1,11 @@
 """The `deleting` step, and orphan collection: no sandbox runs where the database says it should not.
 
 Invariants:
+- A DELETE request moves the sandbox into `deleting` itself (`begin_deletion`: one compare-and-swap that
+  also records desired `deleted`), so from its answer on every data and lifecycle route refuses it (409
+  `deleting`, the table allows nothing else there) and nothing waits for the teardown, which this step does
+  in the background (docs/adr/0073-delete-answers-at-once.md). The row says `deleting` before any side
+  effect: a process killed mid-teardown leaves a row the next claim re-runs this step on.
 - deleting: the named full snapshots are uploaded first, while the node copy exists (kept_snapshots.py,
   ADR 0060); then the node copy is deleted when its node is ready (a node that no longer knows it: already
   gone); a lost node's copy is collected as an orphan when the node comes back. The other snapshots are
@@ -32,6 +37,7 @@ from typing import TYPE_CHECKING
 from space.controlplane.reconciler.context import sandbox_prefix, stale_incarnation
 from space.controlplane.reconciler.kept_snapshots import KeptSnapshotSteps
 from space.controlplane.store.records import NodeRecord, SandboxRecord
+from space.controlplane.store.store import Store
 from space.core import errors
 from space.core.lifecycle import Event, State
 from space.node.rpc_client import NodeClient
@@ -84,6 +90,30 @@ def delete_prefix_but(objects: ObjectStore, prefix: str, keep: Iterable[str]) ->
             objects.delete(key)
             gone += 1
     return gone
+
+
+#: Compare-and-swap attempts of begin_deletion against steps that move the row meanwhile.
+_DELETE_RACES = 5
+
+
+def begin_deletion(store: Store, sb: SandboxRecord) -> SandboxRecord:
+    """Move `sb` into `deleting` now, recording desired `deleted` in the same compare-and-swap (blocking:
+    call it in a thread). A row already `deleting` only has its wish recorded. A row a step keeps moving
+    (each move a lost race) gets the wish alone, and the reconciler's next claim takes the `delete` edge.
+    NotFound once the sandbox is deleted."""
+    for _ in range(_DELETE_RACES):
+        if sb.state == State.DELETED:
+            raise errors.NotFound(f"sandbox {sb.id} not found")
+        if sb.state == State.DELETING:
+            return sb if sb.desired_state == State.DELETED else store.set_desired(sb.id, State.DELETED)
+        try:
+            return store.transition(sb.id, sb.state, sb.generation, Event.DELETE, desired_state=State.DELETED)
+        except errors.Conflict:
+            current = store.load_sandbox(sb.id)
+            if current is None:
+                raise errors.NotFound(f"sandbox {sb.id} not found") from None
+            sb = current
+    return store.set_desired(sb.id, State.DELETED)
 
 
 class DeletionSteps(KeptSnapshotSteps):

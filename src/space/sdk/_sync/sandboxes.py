@@ -5,7 +5,8 @@
 
 Invariants:
 - A handle holds the server's last answer in `.data`; calls that change a sandbox replace it with the
-  answer (lifecycle calls wait for the sandbox to settle by default, `wait=True`).
+  answer (lifecycle calls wait for the sandbox to settle by default, `wait=True`; delete answers once the
+  sandbox is `deleting`, its teardown in the background, unless `wait=True`).
 - exec returns when the command has ended; exec_stream hands output to its callbacks as it arrives (a
   channel without a callback is collected into the result, a channel with one is not kept).
 """
@@ -248,8 +249,11 @@ class Sandbox:
         body = {"snapshot_policy": dict(policy) if policy is not None else None}
         return self._update(self._http.json("PATCH", self.path, json_body=body))
 
-    def delete(self, *, idempotency_key: str | None = None) -> Sandbox:
-        return self._update(self._http.json("DELETE", self.path, idempotency_key=idempotency_key))
+    def delete(self, *, wait: bool = False, idempotency_key: str | None = None) -> Sandbox:
+        """The sandbox is `deleting` when this returns (every other call on it is refused from then on)
+        and its teardown goes on in the background; with wait=True this returns once it is `deleted`."""
+        answer = self._http.json("DELETE", self.path, params={"wait": wait}, idempotency_key=idempotency_key)
+        return self._update(answer)
 
     @overload
     def fork(self, count: None = None, *, idempotency_key: str | None = None) -> Sandbox: ...

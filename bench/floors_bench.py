@@ -1,0 +1,118 @@
+"""The lifecycle operations of issue 17 near their floor, measured through the SDK on an embedded SPACE.
+
+    .venv/bin/python -m bench.floors_bench [--n 20] [--ops delete,pause_resume,snapshot_disk,rollback_disk]
+
+Each operation is timed from the SDK call to its answer (ms): `delete` (the answer, not the teardown, which
+`delete_teardown` times until the record is `deleted`), `pause`/`resume` (each until settled),
+`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before). Prints p50/p90 per operation; the
+numbers of ADRs 0073-0075 come from here (machine shared with other work: "loaded machine").
+
+Invariants:
+- The embedded installation (space.controlplane.local.LocalCluster, no pool) is purged at the end, also
+  when a measurement fails; every sandbox made here is deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from space.sdk import Sandbox, Space
+
+OPS = ("delete", "pause_resume", "snapshot_disk", "rollback_disk")
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+def _p(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@contextlib.contextmanager
+def embedded() -> Iterator[Space]:
+    from space.controlplane.local import LocalCluster, free_port
+
+    data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-floors-", dir="/var/tmp"))
+    cluster = LocalCluster(data_dir, port=free_port(), cgroup_parent="space-floors")
+    try:
+        cluster.start(progress=lambda line: print(line, flush=True))
+        with Space(url=cluster.url, api_key=cluster.api_key) as sp:
+            yield sp
+    finally:
+        cluster.stop(purge=True)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def wait_gone(sp: Space, sandbox_id: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if sp.sandboxes.get(sandbox_id).state == "deleted":
+                return
+        except Exception:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"{sandbox_id} not deleted in {timeout_s:.0f} s")
+
+
+def measure_delete(sp: Space, n: int, out: dict[str, list[float]]) -> None:
+    for _ in range(n):
+        sb = sp.sandboxes.create(template="python")
+        sb.exec("true")
+        start = time.perf_counter()
+        sb.delete()
+        out.setdefault("delete", []).append(_ms(start))
+        wait_gone(sp, sb.id)
+        out.setdefault("delete_teardown", []).append(_ms(start))
+
+
+def _timed(out: dict[str, list[float]], name: str, call: Callable[[], object]) -> None:
+    start = time.perf_counter()
+    call()
+    out.setdefault(name, []).append(_ms(start))
+
+
+def measure_on_one(sp: Space, ops: set[str], n: int, out: dict[str, list[float]]) -> None:
+    sb: Sandbox = sp.sandboxes.create(template="python")
+    try:
+        sb.exec("true")
+        for _ in range(n if "pause_resume" in ops else 0):
+            _timed(out, "pause", sb.pause)
+            _timed(out, "resume", sb.resume)
+        for _ in range(n if "snapshot_disk" in ops else 0):
+            _timed(out, "snapshot_disk", lambda: sb.snapshots.create(full=False))
+        if "rollback_disk" in ops:
+            snap = sb.snapshots.create(full=False)
+            for _ in range(n):
+                sb.files.write("changed", b"x")
+                _timed(out, "rollback_disk", lambda: sb.rollback(snap))
+    finally:
+        sb.delete()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=20)
+    parser.add_argument("--ops", default=",".join(OPS))
+    args = parser.parse_args()
+    ops = set(args.ops.split(","))
+    out: dict[str, list[float]] = {}
+    with embedded() as sp:
+        sp.sandboxes.create(template="python").delete()  # warm: the template is prepared
+        if "delete" in ops:
+            measure_delete(sp, args.n, out)
+        measure_on_one(sp, ops, args.n, out)
+    for name, samples in out.items():
+        print(f"{name:16s} n={len(samples):3d} p50={_p(samples, 50):8.1f} ms  p90={_p(samples, 90):8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
