@@ -150,7 +150,7 @@ def test_a_held_url_is_not_enrolled_again_and_reregistering_keeps_the_identity(c
     assert answer.status_code == 409 and answer.json()["error"]["code"] == "already_exists", answer.text
     # Its node re-registers with its identity, keeps id and identity.
     answer = ni.reregister(cluster, node, first, url)
-    assert answer.status_code == 200 and answer.json() == {"node_id": node}, answer.text
+    assert answer.status_code == 200 and answer.json()["node_id"] == node, answer.text
     cluster.store.set_node_status(node, "draining")
     assert ni.heartbeat(cluster, node, first).status_code == 200
     refused(ni.reregister(cluster, node, cluster.node.token, url))  # the bootstrap token is no identity

@@ -152,6 +152,13 @@ class KeyUnavailable(SpaceError):
     code = "key_unavailable"
 
 
+class IncompatibleProtocol(SpaceError):
+    """A peer (a node registering, or the control plane answering it) speaks no protocol version this side
+    speaks (space.protocol.node_protocol); the message names both ranges."""
+
+    code = "incompatible_protocol"
+
+
 def _all_subclasses(cls: type[SpaceError]) -> list[type[SpaceError]]:
     found: list[type[SpaceError]] = []
     for sub in cls.__subclasses__():

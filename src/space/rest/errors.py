@@ -54,6 +54,9 @@ STATUS_BY_CODE: dict[str, int] = {
     # The chosen node's runtime cannot restore this checkpoint (space.core.runtimes): a conflict with the
     # node, not a failure of it; placement then picks another node.
     errors.RuntimeIncompatible.code: 409,
+    # A node whose protocol range does not overlap the control plane's (ADR 0071): a conflict between
+    # versions, refused at registration; retrying does not help, upgrading one side does.
+    errors.IncompatibleProtocol.code: 409,
     errors.Internal.code: 500,
     errors.KeyRevoked.code: 403,
     errors.KeyUnavailable.code: 503,

@@ -8,6 +8,10 @@ Invariants:
   takes another node's place, identity or sandboxes with a bootstrap token.
 - Re-registration (`POST /v1/nodes/{id}/register`) and every other node-facing call authenticate with the
   identity issued to THAT node at its enrolment; the bootstrap token does nothing there.
+- Every registration announces the node protocol versions the node speaks (space.protocol.node_protocol;
+  none announced: 1..1) and is refused before anything is written when they do not overlap this control
+  plane's (409 `incompatible_protocol` naming both ranges, ADR 0071); the answer names the version both
+  use and this side's range.
 - Every registration carries the node's own RPC token, which is stored only sealed (space.controlplane.nodes)
   and is the only token the control plane presents to that node.
 - Enrolment, re-registration and heartbeats authenticate the caller before they read its body (the audit
@@ -35,6 +39,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -54,6 +59,9 @@ from space.controlplane.store.store import Store
 from space.core import errors, ids, lifecycle, runtimes
 from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State
+from space.protocol import node_protocol
+
+log = logging.getLogger(__name__)
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
@@ -152,6 +160,24 @@ def _bearer(authorization: str | None) -> str:
     return (authorization or "").removeprefix("Bearer ").strip()
 
 
+def _protocol(body: dict[str, Any]) -> dict[str, int]:
+    """The node protocol version this control plane and the registering node both speak, and this side's
+    range, for the answer; 409 `incompatible_protocol` naming both ranges when there is none (ADR 0071)."""
+    ours = node_protocol.own_range()
+    try:
+        theirs = node_protocol.announced_range(body)
+    except node_protocol.MalformedRange as exc:
+        raise errors.InvalidArgument(str(exc), field="protocol_min") from exc
+    chosen = node_protocol.common_version(ours, theirs)
+    if chosen is None:
+        message = node_protocol.describe(ours, theirs, we="control plane", they="node")
+        log.warning("node registration refused (url %r): %s", str(body.get("url"))[:200], message)
+        raise errors.IncompatibleProtocol(
+            message, node_protocol=list(theirs), control_plane_protocol=list(ours)
+        )
+    return {"protocol": chosen, "protocol_min": ours[0], "protocol_max": ours[1]}
+
+
 def _registration(body: dict[str, Any]) -> tuple[str, str]:
     """(url, rpc token) of a registration body, checked: the control plane will call that url with that
     token, so it must be a plain http(s) base url and a token of sane length."""
@@ -207,6 +233,7 @@ async def enrol(
 ) -> dict[str, Any]:
     enrolment = await _enrolment_credential(services, authorization)
     body = await _json_object(request)
+    protocol = _protocol(body)
     url, rpc_token = _registration(body)
     # The identity is answered once and stored hashed; the node keeps it and re-registers with it.
     identity = new_node_identity()
@@ -216,7 +243,7 @@ async def enrol(
         capacity=_capacity(body.get("capacity") or {}), templates=list(body.get("templates") or []),
         enrolment_token=enrolment,
     )  # fmt: skip
-    return {"node_id": node.id, "identity": identity}
+    return {"node_id": node.id, "identity": identity, **protocol}
 
 
 @router.post("/{node_id}/register")
@@ -225,6 +252,7 @@ async def reregister(
 ) -> dict[str, Any]:
     await authenticate_node(services.store, node_id, authorization)
     body = await _json_object(request)
+    protocol = _protocol(body)
     url, rpc_token = _registration(body)
     node = await asyncio.to_thread(
         services.store.reregister_node, node_id, _bearer(authorization), url,
@@ -233,7 +261,7 @@ async def reregister(
     )  # fmt: skip
     if node is None:
         raise errors.Unauthenticated(f"bad identity for node {node_id}")
-    return {"node_id": node.id}
+    return {"node_id": node.id, **protocol}
 
 
 @dataclass

@@ -26,10 +26,12 @@ import logging
 import os
 import pathlib
 import signal
+import sys
 import threading
 from collections.abc import Generator, Sequence
 
 import uvicorn
+from fastapi import FastAPI
 
 from space.core import errors
 from space.core.settings import DiskReserve
@@ -49,7 +51,7 @@ from space.node.agent.identity import (
     read_private,
 )
 from space.node.agent.pools import WarmPools, parse_pool_sizes
-from space.node.agent.registration import Reporter
+from space.node.agent.registration import IncompatiblePeer, Reporter
 from space.node.agent.rpc_listen import KEEPALIVE_S, close_listeners, open_listeners
 from space.node.agent.service import NodeService
 from space.node.agent.settings import NodeAgentSettings
@@ -57,6 +59,9 @@ from space.node.rlimits import raise_fd_limit
 from space.rest.logs import configure_process_logging, uvicorn_log_config
 
 log = logging.getLogger("space.node.rpc")
+#: The agent's exit status when the control plane speaks no common protocol version (EX_CONFIG): its
+#: systemd unit does not restart it for that (RestartPreventExitStatus; ADR 0071).
+EXIT_INCOMPATIBLE = 78
 DESCRIPTION = (
     "The node agent's RPC service: lifecycle verbs for the reconciler and the data plane for the gateway."
 )
@@ -198,15 +203,7 @@ async def serve(
             agent, egress or EgressSettings(state_dir=data_dir / "egress"), control_plane=control_plane,
             identity=service.identity,
         )  # fmt: skip
-        adopted = await agent.recover()
-        if adopted:
-            log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
-        # Builds a killed agent left: their build sandboxes (just adopted as ordinary ones) are destroyed,
-        # and the user templates held here join the node's reported templates before its first heartbeat.
-        try:
-            await app.state.template_builds.held()
-        except errors.SpaceError as exc:
-            log.warning("the sweep of interrupted template builds failed, retried at the next build: %s", exc)
+        await _adopt(agent, app)
         start_pools(agent, service, pools, settings)
         app.state.metrics.start()  # the metrics history (ADR 0053) of the sandboxes just adopted onwards
         server = _Server(
@@ -217,6 +214,8 @@ async def serve(
         )  # fmt: skip
         # TCP, and with `listen_socket` a unix socket for a control plane on this machine (ADR 0044).
         listeners = open_listeners(host, port, listen_socket)
+        if reporting is not None:  # a control plane of no common protocol version ends the agent (ADR 0071)
+            reporting.add_done_callback(lambda task: _stop_if_refused(task, server))
         try:
             await server.serve(sockets=listeners)  # on SIGTERM: stops accepting, lets requests finish
         finally:
@@ -226,13 +225,42 @@ async def serve(
             # Heartbeats ran (and renewed the lease) while requests drained; the one in flight is let finish,
             # so that deregister() names the latest beat the control plane recorded.
             reporter.stop()
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, IncompatiblePeer):
                 await asyncio.wait_for(reporting, settings.control_plane_timeout_s + 1.0)
         if reporter is not None:
             await reporter.deregister()  # offline, then the lease released: the next start adopts
         await app.state.metrics.close()
         await fence.close()
         await agent.close()
+    _raise_if_refused(reporting)
+
+
+async def _adopt(agent: NodeAgent, app: FastAPI) -> None:
+    """Adopt the sandboxes already on this node, and sweep the template builds a killed agent left."""
+    adopted = await agent.recover()
+    if adopted:
+        log.info("adopted %d sandboxes already on this node: %s", len(adopted), ", ".join(adopted))
+    # Builds a killed agent left: their build sandboxes (just adopted as ordinary ones) are destroyed,
+    # and the user templates held here join the node's reported templates before its first heartbeat.
+    try:
+        await app.state.template_builds.held()
+    except errors.SpaceError as exc:
+        log.warning("the sweep of interrupted template builds failed, retried at the next build: %s", exc)
+
+
+def _raise_if_refused(reporting: asyncio.Task[None] | None) -> None:
+    """After a clean stop: the reporter's IncompatiblePeer, if that is what ended it (main exits with it)."""
+    if reporting is not None and reporting.done() and not reporting.cancelled():
+        refusal = reporting.exception()
+        if isinstance(refusal, IncompatiblePeer):
+            raise refusal
+
+
+def _stop_if_refused(task: asyncio.Task[None], server: uvicorn.Server) -> None:
+    """The reporter ended on an incompatible control plane: stop serving (serve() then raises it)."""
+    if not task.cancelled() and isinstance(task.exception(), IncompatiblePeer):
+        log.critical("%s", task.exception())
+        server.should_exit = True
 
 
 def start_pools(
@@ -353,15 +381,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     raise_fd_limit()  # descriptors per sandbox channel, stream and connection
     # uvicorn handles SIGINT/SIGTERM inside serve(); SIGPIPE must not kill us when a client vanishes.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    asyncio.run(
-        serve(
-            data_dir, args.listen, rpc_token_file=args.rpc_token_file,
-            bootstrap_token_file=args.bootstrap_token_file, identity_file=args.identity_file,
-            control_plane=args.control_plane, advertise_url=args.advertise_url, driver=args.driver,
-            templates=tuple(t for t in args.templates.split(",") if t), prepare=not args.no_prepare,
-            log_level=args.log_level,
-            store_url=args.store_url or default_store_url(data_dir),
-            egress=load_egress_settings(data_dir / "egress", args.egress_config),
-            disk_reserve=disk_reserve, settings=settings, pools=pools, listen_socket=args.listen_socket,
-        )
-    )  # fmt: skip
+    try:
+        asyncio.run(
+            serve(
+                data_dir, args.listen, rpc_token_file=args.rpc_token_file,
+                bootstrap_token_file=args.bootstrap_token_file, identity_file=args.identity_file,
+                control_plane=args.control_plane, advertise_url=args.advertise_url, driver=args.driver,
+                templates=tuple(t for t in args.templates.split(",") if t), prepare=not args.no_prepare,
+                log_level=args.log_level,
+                store_url=args.store_url or default_store_url(data_dir),
+                egress=load_egress_settings(data_dir / "egress", args.egress_config),
+                disk_reserve=disk_reserve, settings=settings, pools=pools, listen_socket=args.listen_socket,
+            )
+        )  # fmt: skip
+    except IncompatiblePeer as exc:  # logged; said once more where a terminal or journal shows it
+        print(f"space node agent: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INCOMPATIBLE) from exc

@@ -8,7 +8,10 @@ Invariants:
   leaves it as it was.
 - Every registration carries this node's own RPC token: the secret the control plane presents on this
   node's RPC. The bootstrap token is never sent anywhere but the enrolment route.
-- Failures are logged (rate-limited) and retried, never fatal: the node serves its RPC either way.
+- Failures are logged (rate-limited) and retried, never fatal: the node serves its RPC either way. The one
+  exception is an incompatible protocol (ADR 0071): a control plane that speaks no version this node speaks
+  (its 409 `incompatible_protocol`, or an answer announcing such a range) is IncompatiblePeer, which ends
+  `Reporter.run()`: retrying cannot help, and the agent exits naming both ranges.
 - Each acknowledged heartbeat renews the node's lease (space.node.agent.fencing, ADR 0033) from the time it
   was SENT; a clean stop deregisters (the node becomes `offline`) and only then releases the lease.
 """
@@ -25,12 +28,40 @@ import httpx
 from space.node.agent.fencing import Fence
 from space.node.agent.identity import IdentityAuth
 from space.node.agent.service_core import ServiceCore
+from space.protocol import node_protocol
 
 log = logging.getLogger(__name__)
 
 
 class RegistrationRefused(Exception):
     """The control plane refused this node's registration (the message says why; it holds no secret)."""
+
+
+class IncompatiblePeer(RegistrationRefused):
+    """The control plane and this node speak no common protocol version (the message names both ranges)."""
+
+
+def _check_protocol(answer: httpx.Response) -> None:
+    """IncompatiblePeer if the control plane refused this node's protocol range, or answered a range of its
+    own that does not overlap this node's (a control plane from before versioning announces none: 1..1)."""
+    ours = node_protocol.own_range()
+    try:
+        body = answer.json()
+    except ValueError:
+        return
+    if not isinstance(body, dict):
+        return
+    error = body.get("error")
+    if answer.status_code >= 400:
+        if isinstance(error, dict) and error.get("code") == "incompatible_protocol":
+            raise IncompatiblePeer(f"the control plane refused this node: {error.get('message')}")
+        return
+    try:
+        theirs = node_protocol.announced_range(body)
+    except node_protocol.MalformedRange as exc:
+        raise IncompatiblePeer(f"the control plane answered a malformed protocol range: {exc}") from exc
+    if node_protocol.common_version(ours, theirs) is None:
+        raise IncompatiblePeer(node_protocol.describe(ours, theirs, we="node", they="control plane"))
 
 
 def _refusal(answer: httpx.Response) -> str:
@@ -53,6 +84,7 @@ async def register(
         answer = await http.post(
             f"/v1/nodes/{identity.node_id}/register", json=body, auth=IdentityAuth(identity)
         )
+        _check_protocol(answer)
         if answer.status_code < 300:
             return str(identity.node_id)
         if answer.status_code not in {401, 404} or not bootstrap_token:
@@ -64,6 +96,7 @@ async def register(
     answer = await http.post(
         "/v1/nodes/register", json=body, headers={"Authorization": f"Bearer {bootstrap_token}"}
     )
+    _check_protocol(answer)
     if answer.status_code >= 300:
         raise RegistrationRefused(f"enrolling {advertise_url}: {_refusal(answer)}")
     answered = answer.json()
@@ -155,7 +188,7 @@ class Reporter:
                     if failures:
                         log.info("control plane reachable again after %d failed attempts", failures)
                     failures = 0
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, IncompatiblePeer):
                     raise
                 except Exception as exc:
                     failures += 1

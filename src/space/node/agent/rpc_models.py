@@ -384,6 +384,9 @@ class RegisterRequest(BaseModel):
     driver: str
     isolating: bool
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
+    #: The node protocol versions this node speaks (space.protocol.node_protocol, ADR 0071).
+    protocol_min: int = 1
+    protocol_max: int = 1
 
 
 class Heartbeat(BaseModel):

@@ -39,6 +39,7 @@ from space.node.agent.identity import NodeIdentity
 from space.node.agent.settings import NodeAgentSettings
 from space.node.drivers.base import RuntimeState
 from space.protocol import methods as m
+from space.protocol import node_protocol
 
 log = logging.getLogger("space.node.rpc")
 
@@ -249,6 +250,7 @@ class ServiceCore:
 
     def registration(self, url: str, token: str) -> rm.RegisterRequest:
         info = self.info()
+        protocol_min, protocol_max = node_protocol.own_range()
         return rm.RegisterRequest(
             url=url,
             token=token,
@@ -257,6 +259,8 @@ class ServiceCore:
             driver=info.driver,
             isolating=info.isolating,
             runtime=info.runtime,
+            protocol_min=protocol_min,
+            protocol_max=protocol_max,
         )
 
 
