@@ -118,3 +118,14 @@ def test_a_secret_in_a_readable_file_is_refused(tmp_path: pathlib.Path) -> None:
 def test_a_missing_file_is_named(tmp_path: pathlib.Path) -> None:
     with pytest.raises(errors.InvalidArgument, match=str(tmp_path / "absent.toml")):
         cf.read_config(tmp_path / "absent.toml")
+
+
+def test_operations_guide_lists_every_setting_with_its_variable() -> None:
+    guide = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    missing = [
+        f"[{section}] {key}"
+        for section in cf.SECTIONS
+        for key, model in cf.section_keys(section).items()
+        if f"| `{key}` | `{cf.env_name(model, key)}` |" not in guide
+    ]
+    assert missing == [], "docs/operations.md (Configuration) lacks these settings"

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from space.cli.installation import supervisor_pid
 from space.cli.node_join import AGENT_USER
 from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode
@@ -92,8 +93,9 @@ def _purge(data_dir: pathlib.Path, cgroup_parent: str) -> dict[str, list[str]]:
     return left
 
 
+@pytest.mark.parametrize("detach", [False, True], ids=["foreground", "detached"])
 def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
-    postgres_url: str, s3_server: S3Server, root: pathlib.Path
+    postgres_url: str, s3_server: S3Server, root: pathlib.Path, detach: bool
 ) -> None:
     database = postgres.new_database(postgres_url)
     s3_server.create_bucket("join")
@@ -118,16 +120,23 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
         made = _space("controlplane", "token", "create", "--database", database)
         assert made.returncode == 0, made.stderr
         token = made.stdout.strip()
+        token_file = root / "token"
+        token_file.write_text(token + "\n")
+        token_file.chmod(0o600)
+        argv = [sys.executable, "-m", "space.cli.main", "node", "join", cp_url,
+                "--token-file", str(token_file), "--data-dir", str(node_dir), "--config", str(config),
+                "--objects", objects,
+                "--listen", f"127.0.0.1:{node_port}", *(["--detach"] if detach else [])]  # fmt: skip
         with open(root / "join.log", "wb") as log:
             joined = subprocess.Popen(
-                [sys.executable, "-m", "space.cli.main", "node", "join", cp_url, "--token", token,
-                 "--data-dir", str(node_dir), "--config", str(config), "--objects", objects,
-                 "--listen", f"127.0.0.1:{node_port}"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=c._child_env(), cwd=c.REPO,
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=c._child_env(), cwd=c.REPO,
                 start_new_session=True,
             )  # fmt: skip
+        if detach:  # returns once the node has enrolled, its supervisor left running in its own session
+            assert joined.wait(JOIN_TIMEOUT_S) == 0, (root / "join.log").read_text()[-3000:]
+            assert supervisor_pid(node_dir) is not None
         with Space(url=cp_url, api_key=admin_key) as sp:
-            _wait_ready(sp, joined, root / "join.log")
+            _wait_ready(sp, None if detach else joined, root / "join.log")
             assert not (node_dir / "enrolment.token").exists(), "the spent token is not kept"
             sandbox = sp.sandboxes.create(limits={"cpus": 0.5, "memory_mb": 256})
             try:
@@ -141,6 +150,10 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
         assert token not in again.stderr + again.stdout
         assert not (root / "node2").exists(), "a refused join starts nothing"
     finally:
+        if detach:  # the detached supervisor is stopped as `space up`'s is
+            down = _space("down", "--data-dir", str(node_dir))
+            assert down.returncode == 0, down.stderr
+            assert supervisor_pid(node_dir) is None
         if joined is not None and joined.poll() is None:
             joined.terminate()
             try:
@@ -151,7 +164,7 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
         controlplane.stop()
         logs = "".join(
             path.read_text(errors="replace")
-            for path in (root / "join.log", node_dir / "agent.log")
+            for path in (root / "join.log", node_dir / "agent.log", node_dir / "space.log")
             if path.exists()
         )
         left = _purge(node_dir, cgroup_parent)
@@ -168,10 +181,10 @@ def _healthy(service: c.Service, url: str) -> bool:
         return False
 
 
-def _wait_ready(sp: Space, joined: subprocess.Popen[bytes], log: pathlib.Path) -> None:
+def _wait_ready(sp: Space, joined: subprocess.Popen[bytes] | None, log: pathlib.Path) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while time.monotonic() < deadline:
-        assert joined.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert joined is None or joined.poll() is None, log.read_text(errors="replace")[-3000:]
         nodes = sp.nodes.list()
         if any(node.data.get("status") == "ready" and (node.data.get("capacity") or {}) for node in nodes):
             return

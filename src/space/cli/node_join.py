@@ -340,6 +340,10 @@ def join(
             "--token", help="enrolment token (`space controlplane token create`); $SPACE_NODE_TOKEN"
         ),
     ] = None,
+    token_file: Annotated[
+        pathlib.Path | None,
+        typer.Option("--token-file", help="read the token from this file (not visible in the process list)"),
+    ] = None,
     data_dir: Annotated[str | None, typer.Option("--data-dir", help="default /var/lib/space")] = None,
     config: Annotated[pathlib.Path | None, typer.Option("--config", metavar="FILE", help="TOML file")] = None,
     ca_file: Annotated[
@@ -362,7 +366,7 @@ def join(
 ) -> None:
     """Make this machine a node of the fleet whose control plane is at CONTROL_PLANE_URL."""
     with _failing_as_cli():
-        token = token or os.environ.get("SPACE_NODE_TOKEN") or None
+        token = token or _read_token(token_file) or os.environ.get("SPACE_NODE_TOKEN") or None
         if token is not None and not token.isprintable():
             raise errors.InvalidArgument("--token is not a token (unprintable characters)")
         loaded = read_config(config)
@@ -399,6 +403,15 @@ def join(
     _detach(joined, token, sys.argv[1:])
 
 
+def _read_token(path: pathlib.Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text(errors="strict")[:4096].strip() or None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.InvalidArgument(f"--token-file {path}: cannot read it: {exc}") from exc
+
+
 def _export(loaded: ConfigFile) -> None:
     export_to_environment(loaded, "node", JoinOptions)
     export_to_environment(loaded, "node", NodeAgentSettings)
@@ -417,7 +430,10 @@ def _detach(joined: JoinedNode, token: str | None, argv: list[str]) -> None:
     if "--token" in arguments:
         at = arguments.index("--token")
         del arguments[at : at + 2]
-    arguments = [a for a in arguments if not a.startswith("--token=")]
+    arguments = [a for a in arguments if not a.startswith(("--token=", "--token-file="))]
+    if "--token-file" in arguments:
+        at = arguments.index("--token-file")
+        del arguments[at : at + 2]
     environment = {**os.environ, **({"SPACE_NODE_TOKEN": token} if token else {})}
     try:
         child = subprocess.Popen(
