@@ -8,11 +8,18 @@ Invariants:
   markers), the current node's; everything else in the bundle is kept.
 - Files are written in an order that makes a check cheap: the CA file last, so this node's CA there
   means its block in the bundle is in place too.
+- Chromium does not read the system bundle (it has its own root store), and it sends an encrypted
+  ClientHello (ECH, at least as GREASE), which the gateway refuses since it would hide the server name: a
+  sandbox with Chromium (/etc/chromium, the `browser` template) also gets a managed policy that trusts
+  the node's CA and turns ECH off, written with the bundle and before the CA file (ADR 0066).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import ssl
 
 from space.core import errors
 from space.node.agent.guest import GuestSession
@@ -21,6 +28,9 @@ from space.node.agent.guest import GuestSession
 CA_BUNDLE_PATH = "/etc/ssl/certs/ca-certificates.crt"
 CA_FILE_PATH = "/usr/local/share/ca-certificates/space-egress-ca.crt"
 RESOLV_CONF_PATH = "/etc/resolv.conf"
+#: Chromium's configuration directory (its package's) and the managed policy SPACE writes beside it.
+CHROMIUM_DIR = "/etc/chromium"
+CHROMIUM_POLICY_PATH = f"{CHROMIUM_DIR}/policies/managed/space-egress.json"
 CA_BEGIN = b"# BEGIN SPACE node egress CA (rewritten by the node on every start and restore)\n"
 CA_END = b"# END SPACE node egress CA\n"
 
@@ -51,9 +61,30 @@ async def install_files(session: GuestSession, ca: bytes, nameserver: str) -> No
         wanted = with_node_ca(current, ca)
         if wanted != current:
             await session.write_file(CA_BUNDLE_PATH, wanted, mode=0o644)
+        if await _has_chromium(session):
+            await session.mkdir(os.path.dirname(CHROMIUM_POLICY_PATH), parents=True)
+            await session.write_file(CHROMIUM_POLICY_PATH, chromium_egress_policy(ca), mode=0o644)
         await session.mkdir(os.path.dirname(CA_FILE_PATH), parents=True)
         await session.write_file(CA_FILE_PATH, ca, mode=0o644)
     await session.write_file(RESOLV_CONF_PATH, f"nameserver {nameserver}\n".encode(), mode=0o644)
+
+
+async def _has_chromium(session: GuestSession) -> bool:
+    try:
+        await session.stat(CHROMIUM_DIR)
+    except errors.SpaceError:
+        return False
+    return True
+
+
+def chromium_egress_policy(ca_pem: bytes) -> bytes:
+    """Chromium's managed policy for the gateway: trust the node's CA (`CACertificates`, base64 DER; Chromium
+    reads its own root store, not the system bundle, so every connection the gateway intercepts, a bound
+    credential's host, would fail), and no encrypted ClientHello (Chromium sends ECH GREASE by default,
+    which the gateway cannot tell from real ECH and refuses: every HTTPS connection would fail)."""
+    der = ssl.PEM_cert_to_DER_cert(ca_pem.decode("ascii"))
+    policy = {"CACertificates": [base64.b64encode(der).decode("ascii")], "EncryptedClientHelloEnabled": False}
+    return json.dumps(policy).encode() + b"\n"
 
 
 def with_node_ca(bundle: bytes, ca_pem: bytes) -> bytes:
