@@ -50,6 +50,7 @@ RESOURCE_PARAMETERS = {
     "name": "credential",
     "project": "project",
     "template": "template",  # a template's id or name (ADR 0055)
+    "credential": "credential",  # the login credential a browser's page fill names (ADR 0066)
 }
 #: Operations without a resource parameter: they act on the caller's own scope (checked for leaks below).
 COLLECTIONS = {
@@ -761,6 +762,7 @@ MCP_TOOL_ARGUMENTS: dict[str, dict[str, Any]] = {
     "set_egress_policy": {"allow": ["*.example.com"], "deny": []},
     "login_placeholders": {"credential": "site"},
     "screenshot": {},
+    "browser_login": {"credential": "site"},
 }
 
 

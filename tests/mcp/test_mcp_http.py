@@ -197,6 +197,7 @@ BY_ID = {
     "set_egress_policy": {"allow": ["*.example.com"]},
     "login_placeholders": {"credential": "site"},
     "screenshot": {"url": "data:text/html,x"},
+    "browser_login": {"credential": "site"},
 }
 
 

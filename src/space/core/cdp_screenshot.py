@@ -5,19 +5,16 @@ captured as PNG and closed; without one, the browser's first page is captured as
 created, and closed, when there is none). The pages an agent has open are never navigated.
 
 Invariants:
-- Only the caller's deadline bounds the conversation (the caller wraps it in one); every answer is
-  matched by its id, an error answer is a SpaceError naming CDP's message.
-- A `load` event that arrives before the answer to `Page.navigate` is not lost.
+- Only the caller's deadline bounds the conversation (the caller wraps it in one); answers and events as
+  in space.core.cdp_conversation (a `load` before the answer to `Page.navigate` is not lost).
 """
 
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
 
-from space.core.errors import InvalidArgument, SpaceError
+from space.core.cdp_conversation import Conversation, Receive, Send
+from space.core.errors import InvalidArgument
 
 MAX_URL = 8192
 
@@ -30,48 +27,9 @@ def check_url(url: object) -> str | None:
     return url
 
 
-class _Conversation:
-    def __init__(self, send: Callable[[str], Awaitable[None]], recv: Callable[[], Awaitable[str | bytes]]):
-        self.send, self.recv = send, recv
-        self.next_id = 0
-        self.loaded: set[str] = set()
-
-    def _note(self, raw: str | bytes) -> dict[str, Any]:
-        message = json.loads(raw)
-        if message.get("method") == "Page.loadEventFired" and message.get("sessionId"):
-            self.loaded.add(message["sessionId"])
-        return dict(message)
-
-    async def call(
-        self, method: str, params: Mapping[str, Any] | None = None, session: str | None = None
-    ) -> dict[str, Any]:
-        self.next_id += 1
-        wanted = self.next_id
-        request: dict[str, Any] = {"id": wanted, "method": method, "params": dict(params or {})}
-        if session is not None:
-            request["sessionId"] = session
-        await self.send(json.dumps(request))
-        while True:
-            message = self._note(await self.recv())
-            if message.get("id") != wanted:
-                continue
-            if "error" in message:
-                error = message["error"]
-                raise SpaceError(
-                    f"browser: {error.get('message', error) if isinstance(error, dict) else error}"
-                )
-            return dict(message.get("result") or {})
-
-    async def until_loaded(self, session: str) -> None:
-        while session not in self.loaded:
-            self._note(await self.recv())
-
-
-async def screenshot(
-    send: Callable[[str], Awaitable[None]], recv: Callable[[], Awaitable[str | bytes]], url: str | None
-) -> bytes:
+async def screenshot(send: Send, recv: Receive, url: str | None) -> bytes:
     """PNG bytes of `url` in a page of its own, or of the first page as it is (see the module)."""
-    cdp = _Conversation(send, recv)
+    cdp = Conversation(send, recv)
     created = target = None
     if url is None:
         pages = (await cdp.call("Target.getTargets"))["targetInfos"]

@@ -5,7 +5,8 @@ Tools (argument names are those agents know from Daytona's MCP server and E2B's 
 sandbox, `command`, `cwd`, `timeout`, `path`, `content` + `encoding`, `code`): create_sandbox,
 list_sandboxes, delete_sandbox, execute_command, run_code, read_file, write_file, list_files,
 pause_sandbox, resume_sandbox, snapshot, list_snapshots, rollback, fork, set_egress_policy,
-login_placeholders, screenshot (a PNG of a `browser` sandbox's page).
+login_placeholders, screenshot (a PNG of a `browser` sandbox's page), browser_login (its login form filled
+with a login credential's placeholders, ADR 0066).
 
 Invariants:
 - Every argument is bounded in the schema (lengths, counts, ranges), so an oversized argument is refused
@@ -293,6 +294,34 @@ class SpaceTools:
             png = await space.sandboxes.ref(id).browser.screenshot(url)
         return Image(data=png, format="png")
 
+    async def browser_login(
+        self,
+        ctx: ToolContext,
+        *,
+        id: SandboxId,
+        credential: Annotated[
+            str, Field(min_length=1, max_length=64, description="A login credential bound to the sandbox.")
+        ],
+        target_id: Annotated[
+            str | None,
+            Field(
+                min_length=1,
+                max_length=128,
+                description="The page (a DevTools target id); none: the first on the credential's origin.",
+            ),
+        ] = None,
+    ) -> str:
+        """Log in to a site in a `browser` sandbox's Chromium with a `login` credential (ADR 0066): SPACE
+        fills the open login page's form with placeholders and submits it; the egress gateway puts the real
+        username and password into that submission, so neither you nor the sandbox ever sees them."""
+        async with self.acting(ctx) as space:
+            answer = await space.sandboxes.ref(id).browser.login(credential, target_id=target_id)
+        moved = "and the page loaded" if answer.get("navigated") else "but no new page loaded yet"
+        return (
+            f"Submitted the login form of {answer.get('origin')} with {credential!r} {moved}: now at"
+            f" {answer.get('url')} (title {answer.get('title')!r}, target {answer.get('target_id')})."
+        )
+
     # -- commands and code -------------------------------------------------------------------------------
     async def execute_command(
         self,
@@ -426,6 +455,7 @@ TOOLS: tuple[tuple[str, ToolAnnotations], ...] = (
     ("set_egress_policy", CHANGES),
     ("login_placeholders", CHANGES),
     ("screenshot", CHANGES),
+    ("browser_login", CHANGES),
 )
 
 

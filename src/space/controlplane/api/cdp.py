@@ -4,7 +4,9 @@
 node (space.node.agent.routes.cdp) and from there through the sandbox's channel to 127.0.0.1:9222 inside;
 `GET /v1/sandboxes/{id}/cdp/json/version` is Chromium's discovery document with its
 `webSocketDebuggerUrl` rewritten to that WebSocket, so Playwright's `connect_over_cdp` works with either
-URL (the API key in a header, as for every request).
+URL (the API key in a header, as for every request). Two calls run a CDP conversation of the control
+plane's own: `POST .../browser/screenshot` (ADR 0064) and `POST .../browser/login` (ADR 0066: a page's
+login form filled with a bound login credential's placeholders and submitted).
 
 Invariants:
 - CDP is full control of the browser (every page, cookie and download in it), so it needs a member key
@@ -12,6 +14,8 @@ Invariants:
   refused before the WebSocket handshake completes (the real status and error body).
 - Nothing outside the sandbox connects to its network: the bytes travel in the sandbox's channel.
 - The rewritten URL is built from this request's own base URL and the validated sandbox id only.
+- The page fill types placeholders only, into a form of the credential's origin (space.core.cdp_login);
+  each fill, done or refused, is in the credential's audit log.
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, WebSocket
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from space.controlplane.api.data_plane import relay_websocket
 from space.controlplane.api.deps import (
     Auth,
+    Services,
     Svc,
     authenticate,
     authorization_of,
@@ -34,12 +40,18 @@ from space.controlplane.api.deps import (
     running_sandbox,
     services_of,
 )
-from space.core import cdp_screenshot, errors
+from space.controlplane.api.login_binding import audit_login, bound_login
+from space.controlplane.credentials.spec import validate_name
+from space.controlplane.store.records import SandboxRecord
+from space.core import cdp_login, cdp_screenshot, errors
+from space.core.cdp_conversation import Receive, Send
 from space.core.ids import parse_sandbox_id
 from space.node.agent.routes.cdp import no_browser, relay_argv
 from space.rest import errors as rest_errors
 
 router = APIRouter(tags=["browser"])
+T = TypeVar("T")
+Conversing = Callable[[Send, Receive], Awaitable[T]]
 
 
 class CdpVersion(BaseModel):
@@ -110,22 +122,16 @@ class ScreenshotAnswer(BaseModel):
 MAX_SCREENSHOT_TIMEOUT_S = 300.0
 
 
-@router.post("/sandboxes/{sandbox_id}/browser/screenshot", response_model=ScreenshotAnswer)
-async def screenshot(sandbox_id: str, body: ScreenshotRequest, who: Auth, *, services: Svc) -> dict[str, Any]:
-    """A PNG of `url` in a page of its own (or of the first page as it is), taken over the sandbox's CDP."""
-    who.require("member")
-    parse_sandbox_id(sandbox_id, field="sandbox_id")
-    url = cdp_screenshot.check_url(body.url)
-    if not 0 < body.timeout_s <= MAX_SCREENSHOT_TIMEOUT_S:
-        raise errors.InvalidArgument(
-            f"timeout_s must be in (0, {MAX_SCREENSHOT_TIMEOUT_S:g}]", field="timeout_s"
-        )
-    sb = await running_sandbox(services, who, sandbox_id)
+async def _converse(
+    services: Services, sb: SandboxRecord, timeout_s: float, what: str, conversation: Conversing[T]
+) -> T:
+    """Run `conversation(send, recv)` on the sandbox's CDP within `timeout_s` (504 after it); the node's
+    refusal (no browser) and a closed connection are the typed 409 of a sandbox without a browser."""
     from websockets.exceptions import ConnectionClosed
 
     node = services.nodes.client(node_of(sb))
     try:
-        async with asyncio.timeout(body.timeout_s), node.cdp(sb.id) as ws:
+        async with asyncio.timeout(timeout_s), node.cdp(sb.id) as ws:
 
             async def recv() -> str | bytes:
                 message = await ws.recv()
@@ -137,9 +143,90 @@ async def screenshot(sandbox_id: str, body: ScreenshotRequest, who: Auth, *, ser
                     raise no_browser(str((error.get("error") or {}).get("message", "")))
                 return message
 
-            png = await cdp_screenshot.screenshot(ws.send, recv, url)
+            return await conversation(ws.send, recv)
     except TimeoutError as exc:
-        raise errors.Timeout(f"no screenshot within {body.timeout_s:g} s") from exc
+        raise errors.Timeout(f"no {what} within {timeout_s:g} s") from exc
     except ConnectionClosed as exc:
         raise no_browser("the browser connection ended") from exc
+
+
+@router.post("/sandboxes/{sandbox_id}/browser/screenshot", response_model=ScreenshotAnswer)
+async def screenshot(sandbox_id: str, body: ScreenshotRequest, who: Auth, *, services: Svc) -> dict[str, Any]:
+    """A PNG of `url` in a page of its own (or of the first page as it is), taken over the sandbox's CDP."""
+    who.require("member")
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+    url = cdp_screenshot.check_url(body.url)
+    _check_timeout(body.timeout_s)
+    sb = await running_sandbox(services, who, sandbox_id)
+
+    async def shoot(send: Send, recv: Receive) -> bytes:
+        return await cdp_screenshot.screenshot(send, recv, url)
+
+    png = await _converse(services, sb, body.timeout_s, "screenshot", shoot)
     return {"png_b64": base64.b64encode(png).decode(), "bytes": len(png)}
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not 0 < timeout_s <= MAX_SCREENSHOT_TIMEOUT_S:
+        raise errors.InvalidArgument(
+            f"timeout_s must be in (0, {MAX_SCREENSHOT_TIMEOUT_S:g}]", field="timeout_s"
+        )
+
+
+class BrowserLoginRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    credential: str = Field(description="A login credential bound to the sandbox (ADR 0063).")
+    target_id: str | None = Field(
+        default=None, description="The page (a DevTools target id); default: the first on the origin."
+    )
+    timeout_s: float = Field(default=30.0, description="How long to wait for the page after the submit.")
+
+
+class BrowserLoginAnswer(BaseModel):
+    credential: str
+    origin: str
+    target_id: str
+    navigated: bool = Field(description="The page navigated and loaded after the submit within timeout_s.")
+    url: str = Field(description="The page's URL after the submit (as the page reports it).")
+    title: str
+
+
+#: The page fill's steps before and after its navigation wait (attach, fill, read the page) are bounded
+#: by this much on top of timeout_s.
+LOGIN_STEPS_S = 30.0
+
+
+@router.post("/sandboxes/{sandbox_id}/browser/login", response_model=BrowserLoginAnswer)
+async def browser_login(
+    sandbox_id: str, body: BrowserLoginRequest, who: Auth, *, services: Svc
+) -> dict[str, Any]:
+    """Fill a page's login form with a bound login credential's placeholders and submit it (ADR 0066);
+    the egress gateway writes the real values into that origin's submission (ADR 0063)."""
+    who.require("member")
+    parse_sandbox_id(sandbox_id, field="sandbox_id")
+    validate_name(body.credential, field="credential")
+    target_id = cdp_login.check_target_id(body.target_id)
+    _check_timeout(body.timeout_s)
+    sb = await running_sandbox(services, who, sandbox_id)
+    bound = await bound_login(services, sb, body.credential)
+    form = cdp_login.LoginForm(
+        bound.form.origin, bound.form.username_field, bound.form.password_field, bound.form.form_action
+    )
+
+    async def fill(send: Send, recv: Receive) -> cdp_login.LoginFill:
+        return await cdp_login.fill_login(
+            send, recv, form, (bound.username_placeholder, bound.placeholder), target_id=target_id,
+            navigation=lambda: asyncio.timeout(body.timeout_s),
+        )  # fmt: skip
+
+    try:
+        done = await _converse(services, sb, body.timeout_s + LOGIN_STEPS_S, "login", fill)
+    except errors.SpaceError as exc:
+        await audit_login(services, who, bound, "login_fill_refused", {"error": exc.code, **exc.details})
+        raise
+    await audit_login(services, who, bound, "login_filled", {"navigated": done.navigated})
+    return {
+        "credential": body.credential, "origin": form.origin, "target_id": done.target_id,
+        "navigated": done.navigated, "url": done.url, "title": done.title,
+    }  # fmt: skip

@@ -44,6 +44,7 @@ from space.controlplane.api.deps import (
     resolve_project,
     sandbox_of,
 )
+from space.controlplane.api.login_binding import audit_login, bound_login
 from space.controlplane.api.views import (
     AuditLog,
     CredentialChange,
@@ -55,7 +56,6 @@ from space.controlplane.api.views import (
 from space.controlplane.credentials import login, spec
 from space.controlplane.credentials.service import CredentialService
 from space.controlplane.store.credentials import (
-    AuditEntry,
     CredentialFields,
     CredentialUsage,
     credential_view,
@@ -261,40 +261,13 @@ async def login_placeholders(sandbox_id: str, name: str, who: Auth, services: Sv
     the placeholder the egress gateway replaces in that origin's form submission. Never a value."""
     who.require("member")
     spec.validate_name(name)
-    service = credential_service(services)
     sb = await sandbox_of(services, who.project_id, sandbox_id, "sandbox_id")
-    project = await asyncio.to_thread(services.store.get_project, sb.project_id)
-    if project is None:
-        raise errors.NotFound(f"project {sb.project_id} not found")
-    policy = await asyncio.to_thread(service.effective_egress, sb)
-    missing = errors.NotFound(f"no login credential {name!r} is bound to sandbox {sb.id}", field="name")
-    if policy is None or name not in policy.credentials:
-        raise missing
-    resolved = await asyncio.to_thread(
-        service.credentials.resolve, project.org_id, sb.project_id, sb.id, [name]
-    )
-    record = resolved.get(name)
-    if record is None or record.injection.login is None:
-        raise missing
-    if record.expired(services.store.now()):
-        raise errors.Conflict(f"credential {name!r} has expired (rotate it with a new expiry)", field="name")
-    form = record.injection.login
-    await asyncio.to_thread(
-        service.credentials.audit,
-        [
-            AuditEntry(
-                org_id=project.org_id, action="login_requested", actor=actor(who), project_id=sb.project_id,
-                sandbox_id=sb.id, credential_id=record.id, credential_name=name, scope=record.scope,
-                host=form.host, detail={"version": record.version},
-            )
-        ],
-    )  # fmt: skip
+    bound = await bound_login(services, sb, name)
+    await audit_login(services, who, bound, "login_requested", {})
+    form = bound.form
     return {
         "credential": name,
         "origin": form.origin,
         "form_action": form.form_action,
-        "fields": {
-            form.username_field: login.login_username_placeholder(record.placeholder),
-            form.password_field: record.placeholder,
-        },
+        "fields": {form.username_field: bound.username_placeholder, form.password_field: bound.placeholder},
     }
