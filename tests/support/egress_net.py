@@ -149,8 +149,17 @@ class Upstream:
         subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True, check=False)
 
 
-def start_upstream(tag: str, name: str, subnet: int, cert: pathlib.Path, workdir: pathlib.Path) -> Upstream:
-    """An upstream at 10.98.<subnet>.2 (ports 80 and 443) in namespace `<tag>-<name>`."""
+def start_upstream(
+    tag: str,
+    name: str,
+    subnet: int,
+    cert: pathlib.Path,
+    workdir: pathlib.Path,
+    *,
+    accounts: pathlib.Path | None = None,
+) -> Upstream:
+    """An upstream at 10.98.<subnet>.2 (ports 80 and 443) in namespace `<tag>-<name>`; `accounts` (a JSON
+    list of [username, password]) is what its /session accepts."""
     namespace = f"{tag}-{name}"
     host_if = f"{tag[-8:]}{name[:2]}h"[-15:]
     peer_if = f"{tag[-8:]}{name[:2]}n"[-15:]
@@ -173,6 +182,7 @@ def start_upstream(tag: str, name: str, subnet: int, cert: pathlib.Path, workdir
                 str(cert),
                 "--log",
                 str(upstream.log),
+                *(["--accounts", str(accounts)] if accounts is not None else []),
             ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,

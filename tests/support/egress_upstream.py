@@ -3,13 +3,18 @@ test CA), run inside its own network namespace by tests/support/egress_net.py.
 
 Endpoints: /echo (JSON of method, path, headers: reflects whatever it received, credentials included),
 /redirect?to=URL (302 to URL, and the Authorization it received echoed in a response header),
-/bytes?n=N (N bytes), anything else: 200 "ok". Every request is appended to --log as one JSON line.
+/bytes?n=N (N bytes), /login (a sign-in page: a form POSTed to /session, or to ?action=URL, with inputs named
+`user` and `pass`, or ?user=NAME&pass=NAME), /session (200 "Signed in" when the submitted form's values hold
+one of the --accounts file's [username, password] pairs, else 401), anything else: 200 "ok". Every
+request is appended to --log as one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
+import secrets
 import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +23,32 @@ from urllib.parse import parse_qs, urlsplit
 CHUNK = b"x" * (1 << 20)
 
 
-def make_handler(name: str, log_path: str, lock: threading.Lock) -> type[BaseHTTPRequestHandler]:
+def login_page(query: dict[str, list[str]]) -> bytes:
+    def attribute(key: str, default: str) -> str:
+        return html.escape(query.get(key, [default])[0], quote=True)
+
+    return (
+        "<!doctype html><title>Sign in</title><h1>Sign in</h1>"
+        f'<form method="post" action="{attribute("action", "/session")}">'
+        f'<input name="{attribute("user", "user")}" autocomplete="username">'
+        f'<input type="password" name="{attribute("pass", "pass")}" autocomplete="current-password">'
+        "<button>Sign in</button></form>"
+    ).encode()
+
+
+def signed_in(body: str, accounts_path: str | None) -> bool:
+    """Whether the submitted form's values hold one of the accounts' (username, password) pairs."""
+    if not accounts_path:
+        return False
+    with open(accounts_path) as handle:
+        accounts = json.load(handle)
+    values = {value for values in parse_qs(body, keep_blank_values=True).values() for value in values}
+    return any(user in values and password in values for user, password in accounts)
+
+
+def make_handler(
+    name: str, log_path: str, lock: threading.Lock, accounts: str | None = None
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True
@@ -67,6 +97,16 @@ def make_handler(name: str, log_path: str, lock: threading.Lock) -> type[BaseHTT
                 )
             elif url.path == "/reflect-redirect":
                 self._send(302, b"moved", {"location": "http://evil.test/?got=" + self.path})
+            elif url.path == "/login":
+                self._send(200, login_page(query), {"content-type": "text/html; charset=utf-8"})
+            elif url.path == "/session" and self.command == "POST":
+                if signed_in(str(entry["body"]), accounts):
+                    page = b"<!doctype html><title>Signed in</title><h1>Welcome back</h1>"
+                    cookie = f"session={secrets.token_hex(16)}; Secure; HttpOnly; Path=/"
+                    self._send(200, page, {"content-type": "text/html", "set-cookie": cookie})
+                else:
+                    page = b"<!doctype html><title>Sign-in failed</title><h1>Wrong username or password</h1>"
+                    self._send(401, page, {"content-type": "text/html"})
             elif url.path == "/bytes":
                 total = int(query.get("n", ["0"])[0])
                 self.send_response(200)
@@ -93,9 +133,10 @@ def main() -> None:
     parser.add_argument("--https-port", type=int, default=443)
     parser.add_argument("--cert", required=True)
     parser.add_argument("--log", required=True)
+    parser.add_argument("--accounts", default=None, help="JSON [[username, password], ...] for /session")
     args = parser.parse_args()
     lock = threading.Lock()
-    handler = make_handler(args.name, args.log, lock)
+    handler = make_handler(args.name, args.log, lock, args.accounts)
     plain = ThreadingHTTPServer((args.bind, args.http_port), handler)
     secure = ThreadingHTTPServer((args.bind, args.https_port), handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
