@@ -19,6 +19,7 @@ from space.cli.mcp_server import mcp_command
 from space.cli.node_join import join as node_join
 from space.cli.nodes import node_app
 from space.cli.sandbox import sandbox_app, snapshot_app
+from space.cli.service import service_app
 from space.cli.status import status
 from space.cli.templates import template_app
 from space.cli.trace import trace_command
@@ -56,6 +57,7 @@ app.add_typer(credential_app, name="credential")
 app.add_typer(template_app, name="template")
 app.add_typer(backup_app, name="backup")
 app.add_typer(controlplane_app, name="controlplane")
+app.add_typer(service_app, name="service")  # systemd units of this machine's roles (ADR 0071)
 app.command(
     "exec",
     context_settings={"allow_interspersed_args": False},
