@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import api_spans
 from space import Space
 from space.sdk import Sandbox
 
@@ -43,9 +44,20 @@ class Series:
 
     samples: list[float] = field(default_factory=list)
     origins: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: Each sample's wall-clock window, and the median span breakdown read after the series (ADR 0072).
+    windows: list[api_spans.Window] = field(default_factory=list)
+    spans: dict[str, float] = field(default_factory=dict)
 
     def extra(self) -> dict[str, Any]:
-        return {"from": dict(sorted(self.origins.items()))} if self.origins else {}
+        extra: dict[str, Any] = {"from": dict(sorted(self.origins.items()))} if self.origins else {}
+        if self.spans:
+            extra["spans"] = self.spans
+        return extra
+
+    def explain(self, sb: Sandbox) -> Series:
+        """Read the span breakdown of this series' samples on `sb` (after the series: never timed)."""
+        self.spans = api_spans.breakdown(sb, self.windows)
+        return self
 
 
 def _ms(start: float) -> float:
@@ -58,17 +70,23 @@ def _check_exec(sb: Sandbox) -> None:
         raise BenchFailure(f"`true` exited {result.exit_code} in {sb.id}")
 
 
-def create_once(sp: Space, template: str, limits: Mapping[str, Any] | None = None) -> tuple[float, str]:
-    """One creation: ms from the request to the first exec answered, and the sandbox's `created_from`."""
+def create_once(
+    sp: Space, template: str, limits: Mapping[str, Any] | None = None
+) -> tuple[float, str, list[dict[str, float]]]:
+    """One creation: ms from the request to the first exec answered, the sandbox's `created_from`, and its
+    span breakdown (read once the clock stopped; empty when the control plane keeps no traces)."""
+    started_ns = time.time_ns()
     start = time.perf_counter()
     sb = sp.sandboxes.create(template=template, limits=limits)
     try:
         _check_exec(sb)
         elapsed = _ms(start)
+        window = (started_ns, time.time_ns())
         origin = sb.data.get("created_from") or sb.refresh().data.get("created_from")
+        spans = api_spans.sample_breakdowns(api_spans.traces_of(sb, limit=10), [window])
     finally:
         sb.delete()
-    return elapsed, str(origin or "unknown")
+    return elapsed, str(origin or "unknown"), spans
 
 
 @dataclass
@@ -84,6 +102,7 @@ class Creation:
 
     def run(self, n: int, concurrency: int, log: Log, label: str) -> Series:
         series = Series()
+        span_samples: list[dict[str, float]] = []
         clients = [Space(url=self.url, api_key=self.api_key) for _ in range(concurrency)]
         try:
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -94,9 +113,10 @@ class Creation:
                         pool.submit(create_once, sp, self.template, self.limits) for sp in clients[:size]
                     ]
                     for call in calls:
-                        elapsed, origin = call.result()
+                        elapsed, origin, spans = call.result()
                         series.samples.append(elapsed)
                         series.origins[origin] += 1
+                        span_samples.extend(spans)
                     if (first // concurrency) % max(1, n // concurrency // 10) == 0 or first + size == n:
                         log(f"{label}: {first + size}/{n} {dict(series.origins)}")
                     if self.rate:
@@ -104,6 +124,7 @@ class Creation:
         finally:
             for sp in clients:
                 sp.close()
+        series.spans = api_spans.median_breakdown(span_samples)
         return series
 
 
@@ -121,10 +142,11 @@ def subject(sp: Space, template: str) -> Iterator[Sandbox]:
 def exec_series(sb: Sandbox, n: int) -> Series:
     series = Series()
     for _ in range(n):
-        start = time.perf_counter()
-        _check_exec(sb)
-        series.samples.append(_ms(start))
-    return series
+        with api_spans.window(series.windows):
+            start = time.perf_counter()
+            _check_exec(sb)
+            series.samples.append(_ms(start))
+    return series.explain(sb)
 
 
 def node_exec_series(node_url: str, rpc_token: str, sandbox_id: str, n: int) -> Series:
@@ -148,62 +170,71 @@ def file_series(sb: Sandbox, n: int) -> Series:
     series = Series()
     for i in range(n):
         path = f"/work/bench-{i % 4}"
-        start = time.perf_counter()
-        sb.files.write(path, FILE_4K)
-        data = sb.files.read(path)
-        series.samples.append(_ms(start))
+        with api_spans.window(series.windows):
+            start = time.perf_counter()
+            sb.files.write(path, FILE_4K)
+            data = sb.files.read(path)
+            series.samples.append(_ms(start))
         if data != FILE_4K:
             raise BenchFailure(f"read back {len(data)} bytes of {path}, not the 4096 written")
-    return series
+    return series.explain(sb)
 
 
 def pause_resume_series(sb: Sandbox, n: int) -> tuple[Series, Series]:
     paused, resumed = Series(), Series()
     for _ in range(n):
-        start = time.perf_counter()
-        sb.pause()
-        paused.samples.append(_ms(start))
-        start = time.perf_counter()
-        sb.resume()
-        resumed.samples.append(_ms(start))
+        with api_spans.window(paused.windows):
+            start = time.perf_counter()
+            sb.pause()
+            paused.samples.append(_ms(start))
+        with api_spans.window(resumed.windows):
+            start = time.perf_counter()
+            sb.resume()
+            resumed.samples.append(_ms(start))
     if sb.state != "running":
         raise BenchFailure(f"{sb.id} is {sb.state} after resume")
     _check_exec(sb)
-    return paused, resumed
+    return paused.explain(sb), resumed.explain(sb)
 
 
 def snapshot_series(sb: Sandbox, n: int, *, full: bool) -> Series:
     series = Series()
     for _ in range(n):
-        start = time.perf_counter()
-        sb.snapshots.create(full=full)
-        series.samples.append(_ms(start))
-    return series
+        with api_spans.window(series.windows):
+            start = time.perf_counter()
+            sb.snapshots.create(full=full)
+            series.samples.append(_ms(start))
+    return series.explain(sb)
 
 
 def fork_series(sb: Sandbox, n: int) -> Series:
     series = Series()
     for _ in range(n):
-        start = time.perf_counter()
-        child = sb.fork()
-        try:
-            _check_exec(child)
-            series.samples.append(_ms(start))
-        finally:
-            child.delete()
-    return series
+        with api_spans.window(
+            series.windows
+        ):  # the fork request's trace (the parent's); the child's are its own
+            start = time.perf_counter()
+            child = sb.fork()
+            try:
+                _check_exec(child)
+                series.samples.append(_ms(start))
+            finally:
+                child.delete()
+    return series.explain(sb)
 
 
 def suspend_restore_series(sb: Sandbox, n: int) -> tuple[Series, Series]:
     suspended, restored = Series(), Series()
     for _ in range(n):
-        start = time.perf_counter()
-        sb.suspend()
-        suspended.samples.append(_ms(start))
+        with api_spans.window(suspended.windows):
+            start = time.perf_counter()
+            sb.suspend()
+            suspended.samples.append(_ms(start))
         if sb.state != "suspended":
             raise BenchFailure(f"{sb.id} is {sb.state} after suspend")
-        start = time.perf_counter()
-        sb.restore()
-        _check_exec(sb)
-        restored.samples.append(_ms(start))
-    return suspended, restored
+        with api_spans.window(restored.windows):
+            start = time.perf_counter()
+            sb.restore()
+            _check_exec(sb)
+            restored.samples.append(_ms(start))
+    return suspended.explain(sb), restored.explain(sb)

@@ -2,7 +2,8 @@
 
 Invariants:
 - The JSON holds numbers only (targets are printed beside the table, never stored); one object per
-  operation with p50_ms, p90_ms, p99_ms, max_ms and n, plus `ratios` and `meta`.
+  operation with p50_ms, p90_ms, p99_ms, max_ms and n (and `spans`, its median span breakdown: span name
+  -> ms, when the control plane keeps traces; ADR 0072), plus `ratios` and `meta`.
 - `meta.target` never carries a secret: the URL loses any user info, query and fragment.
 - The chart is optional: without matplotlib it is skipped with a note on stderr, never a failure.
 """
@@ -18,6 +19,7 @@ import sys
 import urllib.parse
 from typing import Any, TextIO
 
+from bench.api_spans import format_breakdown
 from bench.stats import summarize
 
 #: The operations of issue 12, in the order they are reported.
@@ -117,6 +119,11 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
         print(f"{name:<20} {cells} {row['n']:>5}  {note}", file=out)
     for ratio, value in doc["ratios"].items():
         print(f"{'ratio ' + ratio:<60} {value:>7.3f}  {TARGETS.get('ratios.' + ratio, '')}", file=out)
+    explained = [name for name in OPERATIONS if doc.get(name, {}).get("spans")]
+    if explained:
+        print("\nwhere the milliseconds go (median ms per span name; spans nest, ADR 0072):", file=out)
+    for name in explained:
+        print(f"{name:<20} {format_breakdown(doc[name]['spans'])}", file=out)
 
 
 def write_chart(samples: dict[str, list[float]], path: pathlib.Path, title: str) -> pathlib.Path | None:

@@ -8,6 +8,7 @@ behaviour.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -16,7 +17,7 @@ import sys
 from typing import Any
 
 import pytest
-from bench import api_bench, api_report, plain_runsc
+from bench import api_bench, api_report, api_spans, plain_runsc
 
 from tests.support import cluster as c
 
@@ -75,6 +76,14 @@ def test_json_is_one_document_with_every_operation_and_the_chart_is_written(
         origins = doc[name]["from"]
         assert sum(origins.values()) == 1, origins
         assert set(origins) <= {"pool", "warm", "cold", "unknown"}, origins
+    explained = set(api_report.OPERATIONS) - {"create_plain_runsc", "exec_true_node"}
+    for name in explained:  # where the milliseconds go (ADR 0072): span name -> median ms
+        spans = doc[name].get("spans")
+        assert spans and all(ms > 0 for ms in spans.values()), (name, spans)
+    assert "node.rpc POST /sandboxes/{id}/exec" in doc["exec_true"]["spans"], doc["exec_true"]["spans"]
+    assert "spaced.process.start" in doc["exec_true"]["spans"]
+    assert any(n.startswith("helper.") for n in doc["create_cold"]["spans"]), doc["create_cold"]["spans"]
+    assert "where the milliseconds go" in run.stderr
     assert set(doc["ratios"]) == set(api_report.RATIOS)
     assert doc["ratios"]["exec_api_vs_node"] == round(
         doc["exec_true"]["p50_ms"] / doc["exec_true_node"]["p50_ms"], 3
@@ -163,3 +172,32 @@ def test_the_chart_is_skipped_with_a_note_without_matplotlib(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "matplotlib is not installed" in captured.err
+
+
+def test_a_span_breakdown_is_each_name_s_median_over_the_samples_windows() -> None:
+    def trace(start: int, *spans: tuple[str, int]) -> dict[str, Any]:
+        return {
+            "spans": [{"name": n, "start_ns": start, "end_ns": start + ms * 1_000_000} for n, ms in spans]
+        }
+
+    traces = [
+        trace(100, ("POST exec", 10), ("node.rpc", 6)),
+        trace(150, ("GET poll", 2)),  # the same sample's poll
+        trace(300, ("POST exec", 20), ("node.rpc", 8)),
+        trace(500, ("POST exec", 30), ("node.rpc", 9)),
+        trace(900, ("POST exec", 99)),  # in no window: not counted
+    ]
+    windows = [(90, 200), (290, 310), (490, 510), (600, 700)]  # the last window kept no trace
+    samples = api_spans.sample_breakdowns(traces, windows)
+    assert samples == [
+        {"POST exec": 10.0, "node.rpc": 6.0, "GET poll": 2.0},
+        {"POST exec": 20.0, "node.rpc": 8.0},
+        {"POST exec": 30.0, "node.rpc": 9.0},
+    ]
+    breakdown = api_spans.median_breakdown(samples)
+    assert breakdown == {"POST exec": 20.0, "node.rpc": 8.0}  # GET poll: median of (2, 0, 0) is 0: left out
+    assert list(api_spans.median_breakdown(samples, top=1)) == ["POST exec"]
+    doc = api_report.document({"exec_true": [1.0, 2.0]}, {"exec_true": {"spans": breakdown}}, {})
+    out = io.StringIO()
+    api_report.print_table(doc, out)
+    assert "exec_true            POST exec 20.0, node.rpc 8.0" in out.getvalue()

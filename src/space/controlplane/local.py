@@ -40,7 +40,7 @@ from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, Emit, Supervisor
-from space.core import errors
+from space.core import errors, tracing
 from space.core.log_records import LOG_FORMAT_ENV
 from space.core.settings import NodeSettings
 from space.node import filemodes
@@ -140,6 +140,7 @@ class LocalCluster:
         env["PYTHONPATH"] = str(src)
         if LOG_FORMAT_ENV in os.environ:  # `SPACE_LOG_FORMAT=json space up`: JSON log lines (ADR 0071)
             env[LOG_FORMAT_ENV] = os.environ[LOG_FORMAT_ENV]
+        env.update({name: os.environ[name] for name in tracing.TRACING_ENV if name in os.environ})  # ADR 0072
         if user is not None and user[0] != 0:
             argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
             env["HOME"] = "/"

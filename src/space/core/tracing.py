@@ -55,6 +55,14 @@ _TRACE_ID_RE = re.compile(r"[0-9a-f]{32}")
 _SPAN_ID_RE = re.compile(r"[0-9a-f]{16}")
 
 
+#: The environment a process starter passes on to the processes it starts (`space up`: the control plane,
+#: the agent, the helper), so one setting traces all of them alike.
+TRACING_ENV = (
+    "SPACE_TRACING", "SPACE_TRACE_SAMPLE", "SPACE_TRACE_MAX_TRACES", "SPACE_TRACE_MAX_SPANS",
+    "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_HEADERS",
+)  # fmt: skip
+
+
 class TracingSettings(BaseSettings):
     """Tracing of one process, from the environment (SPACE_TRACING, SPACE_TRACE_*; the OTLP endpoint also
     from OpenTelemetry's own OTEL_EXPORTER_OTLP_ENDPOINT)."""

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from space.core import errors
+from space.core import errors, tracing
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.agent import NodeAgent
@@ -43,6 +43,7 @@ HELPER_ENV = (
     "PATH", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "LANG", "LC_ALL", "TMPDIR",
     "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "SPACE_LOG_FORMAT",  # text or json lines (ADR 0071)
+    *tracing.TRACING_ENV,  # sampling, ring size, OTLP export (ADR 0072)
 )  # fmt: skip
 
 
