@@ -15,6 +15,7 @@ from space.cli.admin import bench, credential_app, key_app, project_app
 from space.cli.backup import backup_app
 from space.cli.controlplane_role import controlplane_app
 from space.cli.data import exec_command, files_app
+from space.cli.logs import logs_command
 from space.cli.mcp_server import mcp_command
 from space.cli.node_join import join as node_join
 from space.cli.nodes import node_app
@@ -64,6 +65,7 @@ app.command(
 )(exec_command)
 app.command("bench")(bench)
 app.command("status")(status)
+app.command("logs")(logs_command)  # this machine's logs, merged (ADR 0071)
 app.command("mcp")(mcp_command)
 app.command("trace")(trace_command)  # a sandbox's operations as waterfalls (ADR 0072)
 node_app.command("join")(node_join)  # node_app joins `space` with `up` (space.cli.up.register)
