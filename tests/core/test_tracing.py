@@ -142,3 +142,29 @@ def test_trace_ids_on_the_private_channel_are_validated() -> None:
         assert not trace_ids.valid_trace_id(bad)
     assert trace_ids.valid_timing(5) and not trace_ids.valid_timing(True) and not trace_ids.valid_timing(-1)
     assert not trace_ids.valid_timing(10**30) and not trace_ids.valid_timing(1.5)
+
+
+def test_a_sample_of_zero_records_no_new_trace_but_follows_a_sampled_parent() -> None:
+    ring = tracing.SpanRing()
+    provider = tracing.build_provider("test", tracing.TracingSettings(sample=0.0), ring)
+    tracer = provider.get_tracer("space.test")
+    with tracer.start_as_current_span("root") as root:
+        assert not root.get_span_context().trace_flags.sampled
+    assert len(ring) == 0
+    trace_id = secrets.token_hex(16)
+    with tracing.attached(f"00-{trace_id}-{secrets.token_hex(8)}-01"), tracer.start_as_current_span("child"):
+        pass
+    assert [r["name"] for r in ring.trace(trace_id)] == ["child"]
+
+
+def test_the_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPACE_TRACING", "off")
+    monkeypatch.setenv("SPACE_TRACE_SAMPLE", "0.25")
+    monkeypatch.setenv("SPACE_TRACE_MAX_TRACES", "7")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector.example.com:4318")
+    settings = tracing.TracingSettings()
+    assert (settings.enabled, settings.sample, settings.max_traces) == (False, 0.25, 7)
+    assert settings.otlp_endpoint == "http://collector.example.com:4318"
+    monkeypatch.setenv("SPACE_TRACE_SAMPLE", "2")
+    with pytest.raises(ValueError):
+        tracing.TracingSettings()

@@ -67,7 +67,7 @@ class TracingSettings(BaseSettings):
     """Tracing of one process, from the environment (SPACE_TRACING, SPACE_TRACE_*; the OTLP endpoint also
     from OpenTelemetry's own OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
-    model_config = SettingsConfigDict(env_prefix="SPACE_TRACE_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SPACE_TRACE_", extra="ignore", populate_by_name=True)
 
     enabled: bool = Field(default=True, validation_alias="SPACE_TRACING")
     #: Probability that a new root trace is recorded (its children follow the parent's decision).
@@ -213,19 +213,25 @@ def configure(service: str, settings: TracingSettings | None = None) -> None:
         _state["enabled"] = settings.enabled
         if not settings.enabled:
             return
-        from opentelemetry.sdk.resources import Resource
-
         RING.max_traces, RING.max_spans = settings.max_traces, settings.max_spans
-        provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(settings.sample)),
-            resource=Resource.create({"service.name": service}),
-        )
-        provider.add_span_processor(RING)
-        if settings.otlp_endpoint:
-            _add_otlp(provider, settings.otlp_endpoint)
         # Not the global provider: libraries that trace themselves when one is set (FastAPI's native
         # telemetry records request bodies and exception messages) stay off; SPACE's layers use this one.
-        _state["provider"] = provider
+        _state["provider"] = build_provider(service, settings, RING)
+
+
+def build_provider(service: str, settings: TracingSettings, ring: SpanRing) -> TracerProvider:
+    """A provider that samples as `settings` say, keeps spans in `ring` and exports them over OTLP when an
+    endpoint is set (and the exporter is installed)."""
+    from opentelemetry.sdk.resources import Resource
+
+    provider = TracerProvider(
+        sampler=ParentBased(TraceIdRatioBased(settings.sample)),
+        resource=Resource.create({"service.name": service}),
+    )
+    provider.add_span_processor(ring)
+    if settings.otlp_endpoint:
+        _add_otlp(provider, settings.otlp_endpoint)
+    return provider
 
 
 def _add_otlp(provider: TracerProvider, endpoint: str) -> None:
