@@ -131,3 +131,34 @@ def test_the_sdk_and_space_trace_draw_the_waterfall(two: Any) -> None:
     assert "spaced" in result.output and "node agent" in result.output and "control plane" in result.output
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0 and json.loads(result.output)[0]["trace_id"] == traces[0]["trace_id"]
+
+
+def test_the_nodes_traces_route_answers_only_traces_about_the_capabilitys_sandbox(two: Any) -> None:
+    victim, victim_sb, _attacker, attacker_sb = two
+    _exec(victim.http(), victim_sb)
+    victim_traces = [t["trace_id"] for t in _traces(victim.http(), victim_sb, limit=100)]
+    node = victim.cluster.node
+    own = node.get(f"/sandboxes/{victim_sb}/traces", params={"trace_id": victim_traces})
+    assert own.status_code == 200 and own.json()["spans"], own.text
+    # A capability for the attacker's sandbox, naming the victim's trace ids: nothing of them.
+    stolen = node.get(f"/sandboxes/{attacker_sb}/traces", params={"trace_id": victim_traces})
+    assert stolen.status_code == 200 and stolen.json() == {"spans": []}, stolen.text
+    for hostile in (["x" * 32], ["A" * 32], [secrets.token_hex(16)] * 101, ["0" * 10_000]):
+        answer = node.get(f"/sandboxes/{attacker_sb}/traces", params={"trace_id": hostile})
+        assert answer.status_code == 422, answer.text
+    bare = httpx.get(f"{node.url}/node/v1/sandboxes/{victim_sb}/traces", params={"trace_id": victim_traces})
+    assert bare.status_code == 401
+
+
+def test_a_lifecycle_requests_trace_holds_its_reconciler_steps(two: Any) -> None:
+    """The request drives the reconciler's step itself (the direct path): one trace, request to node."""
+    victim, sandbox_id, _attacker, _other = two
+    with victim.sdk() as sp:
+        sb = sp.sandboxes.ref(sandbox_id)
+        sb.pause()
+        sb.resume()
+    names = [[s["name"] for s in t["spans"]] for t in _traces(victim.http(), sandbox_id, limit=100)]
+    steps = [n for n in names if any(name.startswith("reconcile.") for name in n)]
+    assert any("node.rpc POST /sandboxes/{id}/pause" in n for n in steps), steps
+    assert any("node.rpc POST /sandboxes/{id}/resume" in n for n in steps), steps
+    assert any("db.transaction" in n for n in steps), steps
