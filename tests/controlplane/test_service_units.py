@@ -103,7 +103,7 @@ def test_each_role_runs_as_its_user_with_its_limits_and_hardening(rendered: path
     agent = _sections((rendered / su.AGENT_UNIT).read_text())
     assert cp["Service"]["User"] == "space-cp" and agent["Service"]["User"] == "space"
     assert helper["Service"]["User"] == "root"
-    assert cp["Service"]["ExecStart"].endswith("-m space.cli.main controlplane run --config %d/space.toml")
+    assert cp["Service"]["ExecStart"].endswith("-m space.cli.main controlplane run --config %d/fleet.toml")
     assert "-m space.node.agent.server" in agent["Service"]["ExecStart"]
     assert "--control-plane https://cp.example.com:8470" in agent["Service"]["ExecStart"]
     assert "-m space.node.helper.server" in helper["Service"]["ExecStart"]

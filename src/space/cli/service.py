@@ -46,7 +46,7 @@ from space.core import errors
 from space.node.agent.settings import NodeAgentSettings
 
 service_app = typer.Typer(help="SPACE's roles as systemd services (ADR 0071).", no_args_is_help=True)
-DEFAULT_CONFIG: Final = pathlib.Path("/etc/space/space.toml")
+DEFAULT_CONFIG: Final = pathlib.Path("/etc/space/fleet.toml")
 DEFAULT_UNIT_DIR: Final = pathlib.Path("/etc/systemd/system")
 NODE_ENVIRONMENT: Final = pathlib.Path("/etc/space/node.env")
 ENROLMENT_FILENAME: Final = "enrolment.token"

@@ -50,7 +50,7 @@ UNIT_NAMES: Final = (CONTROLPLANE_UNIT, HELPER_UNIT, AGENT_UNIT)
 #: The agent's exit status for an incompatible control plane (space.node.agent.launch.EXIT_INCOMPATIBLE).
 EXIT_INCOMPATIBLE: Final = 78
 #: The name of the control plane's configuration as a systemd credential.
-CONFIG_CREDENTIAL: Final = "space.toml"
+CONFIG_CREDENTIAL: Final = "fleet.toml"
 _SAFE_VALUE = re.compile(r"[^\n\r\x00]*")
 
 #: What every long-running unit gets: restart with a pause, JSON log lines for the journal (ADR 0071).

@@ -1,7 +1,7 @@
 """The request id of every HTTP surface (space.core.request_ids): a pure ASGI middleware that binds the id
 (and the sandbox id a path names) for the time of a request and answers it in `X-Request-Id`.
 
-Each request finished is one access line (logger `space.access`, INFO: method, path, status, milliseconds)
+Each request finished is one access line (this module's logger, INFO: method, path, status, milliseconds)
 written under its ids, except the paths `quiet` matches (health checks, heartbeats: one every 2 s per node
 would drown the rest). Two modes: the control plane's API *makes* ids (`issue=True`: a missing or invalid
 caller's id is replaced by a fresh one); the node agent only *takes* the one its caller (the control plane)
@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from space.core import request_ids
 from space.core.ids import SANDBOX_ID_PATTERN
 
-access_log = logging.getLogger("space.access")
+access_log = logging.getLogger(__name__)
 _HEADER_BYTES = request_ids.HEADER.lower().encode()
 _SANDBOX_IN_PATH = re.compile(rf"/sandboxes/({SANDBOX_ID_PATTERN})(?:/|$)")
 
