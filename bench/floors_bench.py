@@ -4,7 +4,10 @@
 
 Each operation is timed from the SDK call to its answer (ms): `delete` (the answer, not the teardown, which
 `delete_teardown` times until the record is `deleted`), `pause`/`resume` (each until settled),
-`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before). Prints p50/p90 per operation; the
+`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before); `layers`: pause/resume and a disk
+snapshot one layer down at a time (`node_*`: the node agent's RPC, `helper_*`: the root helper's verb,
+`runsc_*`: runsc itself; `node_rollback_disk` and the helper verbs of a disk rollback: stop, reset_rootfs,
+start), on a sandbox of their own. Prints p50/p90 per operation; the
 numbers of ADRs 0073-0075 come from here (machine shared with other work: "loaded machine").
 
 Invariants:
@@ -18,13 +21,14 @@ import argparse
 import contextlib
 import pathlib
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 from space.sdk import Sandbox, Space
 
-OPS = ("delete", "pause_resume", "snapshot_disk", "rollback_disk")
+OPS = ("delete", "pause_resume", "snapshot_disk", "rollback_disk", "layers")
 
 
 def _ms(start: float) -> float:
@@ -37,7 +41,7 @@ def _p(samples: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def embedded() -> Iterator[Space]:
+def embedded() -> Iterator[tuple[Space, pathlib.Path, str]]:
     from space.controlplane.local import LocalCluster, free_port
 
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-floors-", dir="/var/tmp"))
@@ -45,7 +49,7 @@ def embedded() -> Iterator[Space]:
     try:
         cluster.start(progress=lambda line: print(line, flush=True))
         with Space(url=cluster.url, api_key=cluster.api_key) as sp:
-            yield sp
+            yield sp, data_dir, f"http://127.0.0.1:{cluster.node_port}"
     finally:
         cluster.stop(purge=True)
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -98,6 +102,74 @@ def measure_on_one(sp: Space, ops: set[str], n: int, out: dict[str, list[float]]
         sb.delete()
 
 
+def measure_layers(
+    sp: Space, data_dir: pathlib.Path, node_url: str, n: int, out: dict[str, list[float]]
+) -> None:
+    """The same operations below the API, on a sandbox the control plane is told nothing about meanwhile
+    (each pause is followed by its resume, so the record's `running` stays true)."""
+    import asyncio
+
+    from space.node.agent.helper_client import HelperClient
+    from space.node.agent.identity import default_rpc_token_file
+    from space.node.rpc_client import NodeClient
+
+    sb = sp.sandboxes.create(template="python")
+    try:
+        sb.exec("true")
+        token = default_rpc_token_file(data_dir).read_text().strip()
+
+        async def run() -> None:
+            async with NodeClient(node_url, token) as node:
+                for _ in range(n):
+                    start = time.perf_counter()
+                    await node.pause(sb.id)
+                    out.setdefault("node_pause", []).append(_ms(start))
+                    start = time.perf_counter()
+                    await node.resume(sb.id)
+                    out.setdefault("node_resume", []).append(_ms(start))
+                for _ in range(n):
+                    start = time.perf_counter()
+                    snap = await node.create_snapshot(sb.id, full=False)
+                    out.setdefault("node_snapshot_disk", []).append(_ms(start))
+                for _ in range(n):
+                    start = time.perf_counter()
+                    await node.rollback(sb.id, snap.snapshot_id)
+                    out.setdefault("node_rollback_disk", []).append(_ms(start))
+            helper = HelperClient(str(data_dir / "helper.sock"))
+            try:
+                for _ in range(n):
+                    start = time.perf_counter()
+                    await helper.call("sandbox.pause", {"sandbox_id": sb.id})
+                    out.setdefault("helper_pause", []).append(_ms(start))
+                    start = time.perf_counter()
+                    await helper.call("sandbox.resume", {"sandbox_id": sb.id})
+                    out.setdefault("helper_resume", []).append(_ms(start))
+                # A disk rollback's three helper verbs, each on its own (the node's handle is left behind:
+                # the sandbox is deleted after).
+                for _ in range(n):
+                    for verb, params in (
+                        ("sandbox.stop", {"sandbox_id": sb.id}),
+                        ("sandbox.reset_rootfs", {"sandbox_id": sb.id, "snapshot_id": snap.snapshot_id}),
+                        ("sandbox.start", {"sandbox_id": sb.id}),
+                    ):
+                        start = time.perf_counter()
+                        await helper.call(verb, params)
+                        out.setdefault(f"helper_{verb.split('.')[1]}", []).append(_ms(start))
+            finally:
+                await helper.close()
+
+        asyncio.run(run())
+        container = (data_dir / "run" / sb.id / "container").read_text().strip()
+        runsc = ["runsc", "--root", str(data_dir / "runsc")]
+        for _ in range(n):
+            for verb in ("pause", "resume"):
+                start = time.perf_counter()
+                subprocess.run([*runsc, verb, container], check=True, capture_output=True)
+                out.setdefault(f"runsc_{verb}", []).append(_ms(start))
+    finally:
+        sb.delete()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=20)
@@ -105,11 +177,13 @@ def main() -> None:
     args = parser.parse_args()
     ops = set(args.ops.split(","))
     out: dict[str, list[float]] = {}
-    with embedded() as sp:
+    with embedded() as (sp, data_dir, node_url):
         sp.sandboxes.create(template="python").delete()  # warm: the template is prepared
         if "delete" in ops:
             measure_delete(sp, args.n, out)
         measure_on_one(sp, ops, args.n, out)
+        if "layers" in ops:
+            measure_layers(sp, data_dir, node_url, args.n, out)
     for name, samples in out.items():
         print(f"{name:16s} n={len(samples):3d} p50={_p(samples, 50):8.1f} ms  p90={_p(samples, 90):8.1f} ms")
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -220,19 +221,37 @@ LIFECYCLE_TARGETS: dict[str, tuple[Event, State]] = {
 
 
 async def _act(
-    services: Services, who: Principal, sandbox_id: str, event: Event, target: State
+    services: Services, who: Principal, sandbox_id: str, event: Event, target: State, *, drive: bool = False
 ) -> SandboxRecord:
-    """Record `target` as the sandbox's desired state if the table allows `event` (else 409)."""
-    sb = await find_sandbox(services, who, sandbox_id)
-    current = await asyncio.to_thread(services.store.load_sandbox, sb.id)
-    assert current is not None
+    """Record `target` as the sandbox's desired state if the table allows `event` (else 409); a request
+    that will `drive` the step takes the sandbox's lease in the same write (ADR 0074)."""
+    current = await find_sandbox(services, who, sandbox_id)  # the row as it is: no second read
     if current.desired_state != target or (current.error_permanent and current.state != target):
         # The table decides on the state the user sees; an already-wished request is a no-op, unless the
         # last attempt gave up (e.g. a corrupt snapshot): asking again retries.
         transition(current.state, event)
-        services.forget(sb.id)
-        current = await asyncio.to_thread(services.store.set_desired, sb.id, target, current.generation)
+        services.forget(current.id)
+        hold = services.reconciler.request_lease if drive else None
+        current = await asyncio.to_thread(
+            functools.partial(services.store.set_desired, current.id, target, current.generation, hold=hold)
+        )
     return current
+
+
+async def _settle_directly(services: Services, current: SandboxRecord) -> SandboxRecord:
+    """The sandbox once it reached its desired state. The request runs the reconciler's own steps itself
+    (Reconciler.drive: the sandbox's lease held meanwhile), so no pass of the loop is waited for
+    (docs/adr/0074-lifecycle-steps-in-the-request.md); what it leaves undone (a lease held elsewhere, a
+    failed node call with its back-off) the reconciler finishes, and the request waits for that."""
+    if current.state == current.desired_state:
+        # Already there, and no lease taken: a wish (with its lease) is written only when the table allows
+        # the request's event, which it never does from the request's own target state.
+        return current
+    if not current.error_permanent:
+        driven = await services.reconciler.drive(current)
+        if driven is not None and driven.state == driven.desired_state:
+            return driven
+    return await wait_settled(services, current.id)
 
 
 def _lifecycle_route(action: str, event: Event, target: State) -> None:
@@ -247,9 +266,9 @@ def _lifecycle_route(action: str, event: Event, target: State) -> None:
         parse_sandbox_id(sandbox_id, field="sandbox_id")
 
         async def work() -> tuple[int, Any]:
-            current = await _act(services, who, sandbox_id, event, target)
+            current = await _act(services, who, sandbox_id, event, target, drive=wait)
             if wait:
-                return 200, sandbox_view(await wait_settled(services, current.id))
+                return 200, sandbox_view(await _settle_directly(services, current))
             services.reconciler.poke()
             return 202, sandbox_view(current)
 

@@ -173,15 +173,24 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         await asyncio.gather(*(self.work_on(record) for record in mine))
         return len(mine)
 
+    @property
+    def request_lease(self) -> tuple[str, float]:
+        """(owner, seconds) of the lease a request that drives a step takes with its wish
+        (Store.set_desired's `hold`; then drive(record) finds it held and takes it no second time)."""
+        return self.owner, LEASE_S
+
     async def drive(self, record: SandboxRecord) -> SandboxRecord | None:
         """Take `record`'s lease and advance it now (an API request's direct path); None when another owner
         holds the lease (its work is under way elsewhere) or the step did not end in a record. The lease
-        is given back just after the answer (the request need not wait for that transaction)."""
+        is given back just after the answer (the request need not wait for that transaction). A record
+        whose lease this process holds already (taken with the wish: `request_lease`) costs no hold."""
         if record.id in self._busy:
             return None
         self._busy.add(record.id)  # before the hold: the loop of this process may claim it meanwhile
         try:
-            held = await asyncio.to_thread(self.store.hold, record.id, self.owner, LEASE_S)
+            held = record.lease_owner == self.owner or await asyncio.to_thread(
+                self.store.hold, record.id, self.owner, LEASE_S
+            )
         except BaseException:
             self._busy.discard(record.id)
             raise

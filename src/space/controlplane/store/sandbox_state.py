@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, update
+from sqlalchemy import ColumnElement, case, or_, update
 from sqlalchemy.orm import Session
 
 from space.controlplane.store.database import Repository
@@ -245,16 +245,33 @@ class SandboxStateRepository(Repository):
         return record
 
     def set_desired(
-        self, sandbox_id: str, desired_state: State | str, expected_generation: int | None = None
+        self,
+        sandbox_id: str,
+        desired_state: State | str,
+        expected_generation: int | None = None,
+        *,
+        hold: tuple[str, float] | None = None,
     ) -> SandboxRecord:
         """Record what the user wants; the reconciler makes it so. Does not change state or generation.
 
         With expected_generation, Conflict unless the sandbox is still at that generation (the API
         passes the generation it validated the request against). Resets the retry bookkeeping (a new
         wish deserves a fresh attempt now). InvalidState if the sandbox is deleted or being deleted
-        for good (desired 'deleted' is final)."""
+        for good (desired 'deleted' is final). With `hold` = (owner, lease_s), the same UPDATE also
+        leases the sandbox to `owner` if its lease is free, expired or already `owner`'s (a request that
+        runs the step itself, ADR 0074): the returned record's `lease_owner` says whether it did."""
         desired = desirable(desired_state)
         now = self.now()
+        leased: dict[str, Any] = {}
+        if hold is not None:
+            owner, lease_s = hold
+            free = or_(
+                Sandbox.lease_until.is_(None), Sandbox.lease_until <= now, Sandbox.lease_owner == owner
+            )
+            leased = {
+                "lease_owner": case((free, owner), else_=Sandbox.lease_owner),
+                "lease_until": case((free, now + timedelta(seconds=lease_s)), else_=Sandbox.lease_until),
+            }
         conditions: list[ColumnElement[bool]] = [Sandbox.id == sandbox_id]
         if expected_generation is not None:
             conditions.append(Sandbox.generation == expected_generation)
@@ -270,6 +287,7 @@ class SandboxStateRepository(Repository):
                 error_permanent=False,
                 next_attempt_at=now,
                 updated_at=now,
+                **leased,
             )
             .returning(Sandbox)
             .execution_options(synchronize_session=False)
