@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote
@@ -137,16 +137,18 @@ def login_cluster() -> Iterator[LoginCluster]:
         started = True
         yield LoginCluster(local, site, other, workdir)
     finally:
-        if started:
-            local.stop(purge=True)
-        else:
-            with contextlib.suppress(Exception):
+        try:
+            if started:
                 local.stop(purge=True)
-            shutil.rmtree(data_dir, ignore_errors=True)
-        remove_cgroup_parent("space-lgn")
-        for upstream in upstreams:
-            upstream.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+            else:
+                with contextlib.suppress(Exception):
+                    local.stop(purge=True)
+                shutil.rmtree(data_dir, ignore_errors=True)
+        finally:  # the upstreams and the cgroup parent go also when the cluster's stop fails
+            remove_cgroup_parent("space-lgn")
+            for upstream in upstreams:
+                upstream.close()
+            shutil.rmtree(workdir, ignore_errors=True)
     assert network_traces(node_tag(data_dir)) == [], "network namespaces, links or the nft table left behind"
     assert leftovers(tag) == [], "upstream namespaces left behind"
 
@@ -182,15 +184,6 @@ def target_of(page: Page) -> str:
         return str(session.send("Target.getTargetInfo")["targetInfo"]["targetId"])
     finally:
         session.detach()
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout}s: {what}")
-        time.sleep(0.5)
-    return value
 
 
 def test_the_browser_logs_in_and_the_password_never_enters_the_sandbox(login_cluster: LoginCluster) -> None:
@@ -254,14 +247,21 @@ def test_the_browser_logs_in_and_the_password_never_enters_the_sandbox(login_clu
             with contextlib.suppress(Exception):
                 browser.close()
 
-        def actions() -> set[str]:
+        def actions() -> set[tuple[str, str]]:
             entries = admin.get("/v1/credentials/site/audit").json()["entries"]
-            return {e["action"] for e in entries if e.get("sandbox_id") == sb.id}
+            return {(e["action"], e["host"]) for e in entries if e.get("sandbox_id") == sb.id}
 
-        assert {"login_filled", "login_fill_refused"} <= actions(), actions()
-        wait_for(lambda: "injected" in actions(), "the gateway's 'injected' entry in the audit log")
+        fills = {("login_filled", "login.test"), ("login_fill_refused", "login.test")}
+        assert fills <= actions(), actions()
+        # The gateway's report of the values written for login.test (a body to another origin is not
+        # read for placeholders at all, ADR 0063: other.test's only shows they were forwarded as typed).
+        gateway = {("injected", "login.test")}
+        deadline = time.monotonic() + 60  # the node reports its audit in batches
+        while not gateway <= (seen := actions()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert gateway <= seen, seen
     finally:
-        sb.delete()
+        sb.delete(wait=True)  # torn down before the cluster stops (a delete answers before its teardown)
         sp.close()
         admin.close()
 
