@@ -8,6 +8,7 @@ the egress gateway tests/e2e/test_browser_login_e2e.py."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import pathlib
@@ -31,6 +32,7 @@ from websockets.asyncio.client import connect
 from space.core import errors
 from space.core.cdp_conversation import Conversation
 from space.core.cdp_login import FILL_SCRIPT, LoginFill, LoginForm, fill_login, fill_script, origin_of
+from space.node.agent.egress_sandbox import chromium_egress_policy
 from tests.support.egress_net import UpstreamCA
 
 pytestmark = pytest.mark.root  # Chromium with --no-sandbox, as root
@@ -265,3 +267,13 @@ def test_names_and_placeholders_are_data_not_code() -> None:
 )
 def test_the_origin_of_a_page_url(url: str, origin: str | None) -> None:
     assert origin_of(url) == origin
+
+
+def test_the_nodes_chromium_policy_trusts_its_ca_and_turns_ech_off(tmp_path: pathlib.Path) -> None:
+    """What the node writes into a browser sandbox with egress (ADR 0066); that Chromium honours it is
+    tests/e2e/test_browser_login_e2e.py (every page there is intercepted or refused without it)."""
+    ca = UpstreamCA(tmp_path).ca_file.read_bytes()
+    policy = json.loads(chromium_egress_policy(ca))
+    assert policy["EncryptedClientHelloEnabled"] is False
+    [der] = policy["CACertificates"]
+    assert base64.b64decode(der) == ssl.PEM_cert_to_DER_cert(ca.decode())
