@@ -24,6 +24,7 @@ import contextlib
 import functools
 import importlib
 import re
+import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -402,8 +403,6 @@ def child_record(
     parent: tuple[str, str], name: str, layer: str, start_ns: int, end_ns: int, **attributes: Any
 ) -> dict[str, Any]:
     """A span record for work another process timed (spaced's own time for a call)."""
-    import secrets
-
     return {
         "trace_id": parent[0], "span_id": secrets.token_hex(8), "parent_id": parent[1],
         "name": name[:MAX_NAME], "layer": layer, "start_ns": start_ns, "end_ns": max(start_ns, end_ns),
