@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from space.core import tracing
+from space.core.ids import new_sandbox_id
 from space.node.agent import helper_client
 from space.node.helper import traced
+from space.node.rpc.traced import route_shape
 
 
 @pytest.fixture(autouse=True)
@@ -68,3 +70,14 @@ def test_the_agent_keeps_only_valid_records_of_an_answer() -> None:
     helper_client._keep_spans("not a list")
     (kept,) = tracing.RING.trace(trace_id)
     assert kept["attributes"] == {"verb": "x"}
+
+
+def test_a_node_call_is_named_by_its_route_shape_never_its_path() -> None:
+    sandbox_id = new_sandbox_id()
+    assert route_shape(f"/node/v1/sandboxes/{sandbox_id}/files/secret-name") == (
+        "/sandboxes/{id}/files",
+        sandbox_id,
+    )
+    assert route_shape("/node/v1/sandboxes/restore") == ("/sandboxes/restore", None)
+    assert route_shape("/node/v1/sandboxes/My%2FSecret/x") == ("/sandboxes/{?}/x", None)
+    assert route_shape("/node/v1/sandboxes/../x") == ("/sandboxes/{?}/x", None)

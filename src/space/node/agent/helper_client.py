@@ -69,7 +69,8 @@ class HelperClient:
     ) -> dict[str, Any]:
         if timeout is None:
             timeout = self.default_timeout
-        with LAYER.span(f"helper.{verb}", verb=verb):  # the agent's wait, the helper's own span inside
+        # The agent's wait ("helper.rpc"), the helper's own span ("helper.<verb>") inside it.
+        with LAYER.span(f"helper.rpc {verb}", verb=verb):
             if self.names is None:
                 return await self._call(verb, args, progress, timeout)
             result = await self._call(verb, self.names.args_to_runtime(args or {}), progress, timeout)

@@ -3,12 +3,15 @@
 
 Invariants:
 - The span is named after the call's method and route shape (`/sandboxes/{id}/exec`: at most three path
-  segments, the sandbox id replaced), never a file path or a query; it carries the sandbox id.
+  segments, the sandbox id replaced, the second segment kept only when it is a route word), never a file
+  path or a query; it carries the sandbox id.
 - A caller's own `traceparent` header is replaced, never forwarded as it came.
 - The span ends when the answer's headers arrive: a stream's body is timed by the node's own span.
 """
 
 from __future__ import annotations
+
+import re
 
 import httpx
 
@@ -17,6 +20,7 @@ from space.core.ids import parse_sandbox_id
 
 LAYER = tracing.Layer("space.controlplane")
 _PREFIX = "/node/v1"
+_ROUTE_WORD = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
 def route_shape(path: str) -> tuple[str, str | None]:
@@ -28,9 +32,10 @@ def route_shape(path: str) -> tuple[str, str | None]:
     if len(segments) >= 2 and segments[0] == "sandboxes":
         try:
             sandbox_id = parse_sandbox_id(segments[1])
-        except errors.InvalidArgument:
-            return "/sandboxes/(invalid)", None
-        segments[1] = "{id}"
+            segments[1] = "{id}"
+        except errors.InvalidArgument:  # a fixed route word (`/sandboxes/restore`) stays, nothing else
+            if not _ROUTE_WORD.fullmatch(segments[1]):
+                segments[1] = "{?}"
     return "/" + "/".join(segments), sandbox_id
 
 
