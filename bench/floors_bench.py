@@ -144,6 +144,13 @@ def measure_layers(
                     start = time.perf_counter()
                     await helper.call("sandbox.resume", {"sandbox_id": sb.id})
                     out.setdefault("helper_resume", []).append(_ms(start))
+                container = (data_dir / "run" / sb.id / "container").read_text().strip()
+                runsc = ["runsc", "--root", str(data_dir / "runsc")]
+                for _ in range(n):
+                    for verb in ("pause", "resume"):
+                        start = time.perf_counter()
+                        subprocess.run([*runsc, verb, container], check=True, capture_output=True)
+                        out.setdefault(f"runsc_{verb}", []).append(_ms(start))
                 # A disk rollback's three helper verbs, each on its own (the node's handle is left behind:
                 # the sandbox is deleted after).
                 for _ in range(n):
@@ -159,13 +166,6 @@ def measure_layers(
                 await helper.close()
 
         asyncio.run(run())
-        container = (data_dir / "run" / sb.id / "container").read_text().strip()
-        runsc = ["runsc", "--root", str(data_dir / "runsc")]
-        for _ in range(n):
-            for verb in ("pause", "resume"):
-                start = time.perf_counter()
-                subprocess.run([*runsc, verb, container], check=True, capture_output=True)
-                out.setdefault(f"runsc_{verb}", []).append(_ms(start))
     finally:
         sb.delete()
 
