@@ -66,19 +66,19 @@ def test_one_id_follows_an_exec_from_the_api_to_the_node(
     )  # fmt: skip
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-request-id"] == "follow-me.1"
-    api = c.wait_for(lambda: _with(cluster.cp, "follow-me.1"), timeout=10, what="the API's access line")
-    node = c.wait_for(lambda: _with(cluster.node, "follow-me.1"), timeout=10, what="the node's access line")
+    api = c.wait_for(lambda: _with(cluster.cp, "follow-me.1"), timeout=30, what="the API's access line")
+    node = c.wait_for(lambda: _with(cluster.node, "follow-me.1"), timeout=30, what="the node's access line")
     assert any(row["msg"].startswith(f"POST /v1/sandboxes/{sandbox_id}/exec 200") for row in api), api
-    assert all(row["component"] == "controlplane" and row["sandbox_id"] == sandbox_id for row in api)
+    assert all(row["component"] == "controlplane" and row["sandbox_id"] == sandbox_id for row in api), api
     assert any(f"/node/v1/sandboxes/{sandbox_id}/" in row["msg"] for row in node), node
-    assert all(row["component"] == "agent" and row["sandbox_id"] == sandbox_id for row in node)
+    assert all(row["component"] == "agent" and row["sandbox_id"] == sandbox_id for row in node), node
 
 
 def test_the_api_makes_an_id_when_the_caller_sends_none(project: c.Project, cluster: c.Cluster) -> None:
     answer = project.http().get("/v1/sandboxes")
     made = answer.headers["x-request-id"]
     assert made.startswith("req_") and len(made) == 20
-    assert c.wait_for(lambda: _with(cluster.cp, made), timeout=10, what="the access line")
+    assert c.wait_for(lambda: _with(cluster.cp, made), timeout=30, what="the access line")
     assert project.http().get("/v1/sandboxes").headers["x-request-id"] != made  # one per request
 
 
@@ -105,7 +105,7 @@ def test_a_hostile_request_id_is_replaced_and_logged_nowhere(
     replaced = answer.headers["x-request-id"]
     assert replaced.startswith("req_") and "forged" not in replaced
     assert c.wait_for(
-        lambda: _with(cluster.node, replaced), timeout=10, what="the node's line under the new id"
+        lambda: _with(cluster.node, replaced), timeout=30, what="the node's line under the new id"
     )
     for service in (cluster.cp, cluster.node):
         text = service.log_path.read_text(errors="replace")
@@ -132,3 +132,22 @@ def test_a_raw_header_with_a_newline_or_control_bytes_never_reaches_a_log(
         assert head.startswith(b"HTTP/1.1 400") or b"\r\nx-request-id: req_" in head, head
     assert "forged" not in cluster.cp.log_path.read_text(errors="replace")
     _lines(cluster.cp)
+
+
+def test_a_reconciler_step_names_its_request_or_a_step_id_of_its_own(
+    cluster: c.Cluster, project: c.Project
+) -> None:
+    created = project.http().post("/v1/sandboxes", json={"template": "python", "limits": c.SMALL})
+    assert created.status_code == 201, created.text
+    doomed = created.json()["id"]
+    answer = project.http().delete(f"/v1/sandboxes/{doomed}", params={"wait": "false"})
+    assert answer.status_code < 300, answer.text
+
+    def node_delete() -> list[dict[str, Any]]:
+        return [row for row in _lines(cluster.node)
+                if row["msg"].startswith(f"DELETE /node/v1/sandboxes/{doomed}")]  # fmt: skip
+
+    rows = c.wait_for(node_delete, timeout=30, what="the node's delete")
+    for row in rows:  # the request's id on the direct path, else the step's own
+        assert row["request_id"] == answer.headers["x-request-id"] or row["request_id"].startswith("step_")
+        assert row["sandbox_id"] == doomed

@@ -98,3 +98,13 @@ def test_a_hostile_request_id_is_replaced_never_kept(hostile: str) -> None:
 def test_a_short_token_is_kept() -> None:
     for good in ("abc", "A.b_c-9", "a" * 64, "req_0123456789abcdef"):
         assert request_ids.accept(good) == good == request_ids.accept_known(good)
+
+
+def test_a_step_context_keeps_the_request_s_id_or_makes_a_step_id() -> None:
+    alone = request_ids.step_context("sb-aaaaaaaaaaaaaaaaaaaaaaaaaa")
+    assert alone.get(request_ids.current_request_id, "").startswith("step_")
+    assert alone.get(request_ids.current_sandbox_id) == "sb-aaaaaaaaaaaaaaaaaaaaaaaaaa"
+    with request_ids.bound("req_driving"):
+        driven = request_ids.step_context("sb-aaaaaaaaaaaaaaaaaaaaaaaaaa")
+    assert driven.get(request_ids.current_request_id) == "req_driving"
+    assert request_ids.current_request_id.get() is None  # the caller's context is untouched

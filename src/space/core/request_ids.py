@@ -10,8 +10,11 @@ Invariants:
 - A request id is 1 to MAX_LENGTH characters of `[A-Za-z0-9._-]`, starting with a letter or digit: a hostile
   header (newlines, quotes, JSON, 10 KB) is never logged, answered or forwarded; it is REPLACED by a fresh id
   (the caller's value is dropped, not truncated or escaped, so nothing of it reaches a log).
-- The context variables are only set through `bound()`, which restores the previous values on exit: an id
-  never leaks from one request into the next one served by the same task or thread.
+- The context variables are only set through `bound()`, which restores the previous values on exit, or in a
+  copied context (`step_context`, for a task of its own): an id never leaks from one request into the next
+  one served by the same task or thread.
+- A reconciler step carries the id of the request that drives it, or a step id of its own (`step_…`), so
+  its node calls are found by either.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ current_sandbox_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def new_request_id() -> str:
     """A fresh id: `req_` and 16 hex digits (64 random bits: unique enough to grep, short to read)."""
     return "req_" + secrets.token_hex(8)
+
+
+def new_step_id() -> str:
+    """The id of a reconciler step no request drives (`step_` and 16 hex digits)."""
+    return "step_" + secrets.token_hex(8)
 
 
 def is_valid(value: str | None) -> bool:
@@ -60,6 +68,17 @@ def bound(request_id: str | None, sandbox_id: str | None = None) -> Iterator[Non
     finally:
         current_sandbox_id.reset(sandbox_token)
         current_request_id.reset(request_token)
+
+
+def step_context(sandbox_id: str) -> contextvars.Context:
+    """A copy of the current context for a reconciler step on `sandbox_id`: the request's id when a request
+    drives the step (the direct path), else a new step id; and the sandbox id (for `asyncio.create_task`'s
+    `context`, so the step's log lines and node calls name both)."""
+    context = contextvars.copy_context()
+    request_id = context.get(current_request_id) or new_step_id()
+    context.run(current_request_id.set, request_id)
+    context.run(current_sandbox_id.set, sandbox_id)
+    return context
 
 
 def outgoing_headers() -> dict[str, str]:

@@ -31,6 +31,7 @@ from space.controlplane.api.deps import Services
 from space.controlplane.api.limits import TokenBuckets
 from space.controlplane.e2b import errors as e2b_errors
 from space.controlplane.e2b import listing, network, sandboxes, snapshots, templates
+from space.rest.request_id import RequestIdMiddleware
 
 
 def create_control_app(services: Services) -> FastAPI:
@@ -45,6 +46,7 @@ def create_control_app(services: Services) -> FastAPI:
         app.include_router(router)
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_middleware(BodyLimit, limit=services.settings.api_json_body_bytes)
+    app.add_middleware(RequestIdMiddleware, issue=True, quiet=r"^/health$")  # as SPACE's API (ADR 0071)
     return app
 
 

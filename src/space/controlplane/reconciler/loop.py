@@ -54,7 +54,7 @@ from space.controlplane.scheduler import DEFAULT_FRESH_S
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_state import Note
 from space.controlplane.store.store import Store
-from space.core import errors, tracing
+from space.core import errors, request_ids, tracing
 from space.core.lifecycle import Event, State, can
 
 if TYPE_CHECKING:
@@ -204,7 +204,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         after (`release_later`: in a task of its own, so the caller answers first); the record as the last
         step left it (None if a step failed or lost a race)."""
         self._busy.add(record.id)
-        step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}")
+        # The step's log lines and node calls name the request driving it (or a step id) and the sandbox.
+        context = request_ids.step_context(record.id)
+        step = asyncio.create_task(self.reconcile(record), name=f"step-{record.id}", context=context)
         renewer = asyncio.create_task(self._renew(record.id, step))
         try:
             return await step

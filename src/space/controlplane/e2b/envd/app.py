@@ -28,6 +28,7 @@ from space.controlplane.e2b.envd.keepalive import watching_disconnect
 from space.controlplane.e2b.envd.limits import EnvdLimits
 from space.controlplane.e2b.envd.process_service import ProcessService
 from space.controlplane.e2b.envd.watchers import Watchers
+from space.rest.request_id import RequestIdMiddleware
 
 RPC_READ_MAX_BYTES = 4 << 20
 
@@ -66,7 +67,7 @@ def envd_app(services: Services) -> ASGIApp:
                 return
         await rest(scope, receive, send)
 
-    return app
+    return RequestIdMiddleware(app, issue=True, quiet=r"^/health$")  # as SPACE's API (ADR 0071)
 
 
 async def _lifespan(receive: Receive, send: Send, watchers: Watchers) -> None:
