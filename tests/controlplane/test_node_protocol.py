@@ -80,6 +80,18 @@ def test_re_registration_checks_the_range_too(cluster: c.Cluster) -> None:
     )
 
 
+def test_a_heartbeat_answer_names_the_control_plane_s_range(cluster: c.Cluster) -> None:
+    enrolled = _enrol(cluster).json()
+    beat = {"capacity": {"cpus": 1, "memory_mb": 512, "disk_mb": 1024}, "used": {}, "sandboxes": []}
+    answer = httpx.post(
+        f"{cluster.url}/v1/nodes/{enrolled['node_id']}/heartbeat", json=beat,
+        headers={"Authorization": f"Bearer {enrolled['identity']}"},
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["protocol_min"], answer.json()["protocol_max"]) == OURS
+    _check_protocol(answer)  # the node's check passes it
+
+
 @pytest.mark.parametrize(
     "hostile",
     [{"protocol_min": "1", "protocol_max": 1}, {"protocol_min": 0, "protocol_max": 1},

@@ -315,6 +315,8 @@ async def heartbeat(
         "ok": True,
         "fence_after_s": services.settings.fence_after_s,
         "beat": node.last_heartbeat_at.isoformat(),
+        # This replica's protocol range: a node running under a replica it cannot speak to stops (ADR 0071).
+        **dict(zip(("protocol_min", "protocol_max"), node_protocol.own_range(), strict=True)),
     }
 
 

@@ -165,6 +165,7 @@ class Reporter:
                         answer.status_code)  # fmt: skip
             return False
         answer.raise_for_status()
+        _check_protocol(answer)  # a replica of no common version took over (an upgrade done out of order)
         answered = answer.json() if answer.content else {}
         self.beat = answered.get("beat") if isinstance(answered.get("beat"), str) else None
         lease = answered.get("fence_after_s")
