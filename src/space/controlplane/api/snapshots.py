@@ -78,12 +78,12 @@ async def take_snapshot(
             field="name",
         )
     info = await services.nodes.client(node_of(sb)).create_snapshot(sb.id, full=full)
-    snap = await asyncio.to_thread(
+    # The node made it already: its row is written `ready`, in one write (ADR 0074).
+    return await asyncio.to_thread(
         services.store.create_snapshot, sb.id, "full" if full else "disk", node_id=sb.node_id,
-        snapshot_id=info.snapshot_id, origin="user", exclusive_bytes=getattr(info, "exclusive_bytes", None),
-        name=name,
+        snapshot_id=info.snapshot_id, ready=True, origin="user",
+        exclusive_bytes=getattr(info, "exclusive_bytes", None), name=name, size_bytes=info.image_bytes,
     )  # fmt: skip
-    return await asyncio.to_thread(services.store.mark_snapshot_ready, snap.id, size_bytes=info.image_bytes)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201, response_model=Snapshot)

@@ -70,17 +70,20 @@ class SnapshotRepository(Repository):
         node_id: str | None = None,
         *,
         snapshot_id: str | None = None,
+        ready: bool = False,
         **fields: Any,
     ) -> SnapshotRecord:
         """A snapshot record in state `creating` (written before the side effect starts); `fields` are
-        SNAPSHOT_FIELDS (prefix, data key, origin ...)."""
+        SNAPSHOT_FIELDS (prefix, data key, origin ...). With `ready`, one the node has made already (a
+        user's snapshot, recorded after the node answered) is written `ready` at once: one write, not two
+        (docs/adr/0074-lifecycle-steps-in-the-request.md)."""
         if kind not in _SNAPSHOT_KINDS:
             raise InvalidArgument(f"invalid snapshot kind {kind!r}", field="kind")
         row = Snapshot(
             id=ids.parse_snapshot_id(snapshot_id) if snapshot_id else ids.new_snapshot_id(),
             sandbox_id=sandbox_id,
             kind=kind,
-            state="creating",
+            state="ready" if ready else "creating",
             node_id=node_id,
             size_bytes=None,
             created_at=self.now(),
