@@ -7,15 +7,20 @@ systemd."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pathlib
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
@@ -24,6 +29,9 @@ from space.cli import service
 from space.cli import service_units as su
 from space.cli.config_file import read_config
 from space.core import errors
+from space.node.agent import launch
+from space.node.agent.settings import NodeAgentSettings
+from tests.support import cluster as c
 
 SECRET = "s3cret-access-key-value"
 
@@ -34,7 +42,7 @@ def _config(tmp_path: pathlib.Path) -> pathlib.Path:
         f"""
 [controlplane]
 data_dir = "{tmp_path}/cp"
-listen = "127.0.0.1:18470"
+listen = "127.0.0.1:{c.free_port()}"
 
 [node]
 data_dir = "{tmp_path}/node"
@@ -207,3 +215,68 @@ def test_install_and_uninstall_a_node_for_real(
     assert data_dir.exists()  # data stays
     shutil.rmtree(data_dir)
     assert "no SPACE unit installed" in _cli("uninstall", "--unit-dir", str(units)).output
+
+
+def _exec_start(unit: pathlib.Path) -> list[str]:
+    line = next(row for row in unit.read_text().splitlines() if row.startswith("ExecStart="))
+    return shlex.split(line.removeprefix("ExecStart=").replace("$$", "$").replace("%%", "%"))
+
+
+def test_the_agent_unit_s_command_is_one_the_agent_takes(rendered: pathlib.Path) -> None:
+    argv = _exec_start(rendered / su.AGENT_UNIT)
+    assert argv[:3] == [sys.executable, "-m", "space.node.agent.server"]
+    args = launch._parser(NodeAgentSettings()).parse_args(argv[3:])
+    assert (args.control_plane, args.listen, args.templates) == (
+        "https://cp.example.com:8470", ("127.0.0.1", 17070), "python,base"
+    )  # fmt: skip
+
+
+def test_a_cgroup_parent_the_helper_refuses_is_refused_at_install(tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "odd.toml"
+    config.write_text(f'[node]\ndata_dir = "{tmp_path}/node"\ncontrol_plane = "https://cp.example.com"\n'
+                      'cgroup_parent = "node1"\n')  # fmt: skip
+    done = _cli("install", "--config", str(config), "--role", "node", "--dry-run")
+    assert done.exit_code != 0 and "cgroup_parent" in done.output
+
+
+@pytest.mark.root
+def test_the_control_plane_and_helper_units_commands_start(
+    rendered: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """The units' own command lines, run as root here (systemd would switch users): the control plane
+    serves with the configuration the credential carries, the helper listens on its socket."""
+    config = tmp_path / "space.toml"
+    listen = tomllib.loads(config.read_text())["controlplane"]["listen"]
+    cp_argv = [config.as_posix() if arg == "%d/fleet.toml" else arg
+               for arg in _exec_start(rendered / su.CONTROLPLANE_UNIT)]  # fmt: skip
+    helper_argv = _exec_start(rendered / su.HELPER_UNIT)
+    env = {"PATH": os.environ["PATH"], "SPACE_LOG_FORMAT": "json",
+           "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2] / "src")}  # fmt: skip
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started = []
+    try:
+        for name, argv in (("controlplane", cp_argv), ("helper", helper_argv)):
+            with (logs / f"{name}.log").open("wb") as log:
+                started.append(
+                    subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
+                )
+        socket_path = tmp_path / "node" / "helper.sock"
+
+        def up() -> bool:
+            for process in started:
+                assert process.poll() is None, (logs / "controlplane.log").read_text() + (
+                    logs / "helper.log"
+                ).read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                return socket_path.exists() and httpx.get(f"http://{listen}/healthz").status_code == 200
+            return False
+
+        c.wait_for(up, timeout=60, what="the control plane healthy and the helper listening")
+    finally:
+        for process in started:
+            process.terminate()
+            process.wait(20)
+    line = (logs / "controlplane.log").read_text().splitlines()[-1]
+    assert json.loads(line)["component"] == "controlplane"  # the units' JSON lines
+    shutil.rmtree(tmp_path / "node", ignore_errors=True)
