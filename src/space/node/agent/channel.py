@@ -123,7 +123,8 @@ class GuestChannel:
             except (OSError, TimeoutError) as exc:
                 raise errors.Unavailable(f"cannot reach sandbox channel at {path}: {exc}") from exc
         channel = cls(reader, writer, name=name)
-        await channel.handshake(timeout=timeout)
+        with LAYER.span("guest.hello"):  # until spaced answers: a booting guest's time (ADR 0072)
+            await channel.handshake(timeout=timeout)
         return channel
 
     async def handshake(self, *, timeout: float = 10.0) -> dict[str, Any]:

@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from space.core import errors
+from space.core import errors, tracing
 from space.crypto.envelope import DataKey
 from space.objectstore.artifacts import ArtifactWriter, Manifest, read_entry, read_manifest
 from space.objectstore.base import ObjectStore
 
 #: What a checkpoint or base artifact may contain: the disk delta, image files, the sandbox spec; a user
 #: template's delta and an uploaded image archive (space.node.agent.template_travel).
+LAYER = tracing.Layer("space.node")
 ENTRY_NAME = re.compile(
     r"(disk\.stream|disk\.tar|base\.stream|sandbox\.json|template\.stream|source\.tar"
     r"|image/[A-Za-z0-9][A-Za-z0-9._-]{0,127})"
@@ -47,6 +48,7 @@ def existing_manifest(store: ObjectStore, prefix: str) -> Manifest | None:
         return None
 
 
+@tracing.timed(LAYER, "objectstore.upload")  # a span when called within a trace (ADR 0072)
 def upload(
     store: ObjectStore,
     prefix: str,
@@ -74,6 +76,7 @@ def upload(
     return manifest, {"upload_ms": (time.monotonic() - started) * 1000}
 
 
+@tracing.timed(LAYER, "objectstore.download")
 def download(
     store: ObjectStore, manifest: Manifest, directory: Path, *, data_key: bytes | None, skip: set[str]
 ) -> dict[str, float]:
