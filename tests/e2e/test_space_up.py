@@ -76,7 +76,10 @@ def test_space_up_then_the_cli_with_nothing_exported(cli: Cli) -> None:
     assert cli.run("exec", child_id, "--", "kill", "-0", pid.decode(), check=False).returncode == 0
 
     for target in (child_id, sandbox_id):
-        cli.run("sandbox", "delete", target)
-        gone = cli.run("sandbox", "get", target, check=False)
-        assert gone.returncode == 3, (gone.returncode, gone.stderr)  # exit code 3: not found
+        assert cli.run("sandbox", "delete", target).stdout.split() == [target.encode(), b"deleting"]
+        # The answer comes once it is `deleting`; the teardown ends in the background (ADR 0073).
+        wait_for(
+            lambda target=target: cli.run("sandbox", "get", target, check=False).returncode == 3,
+            timeout=60, interval=0.2, what=f"{target} gone (exit code 3: not found)",
+        )  # fmt: skip
     assert json.loads(cli.run("sandbox", "list", "--json").stdout) == []
