@@ -9,6 +9,7 @@ mkdir -p "$STAMP_DIR"
 
 APT_PACKAGES=(btrfs-progs iproute2 nftables debootstrap util-linux procps psmisc ca-certificates
               python3 python3-venv cpio busybox-static postgresql
+              qemu-system-x86 kmod e2fsprogs  # the qemu driver: QEMU, depmod, mkfs.ext4 (ADR 0068)
               chromium)  # chromium: the web console's end-to-end test drives it (ADR 0061)
 
 need_apt=0

@@ -413,11 +413,19 @@ def sys_configure(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[st
 
 
 def take_over_stdio() -> tuple[int, int]:
-    """Move the channel off fds 0/1 and park 0/1/2 on /dev/null (2 on SPACED_LOG if set)."""
+    """Move the channel off fds 0/1 (or open SPACED_CHANNEL's device) and park 0/1/2 on /dev/null (2 on
+    SPACED_LOG if set)."""
     import fcntl
 
-    channel_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
-    channel_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+    if SETTINGS.channel:
+        # A microVM's init may start without fds 0-2 at all: the device lands above them either way.
+        device = os.open(SETTINGS.channel, os.O_RDWR | os.O_CLOEXEC)
+        channel_in = fcntl.fcntl(device, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        channel_out = fcntl.fcntl(device, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        os.close(device)
+    else:
+        channel_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
+        channel_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, CHANNEL_FD_MIN)
     devnull = os.open("/dev/null", os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)

@@ -13,6 +13,8 @@
     SPACED_REAP_ALL     (unset)   "1": reap every child with waitpid(-1) and become a child subreaper, as
                                   spaced does anyway when it is PID 1
     SPACED_WATCH_POLL   (unset)   "1": files.watch polls instead of using inotify (tests of the fallback)
+    SPACED_CHANNEL      (unset)   a device to speak the channel on instead of stdin/stdout (the microVM's
+                                  virtio serial port, e.g. /dev/vport1p1: ADR 0068)
 
 Invariants:
 - The settings are read once, when spaced starts (this module's first import); a later change of the
@@ -39,6 +41,7 @@ class GuestSettings(NamedTuple):
     watch_poll: bool = False
     user: str | None = None
     sudo_socket: str = "space-sudo"
+    channel: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> GuestSettings:
@@ -49,6 +52,7 @@ class GuestSettings(NamedTuple):
             watch_poll=environ.get("SPACED_WATCH_POLL") == "1",
             user=environ.get("SPACED_USER") or None,
             sudo_socket=environ.get("SPACED_SUDO_SOCKET") or "space-sudo",
+            channel=environ.get("SPACED_CHANNEL") or None,
         )
 
 
