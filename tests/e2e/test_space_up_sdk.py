@@ -49,7 +49,7 @@ def test_processes_live_through_pause_resume_and_return_with_a_full_rollback(
             assert sb.files.read("/work/state.txt") == b"before"
             assert running_pids(sb) == before, "the checkpoint brought the process back"
         finally:
-            sb.delete()
+            sb.delete(wait=True)  # answered once deleted, not once deleting (ADR 0073)
         with pytest.raises(NotFound):
             sp.sandboxes.get(sb.id)
 

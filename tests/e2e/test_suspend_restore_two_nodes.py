@@ -310,7 +310,7 @@ def test_control_plane_killed_mid_suspend_and_mid_restore_on_two_nodes(two_nodes
             restart_cp(two, None)
         http.close()
         with two.sdk() as sp:
-            sp.sandboxes.get(sb.id).delete()
+            sp.sandboxes.get(sb.id).delete(wait=True)  # the teardown done, not only begun (ADR 0073)
     for node in two.nodes:
         assert sb.id not in c.sandbox_ids_in(node.data_dir), f"{node.name} keeps something of {sb.id}"
 
