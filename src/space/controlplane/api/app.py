@@ -114,8 +114,10 @@ def create_app(
     rest_errors.install(app, surface="control plane API")
     app.add_middleware(_Metrics, services=services)
     # A span per request, in the caller's trace (ADR 0072); inside the limits: refused floods make none.
+    # Health, metrics, node heartbeats and the console's files are no operations: they never fill the ring.
     tracing.configure("space-controlplane")
-    app.add_middleware(TraceRequests, layer="space.controlplane", skip=("/healthz", "/metrics", "/v1/nodes"))
+    untraced = ("/healthz", "/metrics", "/v1/nodes", "/console", "/openapi.json", "/docs", "/redoc")
+    app.add_middleware(TraceRequests, layer="space.controlplane", skip=untraced)
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", _metrics_route, methods=["GET"], include_in_schema=False)
     for public in (sandboxes.router, snapshots.router, events.router, projects.router, data_plane.router):
