@@ -59,7 +59,12 @@ class GuestKernel:
 
 def kernel_package() -> str:
     """The kernel package the machine's metapackage depends on (e.g. linux-image-6.1.0-57-amd64)."""
-    shown = run(["apt-cache", "depends", KERNEL_META_PACKAGE], "apt-cache depends").stdout
+    try:
+        shown = run(["apt-cache", "depends", KERNEL_META_PACKAGE], "apt-cache depends").stdout
+    except RuntimeFailure:
+        # No package lists (a cleaned apt cache): fetch them from the machine's configured sources once.
+        run(["apt-get", "update", "-qq"], "apt-get update")
+        shown = run(["apt-cache", "depends", KERNEL_META_PACKAGE], "apt-cache depends").stdout
     match = _DEPENDS.search(shown)
     if match is None:
         raise RuntimeFailure(f"{KERNEL_META_PACKAGE} names no kernel package: {shown[:200]!r}")

@@ -5,8 +5,8 @@ Invariants:
   KVM module (kvm_intel or kvm_amd) is loaded; a /dev/kvm of another kind (e.g. the PVM nested hypervisor
   of some cloud machines, where a stock guest kernel hangs in its real-mode setup) means `tcg`.
 - Every QEMU runs jailed (docs/adr/0068-qemu-microvm-driver.md): in a fresh mount and network namespace
-  (`unshare`; the VM has no network device, so nothing reaches any network), chrooted into an empty
-  root-owned directory and running as the sandbox's own unprivileged uid once its files are open
+  (`unshare`; the VM has no network device, so nothing reaches any network), chrooted into its disk's
+  root-owned directory (which holds the disk and its metadata only) and running as the sandbox's own unprivileged uid once its files are open
   (`-chroot`, `-runas`), under QEMU's seccomp filter with spawning, privilege changes and resource
   control denied (`-sandbox on,...`), in cgroups that bound its memory and tasks.
 - QEMU never opens a path after start-up: checkpoint and restore images are passed as file descriptors
@@ -74,7 +74,7 @@ class MachineSpec:
     initramfs: pathlib.Path
     disk: pathlib.Path
     qmp_socket: pathlib.Path
-    jail: pathlib.Path  # an empty, root-owned directory: QEMU's root once started
+    jail: pathlib.Path  # the root-owned directory of the disk: QEMU's root once started
     uid: int
     memory_mb: int = 512
     vcpus: int = 1

@@ -1,0 +1,128 @@
+"""Real QEMU microVMs (under TCG on machines without hardware KVM): one template checkpoint per module,
+made by a cold boot of the node's `python` template; every sandbox is created by restoring it over a
+reflinked disk, and talks to the node over its virtio serial port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+from space.core import errors
+from space.node.agent.channel import GuestChannel
+from space.node.agent.guest import GuestSession
+from space.node.helper.microvm import CGROUP_NAME, CGROUP_V1, Machine, MicroVMs, sandbox_uid
+from space.node.volumes.templates import guest_environment
+
+pytestmark = pytest.mark.root
+
+TEMPLATE = "python"
+BOOT_TIMEOUT_S = 300.0
+
+
+async def connect(socket_path: str, name: str, timeout: float = 60.0) -> GuestChannel:
+    return await GuestChannel.connect_unix(socket_path, timeout=timeout, name=name)
+
+
+@pytest.fixture(scope="module")
+def microvms(node) -> Iterator[MicroVMs]:  # type: ignore[no-untyped-def]
+    vms = MicroVMs(node.node.layout, os.geteuid())
+    layout = node.node.layout
+    vms.build_template_disk(
+        TEMPLATE, layout.template(TEMPLATE), guest_environment(layout.templates, TEMPLATE)
+    )
+
+    async def boot() -> None:
+        channel = await connect(vms.boot_template(TEMPLATE, Machine()), "template", BOOT_TIMEOUT_S)
+        await channel.close()
+
+    node.run(boot(), timeout=BOOT_TIMEOUT_S + 30)
+    vms.adopt_template(TEMPLATE, Machine())
+    made: list[str] = []
+    vms.made = made  # type: ignore[attr-defined]
+    try:
+        yield vms
+    finally:
+        for sandbox_id in made:
+            vms.destroy(sandbox_id)
+
+
+def test_create_from_checkpoint_exec_files_pause_and_a_real_kernel(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
+    microvms.made.append("sb-qemu-a")  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        channel = await connect(microvms.create("sb-qemu-a", TEMPLATE), "a")
+        session = GuestSession(channel)
+        result = await session.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; echo; id -u")
+        release, init, uid = result.stdout.decode().splitlines()
+        assert (
+            release.endswith("-amd64") and release != pathlib.Path("/proc/sys/kernel/osrelease").read_text()
+        )
+        assert init.startswith("/usr/bin/python3 -I -S -B")  # spaced is the guest's PID 1
+        assert uid == "0"
+        assert (await session.exec(["true"])).exit_code == 0
+        await session.write_file("/root/note", b"kept")
+        assert await session.read_file("/root/note") == b"kept"
+        microvms.pause("sb-qemu-a")
+        assert microvms.status("sb-qemu-a") == "paused"
+        microvms.resume("sb-qemu-a")
+        assert microvms.status("sb-qemu-a") == "running"
+        assert (await session.exec("cat /root/note")).stdout == b"kept"
+        await channel.close()
+
+    node.run(scenario())
+    # The QEMU runs as the sandbox's own uid, in cgroups of its own, and not in the host's network namespace.
+    info = microvms._holder_info("sb-qemu-a")
+    assert info is not None
+    pid = int(info["runtime_pid"])
+    status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    assert f"Uid:\t{sandbox_uid('sb-qemu-a')}\t" in status
+    assert os.readlink(f"/proc/{pid}/root") == str(microvms.sandbox_dir("sb-qemu-a"))
+    assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    if (CGROUP_V1 / "memory").is_dir():
+        procs = (CGROUP_V1 / "memory" / CGROUP_NAME / "sb-qemu-a" / "cgroup.procs").read_text().split()
+        assert str(pid) in procs
+    microvms.destroy("sb-qemu-a")
+    assert microvms.status("sb-qemu-a") == "absent"
+    assert not microvms.sandbox_dir("sb-qemu-a").exists()
+    microvms.destroy("sb-qemu-a")  # converges
+
+
+def test_checkpoint_rollback_and_fork(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
+    microvms.made.extend(["sb-qemu-b", "sb-qemu-c"])  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        channel = await connect(microvms.create("sb-qemu-b", TEMPLATE), "b")
+        session = GuestSession(channel)
+        await session.exec("echo before > /root/state; echo 1 > /dev/shm/memory-only")
+        info = microvms.checkpoint("sb-qemu-b", "cp-1")
+        assert info["image_bytes"] > 0
+        await session.exec("echo after > /root/state; rm /dev/shm/memory-only")
+        await channel.close()
+
+        # rollback: both the disk and the memory (a tmpfs file) are back as at the checkpoint
+        channel = await connect(microvms.restore("sb-qemu-b", "cp-1"), "b")
+        session = GuestSession(channel)
+        result = await session.exec("cat /root/state /dev/shm/memory-only")
+        assert result.stdout == b"before\n1\n"
+        await session.exec("echo parent > /root/state")
+
+        # fork: another sandbox from the same memory image, on its own reflinked disk
+        child_channel = await connect(
+            microvms.restore("sb-qemu-c", "cp-1", source_sandbox_id="sb-qemu-b"), "c"
+        )
+        child = GuestSession(child_channel)
+        assert (await child.exec("cat /root/state")).stdout == b"before\n"
+        await child.exec("echo child > /root/state")
+        assert (await session.exec("cat /root/state")).stdout == b"parent\n"
+        assert (await child.exec("cat /root/state")).stdout == b"child\n"
+        await asyncio.gather(channel.close(), child_channel.close())
+
+    node.run(scenario())
+    with pytest.raises(errors.NotFound):
+        microvms.restore("sb-qemu-b", "cp-missing")
+    with pytest.raises(errors.NotFound):
+        microvms.create("sb-qemu-d", "no-such-template")
