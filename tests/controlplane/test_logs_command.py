@@ -102,6 +102,8 @@ def test_the_journal_is_read_for_space_units_only() -> None:
     units = {a.removeprefix("--unit=") for a in argv if a.startswith("--unit=")}
     assert units == {"space-controlplane.service", "space-node-helper.service", "space-node-agent.service"}
     assert "--follow" in argv and any(a.startswith("--since=") and a.endswith(" UTC") for a in argv)
+    every = logs.journal_argv(None, follow=False, lines=None)  # filtered here: the last matches, not lines
+    assert not any(a.startswith(("--lines", "--since")) for a in every) and "--follow" not in every
 
 
 def test_follow_prints_lines_as_they_are_appended(data_dir: pathlib.Path) -> None:

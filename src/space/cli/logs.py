@@ -241,9 +241,10 @@ def journal_installed(unit_dir: pathlib.Path = DEFAULT_UNIT_DIR) -> bool:
     )
 
 
-def journal_argv(since: datetime | None, *, follow: bool, lines: int) -> list[str]:
-    """journalctl for SPACE's units: the message of each entry only (the services write JSON lines)."""
-    argv = ["journalctl", "--output=cat", "--no-pager", f"--lines={lines}"]
+def journal_argv(since: datetime | None, *, follow: bool, lines: int | None) -> list[str]:
+    """journalctl for SPACE's units: the message of each entry only (the services write JSON lines);
+    `lines` None: every entry (since `since`), for a filter that keeps the last matches itself."""
+    argv = ["journalctl", "--output=cat", "--no-pager", *([f"--lines={lines}"] if lines is not None else [])]
     argv += [f"--unit={name}" for name in service_units.UNIT_NAMES]
     if since is not None:
         argv.append(f"--since={since.astimezone(UTC).strftime('%Y-%m-%d %H:%M:%S')} UTC")
@@ -306,8 +307,12 @@ def logs_command(
     raw_out = typer.get_text_stream("stdout") if raw else None
     try:
         if source == "journal" or (source == "auto" and journal_installed()):
-            argv = journal_argv(keep.since, follow=follow, lines=lines)
-            _emit(_journal_lines(argv), out, raw_out, keep)
+            if follow:  # journalctl shows its last lines, then follows
+                _emit(_journal_lines(journal_argv(keep.since, follow=True, lines=lines)), out, raw_out, keep)
+                return
+            # The last `lines` of those that match (a request's lines may be older than the last lines).
+            every = _journal_lines(journal_argv(keep.since, follow=False, lines=None))
+            _emit([line for line in every if keep(line)][-lines:], out, raw_out, Filter())
             return
         sources = file_sources(data_dir, component)
         if not sources:
