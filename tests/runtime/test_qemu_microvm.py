@@ -126,3 +126,45 @@ def test_checkpoint_rollback_and_fork(node, microvms: MicroVMs) -> None:  # type
         microvms.restore("sb-qemu-b", "cp-missing")
     with pytest.raises(errors.NotFound):
         microvms.create("sb-qemu-d", "no-such-template")
+
+
+def test_qemu_driver_through_the_helper_verbs(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
+    """The agent-side driver: every step is a `microvm.*` verb of the node's real root helper."""
+    from space.core import ids
+    from space.node.agent.helper_client import HelperClient
+    from space.node.drivers.base import SandboxSpec
+    from space.node.drivers.qemu import QemuDriver
+
+    sandbox_id, snapshot_id = ids.new_sandbox_id(), ids.new_snapshot_id()
+    microvms.made.append(sandbox_id)  # type: ignore[attr-defined]
+    layout = node.node.layout
+
+    async def scenario() -> None:
+        driver = QemuDriver(layout, HelperClient(str(layout.helper_socket)))
+        try:
+            described = await driver.ensure_template(TEMPLATE)  # the module's checkpoint is already there
+            assert described["microvm"]["accel"] == microvms.accel
+            channel = await driver.create_warm(SandboxSpec(sandbox_id, TEMPLATE, env={"OWN": "mine"}))
+            assert channel is not None
+            session = GuestSession(channel)
+            assert (await session.exec("echo $OWN")).stdout == b"mine\n"
+            assert (await driver.state(sandbox_id)).runtime == "running"
+            await driver.pause(sandbox_id)
+            assert (await driver.state(sandbox_id)).runtime == "paused"
+            with pytest.raises(errors.InvalidState):
+                await driver.pause("sb-" + "a" * 25 + "a")  # no such microVM
+            await driver.resume(sandbox_id)
+            info, replaced = await driver.checkpoint(sandbox_id, snapshot_id)
+            assert replaced is None and info.image_bytes > 0
+            assert (await session.exec(["true"])).exit_code == 0
+            await channel.close()
+            channel = await driver.restore(sandbox_id, snapshot_id)
+            assert (await GuestSession(channel).exec("echo $OWN")).stdout == b"mine\n"
+            await channel.close()
+            await driver.destroy(sandbox_id)
+            state = await driver.state(sandbox_id)
+            assert (state.exists, state.runtime) == (False, "absent")
+        finally:
+            await driver.close()
+
+    node.run(scenario())

@@ -21,6 +21,7 @@ from __future__ import annotations
 from space.node.helper import (
     fence_verbs,
     metrics_verbs,
+    microvm_verbs,
     network_verbs,
     node_verbs,
     oci_image_verbs,
@@ -57,6 +58,23 @@ from space.node.helper.params import (
     TemplateReceiveParams,
     TransferParams,
 )
+
+MICROVM_VERBS = (
+    Verb("microvm.template_boot", microvm_verbs.MicrovmTemplateParams, guarded(microvm_verbs.template_boot)),
+    Verb("microvm.template_adopt", microvm_verbs.MicrovmTemplateParams, microvm_verbs.template_adopt),
+    Verb("microvm.template_status", microvm_verbs.MicrovmTemplateParams, microvm_verbs.template_status),
+    Verb("microvm.create", microvm_verbs.MicrovmCreateParams, guarded(microvm_verbs.sandbox_create),
+         sandbox_scoped=True),
+    Verb("microvm.pause", SandboxParams, microvm_verbs.sandbox_pause, sandbox_scoped=True),
+    Verb("microvm.resume", SandboxParams, guarded(microvm_verbs.sandbox_resume), sandbox_scoped=True),
+    Verb("microvm.checkpoint", microvm_verbs.MicrovmCheckpointParams, microvm_verbs.sandbox_checkpoint,
+         sandbox_scoped=True),
+    Verb("microvm.restore", microvm_verbs.MicrovmRestoreParams, guarded(microvm_verbs.sandbox_restore),
+         sandbox_scoped=True),
+    Verb("microvm.stop", SandboxParams, microvm_verbs.sandbox_stop, sandbox_scoped=True),
+    Verb("microvm.destroy", SandboxParams, microvm_verbs.sandbox_destroy, sandbox_scoped=True),
+    Verb("microvm.state", SandboxParams, microvm_verbs.sandbox_state),
+)  # fmt: skip
 
 VERBS: dict[str, Verb] = {
     verb.name: verb
@@ -125,5 +143,7 @@ VERBS: dict[str, Verb] = {
         Verb("template.base_status", NoTransferParams, transfer.base_status),
         Verb("template.base_export", NoTransferParams, transfer.base_export),
         Verb("template.base_import", NoTransferParams, transfer.base_import),
+        # microVM sandboxes: the qemu driver (space.node.helper.microvm_verbs, ADR 0068)
+        *MICROVM_VERBS,
     )
 }

@@ -1,0 +1,152 @@
+"""The QEMU microVM driver: each sandbox runs Debian's own Linux kernel in a QEMU `microvm` machine.
+
+Every privileged step is one `microvm.*` verb of the root helper (space.node.helper.microvm_verbs); this
+agent-side driver only asks for them and opens the channel socket the helper's holder hands it
+(docs/adr/0068-qemu-microvm-driver.md).
+
+Invariants:
+- A sandbox starts by restoring its template's booted checkpoint (create); the template's checkpoint is
+  made once per node by `ensure_template` (one cold boot, HELLO, then the checkpoint).
+- The channel survives checkpoints and pauses: it is the holder's socket in front of QEMU's stdio chardev.
+- What this driver does not do yet raises NotImplementedError naming the operation (ADR 0068 lists them);
+  it never pretends: a disk-only snapshot or a suspend to object storage is refused, not half done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from space.core.settings import SandboxLimits
+from space.node.agent.channel import GuestChannel
+from space.node.agent.helper_client import HelperClient
+from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+from space.node.layout import NodeLayout
+
+#: A cold boot under TCG on a busy 2-core machine took up to ~25 s; restores answer in well under 1 s.
+COLD_BOOT_TIMEOUT_S = 300.0
+RESTORE_TIMEOUT_S = 60.0
+
+
+class QemuDriver(Driver):
+    name = "qemu"
+    isolating = True
+    warm_supported = False  # every create is a restore already; pools of running VMs are future work
+
+    def __init__(
+        self, layout: NodeLayout, helper: HelperClient, *, memory_mb: int = 512, vcpus: int = 1
+    ) -> None:
+        self.layout = layout
+        self.helper = helper
+        self.machine = {"memory_mb": memory_mb, "vcpus": vcpus}
+
+    async def _channel(
+        self, sandbox_id: str, socket_path: str, timeout: float = RESTORE_TIMEOUT_S
+    ) -> GuestChannel:
+        return await GuestChannel.connect_unix(socket_path, timeout=timeout, name=sandbox_id)
+
+    async def prepare(self, progress: Progress | None = None) -> None:
+        await self.helper.call("node.prepare", progress=progress, timeout=300.0)
+
+    async def ensure_template(self, name: str, progress: Progress | None = None) -> dict[str, Any]:
+        """The node's template `name` (built as for gVisor), then its microVM checkpoint, made once."""
+        result = await self.helper.call("template.ensure", {"name": name}, progress=progress, timeout=1800.0)
+        args = {"name": name, **self.machine}
+        status = await self.helper.call("microvm.template_status", args)
+        if not status["ready"]:
+            booted = await self.helper.call("microvm.template_boot", args, progress=progress, timeout=600.0)
+            channel = await self._channel(f"template {name}", str(booted["socket"]), COLD_BOOT_TIMEOUT_S)
+            await channel.close()
+            await self.helper.call("microvm.template_adopt", args, timeout=600.0)
+        return {**result, "microvm": {"accel": status["accel"], **self.machine}}
+
+    async def create(self, spec: SandboxSpec) -> None:
+        raise NotImplementedError("the qemu driver creates running sandboxes only: use create_warm")
+
+    async def create_warm(self, spec: SandboxSpec) -> GuestChannel | None:
+        result = await self.helper.call(
+            "microvm.create", {"sandbox_id": spec.sandbox_id, "template": spec.template}, timeout=120.0
+        )
+        channel = await self._channel(spec.sandbox_id, str(result["socket"]))
+        if spec.env:
+            # The daemon's environment came with the template's checkpoint: the sandbox's own is given now.
+            from space.node.agent.guest import GuestSession
+
+            await GuestSession(channel).configure(env=dict(spec.env))
+        return channel
+
+    async def start(self, sandbox_id: str) -> GuestChannel:
+        raise NotImplementedError("the qemu driver cannot boot a stopped sandbox yet (ADR 0068)")
+
+    async def connect(self, sandbox_id: str) -> GuestChannel:
+        return await self._channel(sandbox_id, str(self.layout.channel_socket(sandbox_id)))
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self.helper.call("microvm.pause", {"sandbox_id": sandbox_id})
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self.helper.call("microvm.resume", {"sandbox_id": sandbox_id})
+
+    async def checkpoint(
+        self, sandbox_id: str, snapshot_id: str, *, keep_running: bool = True, leave_paused: bool = False
+    ) -> tuple[CheckpointInfo, GuestChannel | None]:
+        result = await self.helper.call(
+            "microvm.checkpoint",
+            {
+                "sandbox_id": sandbox_id,
+                "snapshot_id": snapshot_id,
+                "keep_running": keep_running and not leave_paused,
+            },
+            timeout=600.0,
+        )
+        info = CheckpointInfo(sandbox_id, snapshot_id, int(result["image_bytes"]), dict(result["timings"]))
+        return info, None  # the same QEMU continues: the channel is still good
+
+    async def restore(
+        self,
+        sandbox_id: str,
+        snapshot_id: str,
+        *,
+        source_sandbox_id: str | None = None,
+        limits: SandboxLimits | None = None,
+    ) -> GuestChannel:
+        args: dict[str, Any] = {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        if source_sandbox_id is not None:
+            args["source_sandbox_id"] = source_sandbox_id
+        result = await self.helper.call("microvm.restore", args, timeout=600.0)
+        return await self._channel(sandbox_id, str(result["socket"]))
+
+    async def disk_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        raise NotImplementedError("the qemu driver takes full checkpoints only (ADR 0068)")
+
+    async def reset_rootfs(self, sandbox_id: str, snapshot_id: str) -> None:
+        raise NotImplementedError("the qemu driver rolls back by restoring a full checkpoint (ADR 0068)")
+
+    async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
+        raise NotImplementedError(
+            "the qemu driver keeps checkpoints until the sandbox is destroyed (ADR 0068)"
+        )
+
+    async def list_snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return []
+
+    async def stop(self, sandbox_id: str) -> None:
+        await self.helper.call("microvm.stop", {"sandbox_id": sandbox_id})
+
+    async def destroy(self, sandbox_id: str) -> None:
+        await self.helper.call("microvm.destroy", {"sandbox_id": sandbox_id})
+
+    async def state(self, sandbox_id: str) -> RuntimeState:
+        raw = await self.helper.call("microvm.state", {"sandbox_id": sandbox_id})
+        return RuntimeState(
+            sandbox_id=sandbox_id, exists=bool(raw["exists"]), runtime=str(raw["runtime"]),
+            channel_open=bool(raw["holder"]),
+        )  # fmt: skip
+
+    async def list(self) -> list[RuntimeState]:
+        return []  # adopting running microVMs after an agent restart is future work (ADR 0068)
+
+    async def usage(self, sandbox_id: str) -> dict[str, Any]:
+        return {}
+
+    async def close(self) -> None:
+        await self.helper.close()

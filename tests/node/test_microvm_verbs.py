@@ -1,0 +1,52 @@
+"""Attacks on the helper's microvm.* verbs: every argument is parsed before a handler runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from space.core import ids
+from space.node.helper.server import dispatch
+from space.node.helper.verbs import VERBS
+
+SANDBOX = ids.new_sandbox_id()
+SNAPSHOT = ids.new_snapshot_id()
+
+
+def refused(verb: str, args: dict[str, Any]) -> dict[str, Any]:
+    # No context: a request that reached a handler would fail on it, not be refused as invalid_argument.
+    answer = dispatch(None, {"verb": verb, "args": args}, lambda _line: None)  # type: ignore[arg-type]
+    assert answer["ok"] is False
+    return dict(answer["error"])
+
+
+@pytest.mark.parametrize(
+    ("verb", "args"),
+    [
+        ("microvm.create", {"sandbox_id": "../../etc", "template": "python"}),
+        ("microvm.create", {"sandbox_id": SANDBOX, "template": "../python"}),
+        ("microvm.create", {"sandbox_id": SANDBOX, "template": "python", "disk": "/etc/shadow"}),
+        ("microvm.create", {"sandbox_id": SANDBOX + "%2f..", "template": "python"}),
+        ("microvm.restore", {"sandbox_id": SANDBOX, "snapshot_id": "snap/../../x"}),
+        ("microvm.restore", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT, "source_sandbox_id": "sb-x"}),
+        ("microvm.checkpoint", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT, "keep_running": "yes"}),
+        ("microvm.template_boot", {"name": "python", "memory_mb": 1 << 40}),
+        ("microvm.template_boot", {"name": "python", "vcpus": 0}),
+        ("microvm.template_boot", {"name": "a" * 10_000}),
+        ("microvm.pause", {"sandbox_id": SANDBOX, "extra": 1}),
+        ("microvm.destroy", {"sandbox_id": "sb-" + "A" * 26}),
+    ],
+)
+def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any]) -> None:
+    assert refused(verb, args)["code"] == "invalid_argument"
+
+
+def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() -> None:
+    microvm = {name: verb for name, verb in VERBS.items() if name.startswith("microvm.")}
+    assert len(microvm) == 11
+    for name in ("microvm.create", "microvm.restore", "microvm.resume", "microvm.template_boot"):
+        assert microvm[name].handler.__name__ == "run", name  # wrapped by fence_verbs.guarded
+    for name, verb in microvm.items():
+        if "sandbox_id" in verb.params.model_fields:
+            assert verb.sandbox_scoped or name == "microvm.state", name
