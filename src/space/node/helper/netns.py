@@ -44,7 +44,10 @@ from space.node.helper.netaddr import (
 )
 
 COMMAND_TIMEOUT_S = 30.0
-SYS_CLASS_NET = pathlib.Path("/sys/class/net")
+#: The network interfaces of the CALLER's network namespace (/proc/net is /proc/self/net). Not
+#: /sys/class/net: sysfs shows the namespace of whoever mounted it, so a node whose helper runs in a network
+#: namespace of its own (one "machine" of several on a host, a container) would see the host's links.
+PROC_NET_DEV = pathlib.Path("/proc/net/dev")
 # Runs inside the sandbox's netns and a new mount namespace (a slave of the host's: unmounts on the host,
 # e.g. `ip netns del`, reach it; nothing done in it reaches the host), then becomes runsc. It hides
 # rmem_default, then detaches every mount runsc does not need (everything but /, /proc, /sys, /dev,
@@ -116,6 +119,15 @@ def choose_block(tag: str) -> ipaddress.IPv4Network:
     raise errors.ResourceExhausted("no free address block in 100.64.0.0/10 for this node's sandboxes")
 
 
+def link_names() -> set[str]:
+    """The names of the links in this process's network namespace."""
+    try:
+        lines = PROC_NET_DEV.read_text().splitlines()[2:]  # two header lines
+    except OSError as exc:
+        raise errors.RuntimeFailure(f"cannot list network links: {exc}") from exc
+    return {line.split(":", 1)[0].strip() for line in lines if ":" in line}
+
+
 def ensure_gateway_link(names: SlotNames, gateway: ipaddress.IPv4Address) -> None:
     # A veth pair stands in for a dummy interface (not every kernel has the dummy driver): it only carries
     # the gateway's address, so that the gateway can listen on it and nft can name it.
@@ -125,13 +137,13 @@ def ensure_gateway_link(names: SlotNames, gateway: ipaddress.IPv4Address) -> Non
         f"link set {names.gateway_link} up\n"
         f"addr replace {gateway}/32 dev {names.gateway_link}\n"
     )
-    if (SYS_CLASS_NET / names.gateway_link).exists():
+    if names.gateway_link in link_names():
         batch = batch.split("\n", 1)[1]
     run(["ip", "-batch", "-"], stdin=batch, what="gateway link")
 
 
 def remove_gateway_link_and_table(names: SlotNames) -> None:
-    if (SYS_CLASS_NET / names.gateway_link).exists():  # idempotent: a repeat finds none
+    if names.gateway_link in link_names():  # idempotent: a repeat finds none
         run(["ip", "link", "del", names.gateway_link], what="ip link del")
     run(["nft", "-f", "-"], stdin=nftables.delete_root_table(names), what="nft delete table")
 
@@ -140,7 +152,7 @@ def remove_gateway_link_and_table(names: SlotNames) -> None:
 def slot_exists(names: SlotNames, slot: int) -> bool:
     return (
         all((NETNS_DIR / name).exists() for name in (names.sandbox_ns(slot), names.edge_ns(slot)))
-        and (SYS_CLASS_NET / names.host_link(slot)).exists()
+        and names.host_link(slot) in link_names()
     )
 
 
@@ -148,7 +160,7 @@ def existing_slots(names: SlotNames) -> set[int]:
     """Every slot of this node that has any part left (namespace or link)."""
     found: set[int] = set()
     entries = [p.name for p in NETNS_DIR.iterdir()] if NETNS_DIR.is_dir() else []
-    entries += [p.name for p in SYS_CLASS_NET.iterdir()] if SYS_CLASS_NET.is_dir() else []
+    entries += sorted(link_names())
     for name in entries:
         match = SLOT_NAME.fullmatch(name)
         if match and match["tag"] == names.tag:
@@ -219,5 +231,7 @@ def delete_slots(names: SlotNames, slots: Iterable[int]) -> list[int]:
 
 def _slot_parts(names: SlotNames, slot: int) -> list[str]:
     parts = [str(NETNS_DIR / n) for n in (names.sandbox_ns(slot), names.edge_ns(slot))]
-    parts.append(f"/sys/class/net/{names.host_link(slot)}")
-    return [p for p in parts if os.path.exists(p)]
+    found = [p for p in parts if os.path.exists(p)]
+    if names.host_link(slot) in link_names():
+        found.append(f"link {names.host_link(slot)}")
+    return found
