@@ -137,6 +137,9 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
             assert supervisor_pid(node_dir) is not None
         with Space(url=cp_url, api_key=admin_key) as sp:
             _wait_ready(sp, None if detach else joined, root / "join.log")
+            # the join says which node it made once the node holds its identity (and the token is gone)
+            c.wait_for(lambda: "SPACE_NODE_ID=node-" in (root / "join.log").read_text() or detach, timeout=60,
+                       interval=0.2, what="SPACE_NODE_ID")  # fmt: skip
             assert not (node_dir / "enrolment.token").exists(), "the spent token is not kept"
             sandbox = sp.sandboxes.create(limits={"cpus": 0.5, "memory_mb": 256})
             try:
