@@ -39,6 +39,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from space.controlplane.settings import ControlPlaneSettings
 from space.core import errors
 from space.node.agent.settings import NodeAgentSettings
+from space.sdk.errors import ConfigurationError
 
 _OPTIONS: Final = SettingsConfigDict(case_sensitive=True, frozen=True, extra="ignore")
 _DATABASE_PATTERN: Final = r"^(postgresql(\+psycopg)?|sqlite)://\S+$"
@@ -150,6 +151,11 @@ SECTIONS: Final[dict[str, tuple[type[BaseSettings], ...]]] = {
 Model = TypeVar("Model", bound=BaseSettings)
 
 
+class SettingError(ConfigurationError):
+    """A setting of a role is wrong (in the file, a variable or a flag: the message names which); the
+    CLI's configuration error (exit code 2)."""
+
+
 def env_name(model: type[BaseSettings], key: str) -> str:
     alias = model.model_fields[key].validation_alias
     return alias if isinstance(alias, str) else key
@@ -190,29 +196,25 @@ def parse_config(text: str, path: pathlib.Path) -> ConfigFile:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise errors.InvalidArgument(f"{path}: not valid TOML: {exc}", field="config") from exc
+        raise SettingError(f"{path}: not valid TOML: {exc}", field="config") from exc
     sections: dict[str, dict[str, Any]] = {}
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise errors.InvalidArgument(
+            raise SettingError(
                 f"{path}: {section} = ... is outside any section (put it under [controlplane], [node] or "
                 "[objects])",
                 field=section,
             )
         if section not in SECTIONS:
             known = ", ".join(sorted(SECTIONS))
-            raise errors.InvalidArgument(
-                f"{path}: unknown section [{section}] (known: {known})", field=section
-            )
+            raise SettingError(f"{path}: unknown section [{section}] (known: {known})", field=section)
         keys = section_keys(section)
         for key, value in values.items():
             where = f"{path}: [{section}] {key}"
             if key not in keys:
-                raise errors.InvalidArgument(f"{where}: unknown key (see docs/operations.md)", field=key)
+                raise SettingError(f"{where}: unknown key (see docs/operations.md)", field=key)
             if not _scalar_ok(keys[key], key, value):
-                raise errors.InvalidArgument(
-                    f"{where}: {type(value).__name__} is not a valid value here", field=key
-                )
+                raise SettingError(f"{where}: {type(value).__name__} is not a valid value here", field=key)
         sections[section] = dict(values)
     config = ConfigFile(path, sections)
     for section, values in sections.items():  # every value of the file as its model checks it
@@ -223,14 +225,14 @@ def parse_config(text: str, path: pathlib.Path) -> ConfigFile:
 
 
 def read_config(path: pathlib.Path | None) -> ConfigFile:
-    """The configuration file at `path` (None: no file), checked; InvalidArgument naming the file."""
+    """The configuration file at `path` (None: no file), checked; SettingError naming the file."""
     if path is None:
         return ConfigFile()
     try:
         info = path.stat()
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgument(f"{path}: cannot read the configuration file: {exc}") from exc
+        raise SettingError(f"{path}: cannot read the configuration file: {exc}") from exc
     config = parse_config(text, path)
     holds_secret = any(key in SECRET_KEYS for values in config.sections.values() for key in values)
     if holds_secret and stat.S_IMODE(info.st_mode) & 0o077:
@@ -273,14 +275,14 @@ def _build(
         problem = exc.errors(include_url=False)[0]
         if not problem["loc"]:  # a rule between fields (e.g. fence grace below node-lost time)
             where = f"{config.path}: [{section}]" if config.path else f"settings of [{section}]"
-            raise errors.InvalidArgument(f"{where}: {problem['msg'].removeprefix('Value error, ')}") from exc
+            raise SettingError(f"{where}: {problem['msg'].removeprefix('Value error, ')}") from exc
         name = str(problem["loc"][0])
         origin = given.get(name, f"environment variable {name}")
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "string_pattern_mismatch":  # the pattern itself helps no one
             key = next((k for k in model.model_fields if env_name(model, k) == name), name)
             message = f"{problem['input']!r} is not valid: {model.model_fields[key].description}"
-        raise errors.InvalidArgument(f"{origin}: {message}", field=name) from exc
+        raise SettingError(f"{origin}: {message}", field=name) from exc
 
 
 def settings(model: type[Model], config: ConfigFile, section: str, **flags: Any) -> Model:

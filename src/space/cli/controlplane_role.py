@@ -28,12 +28,12 @@ from space.cli.config_file import (
     ConfigFile,
     ObjectsOptions,
     RunOptions,
+    SettingError,
     export_to_environment,
     read_config,
     settings,
 )
 from space.controlplane.settings import ControlPlaneSettings
-from space.core import errors
 
 controlplane_app = typer.Typer(help="A control-plane replica of a fleet (ADR 0070).", no_args_is_help=True)
 token_app = typer.Typer(help="Tokens that enrol new nodes (ADR 0021).", no_args_is_help=True)
@@ -62,7 +62,7 @@ def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     number = int(port)
     if not 0 < number < 65536:
-        raise errors.InvalidArgument(f"listen address {listen!r}: port out of range", field="listen")
+        raise SettingError(f"listen address {listen!r}: port out of range", field="listen")
     return host.strip("[]"), number
 
 
@@ -72,7 +72,7 @@ def _node_token_file(options: RunOptions, data_dir: pathlib.Path) -> pathlib.Pat
     if options.node_token_file is not None:
         path = pathlib.Path(options.node_token_file)
         if not path.is_file():
-            raise errors.InvalidArgument(f"node token file {path} does not exist", field="node_token_file")
+            raise SettingError(f"node token file {path} does not exist", field="node_token_file")
         return path
     path = data_dir / "node.token"
     if not path.exists():
@@ -85,10 +85,10 @@ def _node_token_file(options: RunOptions, data_dir: pathlib.Path) -> pathlib.Pat
 def server_argv(config: ConfigFile, options: RunOptions, tunables: ControlPlaneSettings) -> list[str]:
     """The arguments of space.controlplane.server for these options (data directory made, 0700)."""
     if (options.tls_cert is None) != (options.tls_key is None):
-        raise errors.InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
+        raise SettingError("TLS needs both a certificate and its key (--tls-cert and --tls-key)")
     for path in (options.tls_cert, options.tls_key):
         if path is not None and not pathlib.Path(path).is_file():
-            raise errors.InvalidArgument(f"TLS file {path} does not exist", field="tls")
+            raise SettingError(f"TLS file {path} does not exist", field="tls")
     host, port = split_listen(options.listen)
     data_dir = pathlib.Path(options.data_dir)
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ from space.cli.config_file import (
     ConfigFile,
     JoinOptions,
     ObjectsOptions,
+    SettingError,
     env_name,
     export_to_environment,
     read_config,
@@ -368,7 +369,7 @@ def join(
     with _failing_as_cli():
         token = token or _read_token(token_file) or os.environ.get("SPACE_NODE_TOKEN") or None
         if token is not None and not token.isprintable():
-            raise errors.InvalidArgument("--token is not a token (unprintable characters)")
+            raise SettingError("--token is not a token (unprintable characters)")
         loaded = read_config(config)
         options = settings(
             JoinOptions, loaded, "node", control_plane=control_plane, data_dir=data_dir, ca_file=ca_file,
@@ -389,13 +390,13 @@ def join(
                 f"this machine lacks what a node needs: {listed}; --install installs them"
             )
         if ca_file is not None and not pathlib.Path(ca_file).is_file():
-            raise errors.InvalidArgument(f"--ca-file {ca_file} does not exist")
+            raise SettingError(f"--ca-file {ca_file} does not exist")
         _export(loaded)
         joined = JoinedNode(options, tunables.store_url)
         if joined.enrolled():
             token = None  # a node that holds an identity re-registers with it
         elif token is None:
-            raise errors.InvalidArgument("this node has not enrolled yet: give --token")
+            raise SettingError("this node has not enrolled yet: give --token")
         probe_control_plane(joined.control_plane, token, ca_file=options.ca_file)
     filemodes.set_owner_only_umask()
     if not detach:
@@ -409,7 +410,7 @@ def _read_token(path: pathlib.Path | None) -> str | None:
     try:
         return path.read_text(errors="strict")[:4096].strip() or None
     except (OSError, UnicodeDecodeError) as exc:
-        raise errors.InvalidArgument(f"--token-file {path}: cannot read it: {exc}") from exc
+        raise SettingError(f"--token-file {path}: cannot read it: {exc}") from exc
 
 
 def _export(loaded: ConfigFile) -> None:
