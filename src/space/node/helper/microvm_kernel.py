@@ -43,7 +43,7 @@ BUSYBOX = Path("/bin/busybox")
 #: The name of the channel's virtio serial port (virtserialport name=...); the init script finds its device.
 CHANNEL_PORT_NAME = "space.0"
 #: Bumped when the initramfs recipe changes: a new cache entry.
-INITRAMFS_VERSION = "3"
+INITRAMFS_VERSION = "4"
 
 _DEPENDS = re.compile(r"Depends:\s+(linux-image-[0-9][A-Za-z0-9.+-]*-amd64)\b")
 _RELEASE = re.compile(r"^linux-image-([0-9][A-Za-z0-9.+-]*-amd64)$")
@@ -255,7 +255,7 @@ mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /newroot/dev/shm
 hostname sandbox
 set -a
-. /space.env
+. /space-env
 set +a
 export SPACED_CHANNEL=/dev/$port
 exec switch_root /newroot {daemon}
@@ -276,7 +276,7 @@ def _write_cpio(root: Path, out: Path) -> None:
 
 
 def template_initramfs(kernel: GuestKernel, environment: Mapping[str, str], out: Path) -> None:
-    """The node-wide initramfs plus a second archive holding `/space.env` (the template's daemon
+    """The node-wide initramfs plus a second archive holding `/space-env` (the template's daemon
     environment, shell-quoted): the kernel unpacks concatenated archives in order."""
     for key in environment:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
@@ -284,8 +284,8 @@ def template_initramfs(kernel: GuestKernel, environment: Mapping[str, str], out:
     lines = "".join(f"{key}={shlex.quote(value)}\n" for key, value in sorted(environment.items()))
     work = Path(tempfile.mkdtemp(prefix=".env-", dir=out.parent))
     try:
-        (work / "space.env").write_text(lines)
-        (work / "space.env").chmod(0o644)
+        (work / "space-env").write_text(lines)
+        (work / "space-env").chmod(0o644)
         _write_cpio(work, work / "env.cpio")
         tmp = out.with_name(out.name + ".tmp")
         with tmp.open("wb") as sink:
