@@ -144,6 +144,23 @@ def _supervise(
     return 0
 
 
+def _apply_config(path: pathlib.Path | None) -> None:
+    """The file's [controlplane] and [node] tunables, checked, as this process's variables where unset:
+    the processes `space up` starts read them (LocalCluster passes the settings variables on). The roles'
+    own options of those sections (listen, database, ...) are `space controlplane run`'s and
+    `space node join`'s; `space up` has its flags."""
+    if path is None:
+        return
+    from space.cli.config_file import export_to_environment, read_config, settings
+    from space.controlplane.settings import ControlPlaneSettings
+    from space.node.agent.settings import NodeAgentSettings
+
+    loaded = read_config(path)
+    for section, model in (("controlplane", ControlPlaneSettings), ("node", NodeAgentSettings)):
+        settings(model, loaded, section)
+        export_to_environment(loaded, section, model)
+
+
 def up(
     data_dir: Annotated[
         pathlib.Path, typer.Option("--data-dir", help="where SPACE keeps its state")
@@ -170,14 +187,24 @@ def up(
     supervisor: Annotated[
         bool, typer.Option("--supervisor", hidden=True, help="the detached supervisor: output is a log")
     ] = False,
+    config: Annotated[
+        pathlib.Path | None,
+        typer.Option(
+            "--config",
+            metavar="FILE",
+            help="TOML file whose [controlplane] and [node] tunables apply (docs/operations.md; the "
+            "environment wins over it)",
+        ),
+    ] = None,
 ) -> None:
     """Start the control plane, the node agent and the root helper on this machine."""
     from space.node.agent.pools import parse_pool_sizes
 
     try:
         parse_pool_sizes(pools)
+        _apply_config(config)
     except errors.InvalidArgument as exc:
-        stderr.print(f"error: --pools: {exc.message}")
+        stderr.print(f"error: {'' if config else '--pools: '}{exc.message}")
         raise typer.Exit(2) from exc
     filemodes.set_owner_only_umask()
     e2b_api_port = port + E2B_API_PORT_OFFSET if e2b_api_port is None else e2b_api_port

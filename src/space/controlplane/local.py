@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
@@ -45,6 +46,7 @@ from space.core.log_records import LOG_FORMAT_ENV
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.rpc_listen import MAX_SOCKET_PATH, default_rpc_socket
+from space.node.agent.settings import NodeAgentSettings
 from space.node.local import LocalNode, ensure_local_store
 
 AGENT_USER = "space"
@@ -76,6 +78,19 @@ def free_port() -> int:
                 continue
             return port
     raise errors.ResourceExhausted("no free loopback port below the ephemeral range")
+
+
+def settings_environment() -> dict[str, str]:
+    """The settings variables of this process that the control plane and the agent read (each field of
+    ControlPlaneSettings and NodeAgentSettings names its own): passed on to the processes started here,
+    so that every setting can be given by environment to `space up` as to each role (ADR 0070)."""
+    names = {
+        field.validation_alias
+        for model in (ControlPlaneSettings, NodeAgentSettings)
+        for field in model.model_fields.values()
+        if isinstance(field.validation_alias, str)
+    }
+    return {name: os.environ[name] for name in sorted(names) if name in os.environ}
 
 
 def _secret_file(path: pathlib.Path, make: Callable[[], str], owner_uid: int = 0) -> str:
@@ -135,7 +150,8 @@ class LocalCluster:
         self, name: str, argv: list[str], *, user: tuple[int, int] | None = None
     ) -> subprocess.Popen[bytes]:
         log = filemodes.open_private_log(self.data_dir / f"{name}.log")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1",
+               **settings_environment()}  # fmt: skip
         src = pathlib.Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = str(src)
         if LOG_FORMAT_ENV in os.environ:  # `SPACE_LOG_FORMAT=json space up`: JSON log lines (ADR 0071)
