@@ -374,6 +374,9 @@ def sys_sync(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, An
     return {}
 
 
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07), linux/random.h
+
+
 def sys_reseed(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, Any]:
     entropy_hex = params.get("entropy", "")
     if not isinstance(entropy_hex, str):
@@ -388,6 +391,12 @@ def sys_reseed(daemon: Daemon, call: Call, params: dict[str, Any]) -> dict[str, 
             # a kernel or sandbox that refuses it still gets the daemon-level reseed below.
             with open("/dev/urandom", "wb") as pool:
                 pool.write(entropy)
+                # A real guest kernel (the qemu driver's microVMs, all restored from one checkpoint) keeps
+                # handing out its cloned pool's bytes until it next reseeds: make it reseed now
+                # (RNDRESEEDCRNG, root only; gVisor does not know it and has its own per-sandbox state).
+                import fcntl
+
+                fcntl.ioctl(pool, RNDRESEEDCRNG)
         except OSError:
             pass
     random.seed(entropy + os.urandom(32))
