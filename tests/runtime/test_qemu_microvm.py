@@ -147,6 +147,8 @@ def test_qemu_driver_through_the_helper_verbs(node, microvms: MicroVMs) -> None:
             channel = await driver.create_warm(SandboxSpec(sandbox_id, TEMPLATE, env={"OWN": "mine"}))
             assert channel is not None
             session = GuestSession(channel)
+            await session.reseed()  # as NodeAgent does after every warm start
+            await session.configure({"OWN": "mine"})
             assert (await session.exec("echo $OWN")).stdout == b"mine\n"
             assert (await driver.state(sandbox_id)).runtime == "running"
             await driver.pause(sandbox_id)

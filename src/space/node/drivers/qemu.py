@@ -30,7 +30,7 @@ RESTORE_TIMEOUT_S = 60.0
 class QemuDriver(Driver):
     name = "qemu"
     isolating = True
-    warm_supported = False  # every create is a restore already; pools of running VMs are future work
+    warm_supported = True  # every create is a restore of the template's checkpoint (no pools yet)
 
     def __init__(
         self, layout: NodeLayout, helper: HelperClient, *, memory_mb: int = 512, vcpus: int = 1
@@ -63,16 +63,16 @@ class QemuDriver(Driver):
         raise NotImplementedError("the qemu driver creates running sandboxes only: use create_warm")
 
     async def create_warm(self, spec: SandboxSpec) -> GuestChannel | None:
+        """Restore the template's checkpoint as `spec.sandbox_id`. Like every warm start, the caller then
+        gives the daemon its own randomness and environment (NodeAgent._personalise): the guest kernel's
+        entropy pool and the daemon's environment came with the template's checkpoint."""
         result = await self.helper.call(
             "microvm.create", {"sandbox_id": spec.sandbox_id, "template": spec.template}, timeout=120.0
         )
-        channel = await self._channel(spec.sandbox_id, str(result["socket"]))
-        if spec.env:
-            # The daemon's environment came with the template's checkpoint: the sandbox's own is given now.
-            from space.node.agent.guest import GuestSession
+        return await self._channel(spec.sandbox_id, str(result["socket"]))
 
-            await GuestSession(channel).configure(env=dict(spec.env))
-        return channel
+    async def warm_ready(self, template: str) -> bool:
+        return bool((await self.helper.call("microvm.template_status", {"name": template}))["ready"])
 
     async def start(self, sandbox_id: str) -> GuestChannel:
         raise NotImplementedError("the qemu driver cannot boot a stopped sandbox yet (ADR 0068)")
