@@ -50,3 +50,16 @@ def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() ->
     for name, verb in microvm.items():
         if "sandbox_id" in verb.params.model_fields:
             assert verb.sandbox_scoped or name == "microvm.state", name
+
+
+def test_a_node_configured_with_the_qemu_driver_runs_microvms(tmp_path: Any) -> None:
+    from space.node.agent.settings import NodeAgentSettings
+    from space.node.drivers.qemu import QemuDriver
+    from space.node.drivers.runsc import RunscDriver
+    from space.node.local import connect_agent
+
+    assert isinstance(connect_agent(tmp_path).driver, RunscDriver)  # the default stays gVisor
+    agent = connect_agent(tmp_path, settings=NodeAgentSettings(driver="qemu"))
+    assert isinstance(agent.driver, QemuDriver) and agent.driver.warm_supported
+    with pytest.raises(ValueError, match="driver"):
+        NodeAgentSettings(driver="firecracker")  # type: ignore[arg-type]

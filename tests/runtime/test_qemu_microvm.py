@@ -170,3 +170,33 @@ def test_qemu_driver_through_the_helper_verbs(node, microvms: MicroVMs) -> None:
             await driver.close()
 
     node.run(scenario())
+
+
+def test_node_agent_runs_microvm_sandboxes_with_the_qemu_driver(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
+    """A node configured with the qemu driver: the unchanged NodeAgent creates (a warm start: restore,
+    reseed, env), runs, pauses, resumes, checkpoints and deletes microVM sandboxes."""
+    from space.node.agent.agent import NodeAgent
+    from space.node.agent.helper_client import HelperClient
+    from space.node.drivers.qemu import QemuDriver
+
+    layout = node.node.layout
+
+    async def scenario() -> None:
+        agent = NodeAgent(QemuDriver(layout, HelperClient(str(layout.helper_socket))))
+        try:
+            handle = await agent.create("python", env={"WHO": "agent"})
+            microvms.made.append(handle.sandbox_id)  # type: ignore[attr-defined]
+            assert handle.created_from == "warm"
+            result = await handle.session.exec("echo $WHO; uname -r")
+            assert result.stdout.decode().startswith("agent\n") and result.stdout.decode().strip().endswith(
+                "-amd64"
+            )
+            await agent.pause(handle.sandbox_id)
+            await agent.resume(handle.sandbox_id)
+            assert (await handle.session.exec(["true"])).exit_code == 0
+            await agent.delete(handle.sandbox_id)
+            assert not microvms.sandbox_dir(handle.sandbox_id).exists()
+        finally:
+            await agent.close()
+
+    node.run(scenario())

@@ -33,6 +33,7 @@ from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
 from space.node.agent.settings import NodeAgentSettings
 from space.node.drivers.base import Progress
+from space.node.drivers.qemu import QemuDriver
 from space.node.drivers.runsc import RunscDriver
 from space.node.layout import NodeLayout
 from space.objectstore.backends import open_store
@@ -63,7 +64,8 @@ def connect_agent(
         pool_size=settings.helper_pool_size,
         default_timeout=settings.helper_call_timeout_s,
     )
-    return NodeAgent(RunscDriver(layout, helper), store=open_store(store_url) if store_url else None)
+    driver = QemuDriver(layout, helper) if settings.driver == "qemu" else RunscDriver(layout, helper)
+    return NodeAgent(driver, store=open_store(store_url) if store_url else None)
 
 
 def ensure_local_store(store_url: str | None, owner_uid: int) -> None:

@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -56,6 +58,11 @@ class NodeAgentSettings(BaseSettings):
         gt=0,
         description="How long a local node waits for its helper to open its socket.",
     )
+    driver: Literal["runsc", "qemu"] = Field(
+        validation_alias=_node("driver"), default="runsc",
+        description="The isolation driver of this node's sandboxes: runsc (gVisor) or qemu (QEMU microVMs on "
+        "a real guest kernel, KVM where the host has it, else TCG; ADR 0068).",
+    )  # fmt: skip
     pools: str = Field(
         validation_alias=_node("pools"), default="",
         description="Default of --pools: warm pool sizes per template, TEMPLATE=N[,TEMPLATE=N...] "
