@@ -44,8 +44,14 @@ def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any
 
 def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() -> None:
     microvm = {name: verb for name, verb in VERBS.items() if name.startswith("microvm.")}
-    assert len(microvm) == 11
-    for name in ("microvm.create", "microvm.restore", "microvm.resume", "microvm.template_boot"):
+    assert len(microvm) == 13
+    for name in (
+        "microvm.create",
+        "microvm.restore",
+        "microvm.resume",
+        "microvm.start",
+        "microvm.template_boot",
+    ):
         assert microvm[name].handler.__name__ == "run", name  # wrapped by fence_verbs.guarded
     for name, verb in microvm.items():
         if "sandbox_id" in verb.params.model_fields:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from space.core import errors
+from space.core import errors, ids
 from space.node.agent.channel import GuestChannel
 from space.node.agent.guest import GuestSession
 from space.node.helper.microvm import CGROUP_NAME, CGROUP_V1, Machine, MicroVMs, sandbox_uid
@@ -20,6 +20,7 @@ from space.node.volumes.templates import guest_environment
 pytestmark = pytest.mark.root
 
 TEMPLATE = "python"
+SB_A, SB_B, SB_C, SB_D = (ids.new_sandbox_id() for _ in range(4))
 BOOT_TIMEOUT_S = 300.0
 
 
@@ -51,10 +52,10 @@ def microvms(node) -> Iterator[MicroVMs]:  # type: ignore[no-untyped-def]
 
 
 def test_create_from_checkpoint_exec_files_pause_and_a_real_kernel(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
-    microvms.made.append("sb-qemu-a")  # type: ignore[attr-defined]
+    microvms.made.append(SB_A)  # type: ignore[attr-defined]
 
     async def scenario() -> None:
-        channel = await connect(microvms.create("sb-qemu-a", TEMPLATE), "a")
+        channel = await connect(microvms.create(SB_A, TEMPLATE), "a")
         session = GuestSession(channel)
         result = await session.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; echo; id -u")
         release, init, uid = result.stdout.decode().splitlines()
@@ -66,54 +67,52 @@ def test_create_from_checkpoint_exec_files_pause_and_a_real_kernel(node, microvm
         assert (await session.exec(["true"])).exit_code == 0
         await session.write_file("/root/note", b"kept")
         assert await session.read_file("/root/note") == b"kept"
-        microvms.pause("sb-qemu-a")
-        assert microvms.status("sb-qemu-a") == "paused"
-        microvms.resume("sb-qemu-a")
-        assert microvms.status("sb-qemu-a") == "running"
+        microvms.pause(SB_A)
+        assert microvms.status(SB_A) == "paused"
+        microvms.resume(SB_A)
+        assert microvms.status(SB_A) == "running"
         assert (await session.exec("cat /root/note")).stdout == b"kept"
         await channel.close()
 
     node.run(scenario())
     # The QEMU runs as the sandbox's own uid, in cgroups of its own, and not in the host's network namespace.
-    info = microvms._holder_info("sb-qemu-a")
+    info = microvms._holder_info(SB_A)
     assert info is not None
     pid = int(info["runtime_pid"])
     status = pathlib.Path(f"/proc/{pid}/status").read_text()
-    assert f"Uid:\t{sandbox_uid('sb-qemu-a')}\t" in status
-    assert os.readlink(f"/proc/{pid}/root") == str(microvms.sandbox_dir("sb-qemu-a"))
+    assert f"Uid:\t{sandbox_uid(SB_A)}\t" in status
+    assert os.readlink(f"/proc/{pid}/root") == str(microvms.sandbox_dir(SB_A))
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
     if (CGROUP_V1 / "memory").is_dir():
-        procs = (CGROUP_V1 / "memory" / CGROUP_NAME / "sb-qemu-a" / "cgroup.procs").read_text().split()
+        procs = (CGROUP_V1 / "memory" / CGROUP_NAME / SB_A / "cgroup.procs").read_text().split()
         assert str(pid) in procs
-    microvms.destroy("sb-qemu-a")
-    assert microvms.status("sb-qemu-a") == "absent"
-    assert not microvms.sandbox_dir("sb-qemu-a").exists()
-    microvms.destroy("sb-qemu-a")  # converges
+    microvms.destroy(SB_A)
+    assert microvms.status(SB_A) == "absent"
+    assert not microvms.sandbox_dir(SB_A).exists()
+    microvms.destroy(SB_A)  # converges
 
 
 def test_checkpoint_rollback_and_fork(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
-    microvms.made.extend(["sb-qemu-b", "sb-qemu-c"])  # type: ignore[attr-defined]
+    microvms.made.extend([SB_B, SB_C])  # type: ignore[attr-defined]
 
     async def scenario() -> None:
-        channel = await connect(microvms.create("sb-qemu-b", TEMPLATE), "b")
+        channel = await connect(microvms.create(SB_B, TEMPLATE), "b")
         session = GuestSession(channel)
         await session.exec("echo before > /root/state; echo 1 > /dev/shm/memory-only")
-        info = microvms.checkpoint("sb-qemu-b", "cp-1")
+        info = microvms.checkpoint(SB_B, "cp-1")
         assert info["image_bytes"] > 0
         await session.exec("echo after > /root/state; rm /dev/shm/memory-only")
         await channel.close()
 
         # rollback: both the disk and the memory (a tmpfs file) are back as at the checkpoint
-        channel = await connect(microvms.restore("sb-qemu-b", "cp-1"), "b")
+        channel = await connect(microvms.restore(SB_B, "cp-1"), "b")
         session = GuestSession(channel)
         result = await session.exec("cat /root/state /dev/shm/memory-only")
         assert result.stdout == b"before\n1\n"
         await session.exec("echo parent > /root/state")
 
         # fork: another sandbox from the same memory image, on its own reflinked disk
-        child_channel = await connect(
-            microvms.restore("sb-qemu-c", "cp-1", source_sandbox_id="sb-qemu-b"), "c"
-        )
+        child_channel = await connect(microvms.restore(SB_C, "cp-1", source_sandbox_id=SB_B), "c")
         child = GuestSession(child_channel)
         assert (await child.exec("cat /root/state")).stdout == b"before\n"
         await child.exec("echo child > /root/state")
@@ -123,14 +122,13 @@ def test_checkpoint_rollback_and_fork(node, microvms: MicroVMs) -> None:  # type
 
     node.run(scenario())
     with pytest.raises(errors.NotFound):
-        microvms.restore("sb-qemu-b", "cp-missing")
+        microvms.restore(SB_B, "cp-missing")
     with pytest.raises(errors.NotFound):
-        microvms.create("sb-qemu-d", "no-such-template")
+        microvms.create(SB_D, "no-such-template")
 
 
 def test_qemu_driver_through_the_helper_verbs(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
     """The agent-side driver: every step is a `microvm.*` verb of the node's real root helper."""
-    from space.core import ids
     from space.node.agent.helper_client import HelperClient
     from space.node.drivers.base import SandboxSpec
     from space.node.drivers.qemu import QemuDriver
@@ -193,7 +191,20 @@ def test_node_agent_runs_microvm_sandboxes_with_the_qemu_driver(node, microvms: 
             )
             await agent.pause(handle.sandbox_id)
             await agent.resume(handle.sandbox_id)
-            assert (await handle.session.exec(["true"])).exit_code == 0
+            assert (await handle.session.exec("echo kept > /root/file")).exit_code == 0
+            # a restarted agent adopts the running microVM (driver.list + connect)
+            adopter = NodeAgent(QemuDriver(layout, HelperClient(str(layout.helper_socket))))
+            try:
+                assert handle.sandbox_id in await adopter.recover()
+                adopted = adopter.sandboxes[handle.sandbox_id]
+                assert (await adopted.session.exec("cat /root/file")).stdout == b"kept\n"
+            finally:
+                await adopter.close()
+            # stop ends the VM and keeps its disk; start boots it cold from that disk
+            await agent.stop(handle.sandbox_id)
+            assert (await agent.driver.state(handle.sandbox_id)).runtime == "stopped"
+            await agent.start(handle.sandbox_id)
+            assert (await handle.session.exec("cat /root/file")).stdout == b"kept\n"
             await agent.delete(handle.sandbox_id)
             assert not microvms.sandbox_dir(handle.sandbox_id).exists()
         finally:

@@ -9,13 +9,16 @@ Invariants:
   made once per node by `ensure_template` (one cold boot, HELLO, then the checkpoint).
 - The channel survives checkpoints and pauses: it is the holder's socket in front of QEMU's stdio chardev.
 - What this driver does not do yet raises NotImplementedError naming the operation (ADR 0068 lists them);
+  a stopped sandbox boots cold from its own disk (`start`); `list` reports every microVM disk on the node;
   it never pretends: a disk-only snapshot or a suspend to object storage is refused, not half done.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+from space.core import errors
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
@@ -25,6 +28,8 @@ from space.node.layout import NodeLayout
 #: A cold boot under TCG on a busy 2-core machine took up to ~25 s; restores answer in well under 1 s.
 COLD_BOOT_TIMEOUT_S = 300.0
 RESTORE_TIMEOUT_S = 60.0
+#: How long a stop waits for the guest to flush its files before the VM is ended anyway.
+SYNC_TIMEOUT_S = 10.0
 
 
 class QemuDriver(Driver):
@@ -75,7 +80,9 @@ class QemuDriver(Driver):
         return bool((await self.helper.call("microvm.template_status", {"name": template}))["ready"])
 
     async def start(self, sandbox_id: str) -> GuestChannel:
-        raise NotImplementedError("the qemu driver cannot boot a stopped sandbox yet (ADR 0068)")
+        """Boot a stopped sandbox from its own disk: a cold boot (the only one besides a template's)."""
+        result = await self.helper.call("microvm.start", {"sandbox_id": sandbox_id}, timeout=120.0)
+        return await self._channel(sandbox_id, str(result["socket"]), COLD_BOOT_TIMEOUT_S)
 
     async def connect(self, sandbox_id: str) -> GuestChannel:
         return await self._channel(sandbox_id, str(self.layout.channel_socket(sandbox_id)))
@@ -130,23 +137,41 @@ class QemuDriver(Driver):
         return []
 
     async def stop(self, sandbox_id: str) -> None:
+        """End the VM, keeping its disk. Its files may still sit in the guest's page cache (a real kernel,
+        unlike gVisor's gofer, writes back later): flush them first when the guest still answers."""
+        with contextlib.suppress(errors.SpaceError, OSError, TimeoutError):
+            channel = await GuestChannel.connect_unix(
+                str(self.layout.channel_socket(sandbox_id)), timeout=SYNC_TIMEOUT_S, name=sandbox_id
+            )
+            try:
+                from space.node.agent.guest import GuestSession
+
+                await GuestSession(channel).exec(["sync"], timeout=SYNC_TIMEOUT_S)
+            finally:
+                await channel.close()
         await self.helper.call("microvm.stop", {"sandbox_id": sandbox_id})
 
     async def destroy(self, sandbox_id: str) -> None:
         await self.helper.call("microvm.destroy", {"sandbox_id": sandbox_id})
 
     async def state(self, sandbox_id: str) -> RuntimeState:
-        raw = await self.helper.call("microvm.state", {"sandbox_id": sandbox_id})
-        return RuntimeState(
-            sandbox_id=sandbox_id, exists=bool(raw["exists"]), runtime=str(raw["runtime"]),
-            channel_open=bool(raw["holder"]),
-        )  # fmt: skip
+        return _runtime_state(await self.helper.call("microvm.state", {"sandbox_id": sandbox_id}))
 
     async def list(self) -> list[RuntimeState]:
-        return []  # adopting running microVMs after an agent restart is future work (ADR 0068)
+        """Every microVM sandbox on this node (a restarted agent adopts the running ones)."""
+        return [_runtime_state(raw) for raw in (await self.helper.call("microvm.list"))["sandboxes"]]
 
     async def usage(self, sandbox_id: str) -> dict[str, Any]:
         return {}
 
     async def close(self) -> None:
         await self.helper.close()
+
+
+def _runtime_state(raw: dict[str, Any]) -> RuntimeState:
+    template = raw.get("template")
+    return RuntimeState(
+        sandbox_id=str(raw["sandbox_id"]), exists=bool(raw["exists"]), runtime=str(raw["runtime"]),
+        channel_open=bool(raw["holder"]),
+        spec=SandboxSpec(str(raw["sandbox_id"]), str(template)) if template else None,
+    )  # fmt: skip

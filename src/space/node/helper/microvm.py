@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from space.core import errors
+from space.core.ids import SANDBOX_ID_PATTERN
 from space.node.helper.microvm_kernel import ensure_guest_kernel, template_initramfs
 from space.node.helper.microvm_qemu import MachineSpec, Qmp, detect_accel, qemu_argv
 from space.node.helper.runtime import Runtimes, log_tail
@@ -42,6 +44,7 @@ from space.node.layout import NodeLayout
 from space.node.volumes.template_files import run
 
 SANDBOX_UID_BASE = 0x6000_0000
+SANDBOX_ID = re.compile(SANDBOX_ID_PATTERN)
 SOCKET_WAIT_S = 10.0
 EXIT_WAIT_S = 10.0
 #: Host memory a QEMU may use beyond its guest's RAM (its own code, TCG's translation cache, buffers).
@@ -169,6 +172,24 @@ class MicroVMs:
             if not paused:
                 qmp.command("cont")
         return socket_path
+
+    def boot(self, sandbox_id: str) -> str:
+        """Cold-boot a stopped sandbox from its own disk (its processes were gone; its files are kept)."""
+        machine, meta = self.machine_of(sandbox_id)
+        if self._alive(sandbox_id):
+            return str(self.layout.channel_socket(sandbox_id))
+        initrd = self.template_dir(str(meta["template"])) / "initrd"
+        kernel = ensure_guest_kernel()
+        return self._launch(sandbox_id, self.sandbox_dir(sandbox_id), initrd, kernel.vmlinuz, machine, None)
+
+    def sandbox_ids(self) -> list[str]:
+        """The sandboxes that have a microVM disk on this node."""
+        root = self.root / "sandboxes"
+        if not root.is_dir():
+            return []
+        return sorted(
+            p.name for p in root.iterdir() if SANDBOX_ID.fullmatch(p.name) and (p / "meta.json").is_file()
+        )
 
     def pause(self, sandbox_id: str) -> None:
         with Qmp(self._qmp(sandbox_id)) as qmp:

@@ -16,7 +16,7 @@ from pydantic import Field
 from space.core import errors
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.microvm import Machine, MicroVMs
-from space.node.helper.params import Params, SandboxId, SandboxParams, SnapshotId, TemplateName
+from space.node.helper.params import NoParams, Params, SandboxId, SandboxParams, SnapshotId, TemplateName
 from space.node.volumes import btrfs, templates
 
 
@@ -99,6 +99,19 @@ def sandbox_restore(ctx: HelperContext, params: MicrovmRestoreParams, _progress:
     return {"socket": socket_path}
 
 
+def sandbox_start(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
+    return {"socket": _vms(ctx).boot(params.sandbox_id)}
+
+
+def sandbox_list(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:
+    vms = _vms(ctx)
+    return {
+        "sandboxes": [
+            sandbox_state(ctx, SandboxParams(sandbox_id=sid), progress) for sid in vms.sandbox_ids()
+        ]
+    }
+
+
 def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     _vms(ctx).stop(params.sandbox_id)
     return {}
@@ -113,9 +126,12 @@ def sandbox_state(ctx: HelperContext, params: SandboxParams, _progress: Progress
     vms = _vms(ctx)
     exists = (vms.sandbox_dir(params.sandbox_id) / "meta.json").is_file()
     status = vms.status(params.sandbox_id)
-    return {"sandbox_id": params.sandbox_id, "exists": exists,
-            "runtime": status if status != "absent" or not exists else "stopped",
-            "holder": status != "absent"}  # fmt: skip
+    state: dict[str, Any] = {"sandbox_id": params.sandbox_id, "exists": exists,
+                             "runtime": status if status != "absent" or not exists else "stopped",
+                             "holder": status != "absent"}  # fmt: skip
+    if exists:
+        state["template"] = str(vms.machine_of(params.sandbox_id)[1].get("template", ""))
+    return state
 
 
 def _require(ctx: HelperContext, sandbox_id: str, *allowed: str, event: str) -> None:

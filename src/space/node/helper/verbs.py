@@ -71,9 +71,11 @@ MICROVM_VERBS = (
          sandbox_scoped=True),
     Verb("microvm.restore", microvm_verbs.MicrovmRestoreParams, guarded(microvm_verbs.sandbox_restore),
          sandbox_scoped=True),
+    Verb("microvm.start", SandboxParams, guarded(microvm_verbs.sandbox_start), sandbox_scoped=True),
     Verb("microvm.stop", SandboxParams, microvm_verbs.sandbox_stop, sandbox_scoped=True),
     Verb("microvm.destroy", SandboxParams, microvm_verbs.sandbox_destroy, sandbox_scoped=True),
     Verb("microvm.state", SandboxParams, microvm_verbs.sandbox_state),
+    Verb("microvm.list", NoParams, microvm_verbs.sandbox_list),
 )  # fmt: skip
 
 VERBS: dict[str, Verb] = {
