@@ -187,6 +187,7 @@ def test_unreachable_control_plane_is_named() -> None:
         ),
         (["node", "join", "file:///etc/passwd", "--token", "t"], "--control-plane", 2),
         (["node", "join", "http://127.0.0.1:1", "--token", "t\x1b[2J"], "unprintable", 2),
+        (["node", "join", "--token", "t"], "give CONTROL_PLANE_URL", 2),
     ],
 )
 def test_hostile_options_are_refused(

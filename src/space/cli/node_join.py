@@ -333,7 +333,12 @@ def _failing_as_cli() -> Iterator[None]:
 
 
 def join(
-    control_plane: Annotated[str, typer.Argument(metavar="CONTROL_PLANE_URL", help="https://HOST:PORT")],
+    control_plane: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="[CONTROL_PLANE_URL]", help="https://HOST:PORT (default: [node] control_plane)"
+        ),
+    ] = None,
     *,
     token: Annotated[
         str | None,
@@ -392,6 +397,8 @@ def join(
         if ca_file is not None and not pathlib.Path(ca_file).is_file():
             raise SettingError(f"--ca-file {ca_file} does not exist")
         _export(loaded)
+        if options.control_plane is None:
+            raise SettingError("give CONTROL_PLANE_URL (or control_plane in the file's [node] section)")
         joined = JoinedNode(options, tunables.store_url)
         if joined.enrolled():
             token = None  # a node that holds an identity re-registers with it
