@@ -49,6 +49,7 @@ def test_file_environment_and_flags_layer_in_that_order(
 
 def test_no_file_means_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3.test:9000")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)  # a session's S3 server fixture sets one
     objects = cf.settings(cf.ObjectsOptions, cf.read_config(None), "objects")
     assert objects.endpoint == "http://s3.test:9000"
     assert objects.secret_access_key is None
