@@ -83,7 +83,15 @@ def test_accelerator_is_kvm_only_with_a_hardware_kvm_module(tmp_path: pathlib.Pa
 def test_qemu_runs_jailed_and_takes_no_path_after_start(tmp_path: pathlib.Path) -> None:
     spec = MachineSpec(tmp_path / "k", tmp_path / "i", tmp_path / "d", tmp_path / "q", tmp_path / "j", 70001)
     argv = qemu_argv(spec)
-    assert argv[:6] == ["unshare", "--mount", "--net", "--propagation", "private", "--"]
+    assert argv[:7] == [
+        "unshare",
+        "--mount",
+        "--net",
+        "--propagation",
+        "private",
+        f"--wd={tmp_path / 'j'}",
+        "--",
+    ]
     assert argv[argv.index("-sandbox") + 1].startswith("on,obsolete=deny,spawn=deny")
     assert argv[argv.index("-runas") + 1] == "70001:70001"
     assert argv[argv.index("-chroot") + 1] == str(tmp_path / "j")

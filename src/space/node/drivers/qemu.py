@@ -60,7 +60,10 @@ class QemuDriver(Driver):
         if not status["ready"]:
             booted = await self.helper.call("microvm.template_boot", args, progress=progress, timeout=600.0)
             channel = await self._channel(f"template {name}", str(booted["socket"]), COLD_BOOT_TIMEOUT_S)
-            await channel.close()
+            try:
+                await _warm_up(channel)
+            finally:
+                await channel.close()
             await self.helper.call("microvm.template_adopt", args, timeout=600.0)
         return {**result, "microvm": {"accel": status["accel"], **self.machine}}
 
@@ -175,3 +178,15 @@ def _runtime_state(raw: dict[str, Any]) -> RuntimeState:
         channel_open=bool(raw["holder"]),
         spec=SandboxSpec(str(raw["sandbox_id"]), str(template)) if template else None,
     )  # fmt: skip
+
+
+async def _warm_up(channel: GuestChannel) -> None:
+    """Have the template's daemon load the code of its common calls before the checkpoint: every sandbox
+    restored from it then starts with that code in memory. Without it the first exec of each sandbox
+    imported (and, under TCG, compiled) the daemon's process modules: ~400 ms instead of ~140 ms."""
+    from space.node.agent.guest import GuestSession
+
+    session = GuestSession(channel)
+    for _ in range(2):
+        await session.exec(["true"])
+    await session.read_file("/etc/hostname")

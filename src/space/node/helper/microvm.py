@@ -286,8 +286,9 @@ class MicroVMs:
             with contextlib.suppress(FileNotFoundError):
                 (run_dir / stale).unlink()
         # QEMU's root is the directory of its disk, named relatively: the same name opens it before the
-        # chroot and again after it (a migration's end re-opens the image by name). Its uid may write the
-        # disk and nothing else there.
+        # chroot and again after it (a migration's end re-opens the image by name), so QEMU starts there
+        # (`unshare --wd`; the holder stays outside, so it never pins the node's filesystem). Its uid may
+        # write the disk and nothing else there.
         jail.chmod(0o755)
         os.chown(jail / "disk.img", sandbox_uid(sandbox_id), sandbox_uid(sandbox_id))
         spec = MachineSpec(
@@ -300,7 +301,7 @@ class MicroVMs:
         argv = [*Runtimes.holder_argv()[:-1], str(socket_path), str(self.owner_uid), str(log_path), "--"]
         holder = subprocess.Popen(
             [*argv, *qemu_argv(spec)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd=jail,
+            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
         )  # fmt: skip
         threading.Thread(target=holder.wait, name="reap-microvm-holder", daemon=True).start()
         deadline = time.monotonic() + SOCKET_WAIT_S
@@ -339,8 +340,19 @@ class MicroVMs:
             with contextlib.suppress(ProcessLookupError, KeyError, ValueError):
                 os.kill(int(info["runtime_pid"]), signal.SIGKILL)
             deadline = time.monotonic() + EXIT_WAIT_S
-            while not (self.layout.run_dir(sandbox_id) / "exit.json").exists():
+            while not (self.layout.run_dir(sandbox_id) / "exit.json").exists() or _running(
+                info, "holder_pid"
+            ):
                 if time.monotonic() > deadline:
                     raise errors.RuntimeFailure(f"QEMU of {sandbox_id} did not end")
                 time.sleep(0.005)
         self._release_cgroups(sandbox_id)
+
+
+def _running(info: dict[str, Any], key: str) -> bool:
+    """Whether the process holder.json names under `key` still exists (not yet reaped counts as gone)."""
+    try:
+        stat = pathlib.Path(f"/proc/{int(info[key])}/stat").read_text()
+    except (OSError, KeyError, ValueError):
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"

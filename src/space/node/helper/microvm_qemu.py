@@ -6,9 +6,10 @@ Invariants:
   of some cloud machines, where a stock guest kernel hangs in its real-mode setup) means `tcg`.
 - Every QEMU runs jailed (docs/adr/0068-qemu-microvm-driver.md): in a fresh mount and network namespace
   (`unshare`; the VM has no network device, so nothing reaches any network), chrooted into its disk's
-  root-owned directory (which holds the disk and its metadata only) and running as the sandbox's own unprivileged uid once its files are open
-  (`-chroot`, `-runas`), under QEMU's seccomp filter with spawning, privilege changes and resource
-  control denied (`-sandbox on,...`), in cgroups that bound its memory and tasks.
+  root-owned directory (which holds the disk and its metadata only) and running as the sandbox's own
+  unprivileged uid once its files are open (`-chroot`, `-runas`), under QEMU's seccomp filter with
+  spawning, obsolete calls and resource control denied (`-sandbox on,...`; not `elevateprivileges`, which
+  would forbid `-runas` its own uid change), in cgroups that bound its memory and tasks.
 - QEMU never opens a path after start-up: checkpoint and restore images are passed as file descriptors
   over QMP (`getfd` + `fd:` migration URIs), which also keeps `spawn=deny` possible (no `exec:` URIs).
 - The channel is QEMU's stdio chardev behind a virtio serial port; the holder (space.node.helper.holder)
@@ -86,7 +87,7 @@ def qemu_argv(spec: MachineSpec) -> list[str]:
     if spec.accel not in {"kvm", "tcg"}:
         raise errors.InvalidArgument(f"unknown accelerator {spec.accel!r}", field="accel")
     argv = [
-        "unshare", "--mount", "--net", "--propagation", "private", "--",
+        "unshare", "--mount", "--net", "--propagation", "private", f"--wd={spec.jail}", "--",
         QEMU,
         "-M", "microvm,rtc=on", "-accel", spec.accel, "-cpu", "max" if spec.accel == "tcg" else "host",
         "-m", str(spec.memory_mb), "-smp", str(spec.vcpus),
