@@ -205,6 +205,22 @@ def test_node_agent_runs_microvm_sandboxes_with_the_qemu_driver(node, microvms: 
             assert (await agent.driver.state(handle.sandbox_id)).runtime == "stopped"
             await agent.start(handle.sandbox_id)
             assert (await handle.session.exec("cat /root/file")).stdout == b"kept\n"
+            # the agent's checkpoint, rollback and fork (one memory image, reflinked disks)
+            record = await agent.checkpoint(handle.sandbox_id)
+            await handle.session.exec("echo changed > /root/file")
+            await agent.rollback(handle.sandbox_id, record.snapshot_id)
+            assert (await handle.session.exec("cat /root/file")).stdout == b"kept\n"
+            children = await agent.fork(handle.sandbox_id, snapshot_id=record.snapshot_id, count=2)
+            for child in children:
+                microvms.made.append(child.sandbox_id)  # type: ignore[attr-defined]
+            drawn = [
+                (await child.session.exec("head -c 16 /dev/urandom | od -An -tx1")).stdout
+                for child in children
+            ]
+            assert drawn[0] != drawn[1]  # the agent reseeded each child (RNDRESEEDCRNG in the guest)
+            assert (await children[0].session.exec("cat /root/file")).stdout == b"kept\n"
+            for child in children:
+                await agent.delete(child.sandbox_id)
             await agent.delete(handle.sandbox_id)
             assert not microvms.sandbox_dir(handle.sandbox_id).exists()
         finally:
