@@ -69,3 +69,24 @@ def test_a_node_configured_with_the_qemu_driver_runs_microvms(tmp_path: Any) -> 
     assert isinstance(agent.driver, QemuDriver) and agent.driver.warm_supported
     with pytest.raises(ValueError, match="driver"):
         NodeAgentSettings(driver="firecracker")  # type: ignore[arg-type]
+
+
+def test_a_template_checkpoint_is_stale_once_the_template_or_the_machine_changes(tmp_path: Any) -> None:
+    import json
+    import pathlib
+
+    from space.node.helper.microvm import Machine, MicroVMs
+    from space.node.layout import NodeLayout
+
+    vms = MicroVMs(NodeLayout(pathlib.Path(tmp_path)), 0, accel="tcg")
+    vms.layout.templates.mkdir(parents=True)
+    (vms.layout.templates / "python.json").write_text('{"built": 1}')
+    vms.template_dir("python").mkdir(parents=True)
+    meta = {"memory_mb": 512, "vcpus": 1, "template_stamp": vms.template_stamp("python")}
+    (vms.template_dir("python") / "meta.json").write_text(json.dumps(meta))
+    assert vms.template_ready("python", Machine())
+    assert not vms.template_ready("python", Machine(memory_mb=1024))
+    (vms.layout.templates / "python.json").write_text('{"built": 2}')  # the template was rebuilt
+    assert not vms.template_ready("python")
+    assert not MicroVMs(vms.layout, 0, accel="kvm").template_ready("python")
+    assert not vms.template_ready("absent")

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -37,7 +38,7 @@ from typing import Any
 
 from space.core import errors
 from space.core.ids import SANDBOX_ID_PATTERN
-from space.node.helper.microvm_kernel import ensure_guest_kernel, template_initramfs
+from space.node.helper.microvm_kernel import INITRAMFS_VERSION, ensure_guest_kernel, template_initramfs
 from space.node.helper.microvm_qemu import MachineSpec, Qmp, detect_accel, qemu_argv
 from space.node.helper.runtime import Runtimes, log_tail
 from space.node.layout import NodeLayout
@@ -87,8 +88,32 @@ class MicroVMs:
     def checkpoint_dir(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
         return self.root / "checkpoints" / sandbox_id / snapshot_id
 
-    def template_ready(self, name: str) -> bool:
-        return (self.template_dir(name) / "meta.json").is_file()
+    def template_stamp(self, name: str, machine: Machine | None = None) -> str:
+        """Changes whenever the node's template is rebuilt (its metadata file is rewritten last on every
+        build: new guest code, new files), or the guest kernel recipe, the accelerator or the machine change;
+        "" when the node has no such template."""
+        try:
+            template_meta = (self.layout.templates / f"{name}.json").read_bytes()
+        except OSError:
+            return ""
+        parts = [template_meta, self.accel.encode(), INITRAMFS_VERSION.encode()]
+        if machine is not None:
+            parts.append(f"{machine.memory_mb}/{machine.vcpus}".encode())
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+    def template_ready(self, name: str, machine: Machine | None = None) -> bool:
+        """Its checkpoint exists and was made from the template as it is now (a stale one is made again)."""
+        try:
+            meta = json.loads((self.template_dir(name) / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        if machine is not None and (meta.get("memory_mb"), meta.get("vcpus")) != (
+            machine.memory_mb,
+            machine.vcpus,
+        ):
+            return False
+        stamp = self.template_stamp(name)
+        return bool(stamp) and meta.get("template_stamp") == stamp
 
     # -- templates -----------------------------------------------------------------------------------------
     def build_template_disk(self, name: str, rootfs: pathlib.Path, env: dict[str, str]) -> pathlib.Path:
@@ -126,7 +151,8 @@ class MicroVMs:
         self._kill(runtime_id)
         os.chown(build / "disk.img", 0, 0)  # a template's disk belongs to no sandbox
         meta = {"accel": self.accel, "memory_mb": machine.memory_mb, "vcpus": machine.vcpus,
-                "kernel": ensure_guest_kernel().release, "created_at": time.time()}  # fmt: skip
+                "kernel": ensure_guest_kernel().release, "created_at": time.time(),
+                "template_stamp": self.template_stamp(name)}  # fmt: skip
         (build / "meta.json").write_text(json.dumps(meta))
         target = self.template_dir(name)
         shutil.rmtree(target, ignore_errors=True)

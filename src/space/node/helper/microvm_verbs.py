@@ -68,7 +68,10 @@ def template_adopt(ctx: HelperContext, params: MicrovmTemplateParams, _progress:
 
 def template_status(ctx: HelperContext, params: MicrovmTemplateParams, _progress: Progress) -> dict[str, Any]:
     vms = _vms(ctx)
-    return {"ready": vms.template_ready(params.name), "accel": vms.accel}
+    return {
+        "ready": vms.template_ready(params.name, Machine(params.memory_mb, params.vcpus)),
+        "accel": vms.accel,
+    }
 
 
 def sandbox_create(ctx: HelperContext, params: MicrovmCreateParams, _progress: Progress) -> dict[str, Any]:
