@@ -227,3 +227,34 @@ def test_node_agent_runs_microvm_sandboxes_with_the_qemu_driver(node, microvms: 
             await agent.close()
 
     node.run(scenario())
+
+
+def test_node_teardown_ends_microvms_the_agent_left_running(loop) -> None:  # type: ignore[no-untyped-def]
+    """`space down --purge` (node.teardown) ends every QEMU of the node, also one no agent deleted."""
+    from space.node.agent.helper_client import HelperClient
+    from space.node.drivers.base import SandboxSpec
+    from space.node.drivers.qemu import QemuDriver
+    from space.node.local import LocalNode
+    from tests.support.realnode import make_data_dir
+
+    local = LocalNode(make_data_dir("qemu-teardown"), network="none")
+    loop.run(local.start(progress=lambda _line: None), timeout=900)
+    driver = QemuDriver(local.layout, HelperClient(str(local.layout.helper_socket)))
+    try:
+        loop.run(driver.ensure_template(TEMPLATE), timeout=900)
+        channel = loop.run(driver.create_warm(SandboxSpec(ids.new_sandbox_id(), TEMPLATE)))
+        assert channel is not None
+        loop.run(channel.close())
+    finally:
+        loop.run(driver.close())
+        loop.run(local.stop(purge=True), timeout=300)
+    left = [p for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if _names(p, str(local.layout.data_dir))]
+    assert left == []
+    assert not local.layout.data_dir.exists() or not any(local.layout.fs.iterdir())
+
+
+def _names(cmdline: pathlib.Path, text: str) -> bool:
+    try:
+        return text.encode() in cmdline.read_bytes()
+    except OSError:
+        return False

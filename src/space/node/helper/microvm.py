@@ -275,6 +275,18 @@ class MicroVMs:
         shutil.rmtree(self.root / "checkpoints" / sandbox_id, ignore_errors=True)
         shutil.rmtree(self.layout.run_dir(sandbox_id), ignore_errors=True)
 
+    def destroy_all(self) -> list[str]:
+        """Every microVM of the node ended and its files removed, template boots included (node teardown)."""
+        root = self.root / "sandboxes"
+        destroyed = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+        for sandbox_id in destroyed:
+            self.destroy(sandbox_id)
+        if self.layout.run.is_dir():
+            for run_dir in self.layout.run.glob("tpl-*"):
+                self._kill(run_dir.name)
+                shutil.rmtree(run_dir, ignore_errors=True)
+        return destroyed
+
     # -- QEMU processes ------------------------------------------------------------------------------------
     def _qmp(self, sandbox_id: str) -> pathlib.Path:
         return self.layout.run_dir(sandbox_id) / "qmp.sock"

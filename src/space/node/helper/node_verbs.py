@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from space.node.helper.context import HelperContext, Progress
+from space.node.helper.microvm import MicroVMs
 from space.node.helper.params import NoParams, SandboxParams
 from space.node.helper.sandbox_verbs import sandbox_destroy
 from space.node.volumes import btrfs_quota, filesystem
@@ -46,6 +47,7 @@ def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> 
         with ctx.lock(entry.name):
             sandbox_destroy(ctx, SandboxParams(sandbox_id=entry.name), progress)
         destroyed.append(entry.name)
+    destroyed += MicroVMs(ctx.layout, ctx.owner_uid).destroy_all()  # the qemu driver's (ADR 0068)
     ctx.runtimes.sweep()
     if ctx.network is not None:
         ctx.network.teardown()
