@@ -258,3 +258,22 @@ def _names(cmdline: pathlib.Path, text: str) -> bool:
         return text.encode() in cmdline.read_bytes()
     except OSError:
         return False
+
+
+def test_a_damaged_memory_image_leaves_no_qemu_behind(node, microvms: MicroVMs) -> None:  # type: ignore[no-untyped-def]
+    sandbox_id = ids.new_sandbox_id()
+    microvms.made.append(sandbox_id)  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        channel = await connect(microvms.create(sandbox_id, TEMPLATE), "damaged")
+        await channel.close()
+
+    node.run(scenario())
+    microvms.checkpoint(sandbox_id, "cp-damaged")
+    image = microvms.checkpoint_dir(sandbox_id, "cp-damaged") / "memory"
+    with image.open("r+b") as damaged:
+        damaged.truncate(image.stat().st_size // 3)
+    with pytest.raises(errors.SpaceError):
+        microvms.restore(sandbox_id, "cp-damaged")
+    assert microvms.status(sandbox_id) == "absent"
+    microvms.destroy(sandbox_id)

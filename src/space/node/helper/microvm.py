@@ -193,10 +193,14 @@ class MicroVMs:
         initrd = self.template_dir(str(meta["template"])) / "initrd"
         kernel = ensure_guest_kernel()
         socket_path = self._launch(sandbox_id, box, initrd, kernel.vmlinuz, machine, memory)
-        with Qmp(self._qmp(sandbox_id)) as qmp:
-            qmp.load(memory)
-            if not paused:
-                qmp.command("cont")
+        try:
+            with Qmp(self._qmp(sandbox_id)) as qmp:
+                qmp.load(memory)
+                if not paused:
+                    qmp.command("cont")
+        except BaseException:
+            self._kill(sandbox_id)  # no half-restored QEMU stays behind
+            raise
         return socket_path
 
     def boot(self, sandbox_id: str) -> str:

@@ -138,7 +138,10 @@ class Qmp:
 
     def _message(self) -> dict[str, Any]:
         while b"\n" not in self.buffer:
-            chunk = self.sock.recv(65536)
+            try:
+                chunk = self.sock.recv(65536)
+            except OSError as exc:  # QEMU ended (e.g. a damaged migration stream) or did not answer
+                raise errors.RuntimeFailure(f"QMP: {exc}") from exc
             if not chunk:
                 raise errors.RuntimeFailure("QEMU closed its QMP socket")
             self.buffer += chunk
@@ -155,10 +158,13 @@ class Qmp:
         if arguments:
             request["arguments"] = arguments
         data = json.dumps(request).encode() + b"\n"
-        if fds:
-            socket.send_fds(self.sock, [data], fds)
-        else:
-            self.sock.sendall(data)
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise errors.RuntimeFailure(f"QMP {name}: {exc}") from exc
         while True:
             message = self._message()
             if "event" in message:
