@@ -36,6 +36,8 @@ def refused(verb: str, args: dict[str, Any]) -> dict[str, Any]:
         ("microvm.template_boot", {"name": "a" * 10_000}),
         ("microvm.pause", {"sandbox_id": SANDBOX, "extra": 1}),
         ("microvm.destroy", {"sandbox_id": "sb-" + "A" * 26}),
+        ("microvm.snapshot_delete", {"sandbox_id": SANDBOX, "snapshot_id": "../" + SNAPSHOT}),
+        ("microvm.snapshot_list", {"sandbox_id": SANDBOX + "/.."}),
     ],
 )
 def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any]) -> None:
@@ -44,7 +46,7 @@ def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any
 
 def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() -> None:
     microvm = {name: verb for name, verb in VERBS.items() if name.startswith("microvm.")}
-    assert len(microvm) == 13
+    assert len(microvm) == 15
     for name in (
         "microvm.create",
         "microvm.restore",
@@ -55,7 +57,7 @@ def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() ->
         assert microvm[name].handler.__name__ == "run", name  # wrapped by fence_verbs.guarded
     for name, verb in microvm.items():
         if "sandbox_id" in verb.params.model_fields:
-            assert verb.sandbox_scoped or name == "microvm.state", name
+            assert verb.sandbox_scoped or name in {"microvm.state", "microvm.snapshot_list"}, name  # reads
 
 
 def test_a_node_configured_with_the_qemu_driver_runs_microvms(tmp_path: Any) -> None:

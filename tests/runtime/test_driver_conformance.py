@@ -81,6 +81,10 @@ def test_pause_resume_checkpoint_and_rollback(node, drivers: dict[str, Driver], 
             assert (await driver.state(sandbox_id)).runtime == "running"
             info, replaced = await driver.checkpoint(sandbox_id, snapshot_id)
             assert info.image_bytes > 0
+            listed = {snap["snapshot_id"]: snap for snap in await driver.list_snapshots(sandbox_id)}
+            assert listed[snapshot_id]["kind"] == "full"
+            space_left = await driver.disk_space()
+            assert space_left is not None and 0 < space_left["free_bytes"] <= space_left["total_bytes"]
             if replaced is not None:
                 channel, session = replaced, GuestSession(replaced)
             await session.exec("echo two > /root/state")
@@ -88,6 +92,10 @@ def test_pause_resume_checkpoint_and_rollback(node, drivers: dict[str, Driver], 
             channel = await driver.restore(sandbox_id, snapshot_id)
             assert (await GuestSession(channel).exec("cat /root/state")).stdout == b"one\n"
             await channel.close()
+            await driver.delete_snapshot(sandbox_id, snapshot_id)
+            assert snapshot_id not in {
+                snap["snapshot_id"] for snap in await driver.list_snapshots(sandbox_id)
+            }
         finally:
             await driver.destroy(sandbox_id)
         assert (await driver.state(sandbox_id)).exists is False

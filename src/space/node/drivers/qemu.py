@@ -132,12 +132,18 @@ class QemuDriver(Driver):
         raise NotImplementedError("the qemu driver rolls back by restoring a full checkpoint (ADR 0068)")
 
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
-        raise NotImplementedError(
-            "the qemu driver keeps checkpoints until the sandbox is destroyed (ADR 0068)"
+        await self.helper.call(
+            "microvm.snapshot_delete", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
         )
 
     async def list_snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
-        return []
+        return list(
+            (await self.helper.call("microvm.snapshot_list", {"sandbox_id": sandbox_id}))["snapshots"]
+        )
+
+    async def disk_space(self) -> dict[str, int] | None:
+        result = await self.helper.call("node.disk")  # the microVMs' disks live on the node's btrfs too
+        return {"total_bytes": int(result["total_bytes"]), "free_bytes": int(result["free_bytes"])}
 
     async def stop(self, sandbox_id: str) -> None:
         """End the VM, keeping its disk. Its files may still sit in the guest's page cache (a real kernel,

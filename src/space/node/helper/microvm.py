@@ -270,6 +270,23 @@ class MicroVMs:
         shutil.copyfile(source / "meta.json", box / "meta.json")
         return self._restore_from(sandbox_id, source / "memory")
 
+    def snapshots(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """The sandbox's checkpoints on this node (all full: memory and disk)."""
+        root = self.root / "checkpoints" / sandbox_id
+        found = []
+        for entry in sorted(root.iterdir()) if root.is_dir() else []:
+            if (entry / "meta.json").is_file() and (entry / "memory").is_file():
+                found.append({"snapshot_id": entry.name, "kind": "full",
+                              "created_at": (entry / "meta.json").stat().st_mtime,
+                              "image_bytes": (entry / "memory").stat().st_size})  # fmt: skip
+        return found
+
+    def delete_checkpoint(self, sandbox_id: str, snapshot_id: str) -> bool:
+        target = self.checkpoint_dir(sandbox_id, snapshot_id)
+        existed = target.exists()
+        shutil.rmtree(target, ignore_errors=True)
+        return existed
+
     def stop(self, sandbox_id: str) -> None:
         self._kill(sandbox_id)
 

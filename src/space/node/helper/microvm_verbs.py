@@ -115,6 +115,19 @@ def sandbox_list(ctx: HelperContext, _params: NoParams, progress: Progress) -> d
     }
 
 
+class MicrovmSnapshotParams(Params):
+    sandbox_id: SandboxId
+    snapshot_id: SnapshotId
+
+
+def snapshot_list(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
+    return {"snapshots": _vms(ctx).snapshots(params.sandbox_id)}
+
+
+def snapshot_delete(ctx: HelperContext, params: MicrovmSnapshotParams, _progress: Progress) -> dict[str, Any]:
+    return {"deleted": _vms(ctx).delete_checkpoint(params.sandbox_id, params.snapshot_id)}
+
+
 def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     _vms(ctx).stop(params.sandbox_id)
     return {}

@@ -76,6 +76,9 @@ MICROVM_VERBS = (
     Verb("microvm.destroy", SandboxParams, microvm_verbs.sandbox_destroy, sandbox_scoped=True),
     Verb("microvm.state", SandboxParams, microvm_verbs.sandbox_state),
     Verb("microvm.list", NoParams, microvm_verbs.sandbox_list),
+    Verb("microvm.snapshot_list", SandboxParams, microvm_verbs.snapshot_list),
+    Verb("microvm.snapshot_delete", microvm_verbs.MicrovmSnapshotParams, microvm_verbs.snapshot_delete,
+         sandbox_scoped=True),
 )  # fmt: skip
 
 VERBS: dict[str, Verb] = {
