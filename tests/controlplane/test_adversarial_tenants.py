@@ -241,7 +241,11 @@ def picture(cluster: c.Cluster, tenant: Tenant) -> Picture:
         processes=sorted(p["process_id"] for p in processes if p.get("running")),
         egress=client.get(f"/v1/sandboxes/{tenant.sandbox_id}/egress").json(),
         credentials=sorted(credentials, key=lambda e: json.dumps(e, sort_keys=True)),
-        sandboxes_in_store=sorted(sb.id for sb in cluster.store.list_sandboxes(tenant.project.id)),
+        # A sandbox an earlier test deleted finishes its teardown in the background (ADR 0073): being
+        # `deleting` is not the attacker's doing, and one the attacker deleted would vanish from this list.
+        sandboxes_in_store=sorted(
+            sb.id for sb in cluster.store.list_sandboxes(tenant.project.id) if sb.state.value != "deleting"
+        ),
         templates_in_store=sorted(
             f"{t.id}:{t.status}:{t.source}:{t.log_bytes}"
             for t in cluster.store.list_templates(tenant.project.id)

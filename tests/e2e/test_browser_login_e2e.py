@@ -41,7 +41,7 @@ from playwright.sync_api import Page, sync_playwright
 from space.core.errors import Conflict
 from space.node.helper.netaddr import node_tag
 from space.sdk import Sandbox, Space
-from tests.support.egress_net import Upstream, UpstreamCA, leftovers, start_upstream
+from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
 from tests.support.host import network_traces, runtime_id
 from tests.support.mcp_clients import over_http
 
@@ -108,7 +108,6 @@ class LoginCluster:
 @pytest.fixture(scope="module")
 def login_cluster() -> Iterator[LoginCluster]:
     from space.controlplane.local import LocalCluster, free_port
-    from tests.e2e.test_egress_e2e import remove_cgroup_parent
 
     tag = f"spl{os.getpid() % 100000:05d}"
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="space-login-e2e-", dir="/var/tmp"))

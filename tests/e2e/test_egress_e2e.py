@@ -55,7 +55,7 @@ from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode, connect_agent
 from space.node.rpc_client import NodeClient
 from space.objectstore.backends import open_store
-from tests.support.egress_net import Upstream, UpstreamCA, leftovers, start_upstream
+from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
 from tests.support.host import network_traces, runtime_id
 from tests.support.loop import BackgroundLoop
 from tests.support.sandboxes import delete_quietly
@@ -348,17 +348,6 @@ def stop_other_node(node: EgressNode, other: LocalNode, cgroup_parent: str) -> N
         node.run(other.agent.delete_all(), timeout=300)
     node.run(other.stop(purge=True), timeout=300)
     remove_cgroup_parent(cgroup_parent)
-
-
-def remove_cgroup_parent(name: str) -> None:
-    """A node's own (now empty) cgroup parent; the kernel may lag a moment after the last sandbox."""
-    for parent in pathlib.Path("/sys/fs/cgroup").glob(f"*/{name}"):
-        for _attempt in range(50):
-            try:
-                parent.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def _host_grep(needle: str, *paths: pathlib.Path) -> list[str]:

@@ -22,6 +22,19 @@ real_cluster = c.real_cluster
 LIMITS = {"cpus": 0.5, "memory_mb": 256}
 
 
+async def listing_once_torn_down(mcp: McpCaller, gone: str | None = None, *, deadline_s: float = 60.0) -> str:
+    """list_sandboxes once no sandbox of the listing is `deleting` (a delete answers before its teardown, ADR
+    0073, so a deleted sandbox is listed as deleting for a moment), and `gone` is no longer in it."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + deadline_s
+    while True:
+        listing = await mcp.ok("list_sandboxes")
+        if " deleting " not in listing and (gone is None or gone not in listing):
+            return listing
+        assert loop.time() < until, f"still listed after {deadline_s} s: {listing}"
+        await asyncio.sleep(0.2)
+
+
 async def new_sandbox(mcp: McpCaller) -> str:
     return first_word_after(await mcp.ok("create_sandbox", {"limits": LIMITS}), "Created sandbox ")
 
@@ -61,7 +74,7 @@ def test_space_mcp_over_stdio_drives_a_real_sandbox(real_cluster: c.RealCluster)
                 assert marker.name not in listing
             finally:
                 assert f"Deleted sandbox {sb}" in await mcp.ok("delete_sandbox", {"id": sb})
-            assert sb not in await mcp.ok("list_sandboxes")
+            assert sb not in await listing_once_torn_down(mcp, sb)
 
     try:
         asyncio.run(scenario())
@@ -78,7 +91,7 @@ def test_the_http_endpoint_acts_in_the_callers_project_on_real_sandboxes(real_cl
         async with over_http(real_cluster.url, real_cluster.api_key, project=name) as mcp:
             # E2B's shape: run_code(code) alone runs in a sandbox of its own, gone afterwards.
             assert await mcp.ok("run_code", {"code": "sum(range(10))"}) == "exit code 0\n--- stdout ---\n45\n"
-            assert await mcp.ok("list_sandboxes") == "No sandboxes."
+            assert await listing_once_torn_down(mcp) == "No sandboxes."
             sb = await new_sandbox(mcp)
             try:
                 assert sb in await mcp.ok("list_sandboxes")

@@ -249,3 +249,14 @@ def split_records(record: bytes, at: int) -> bytes:
     first, second = payload[:at], payload[at:]
     head = record[:3]
     return head + len(first).to_bytes(2, "big") + first + head + len(second).to_bytes(2, "big") + second
+
+
+def remove_cgroup_parent(name: str) -> None:
+    """A node's own (now empty) cgroup parent; the kernel may lag a moment after the last sandbox."""
+    for parent in pathlib.Path("/sys/fs/cgroup").glob(f"*/{name}"):
+        for _attempt in range(50):
+            try:
+                parent.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -6,7 +6,7 @@ systemd services (`space service install`), else the files a local installation 
 directory (`space up`, `space node join`): controlplane.log, agent.log (the egress gateway's lines are in
 it), helper.log and space.log (the supervisor's events).
 
-Lines are JSON objects (SPACE_LOG_FORMAT=json, the services' default: space.core.log_records) or text (the
+Lines are JSON objects (SPACE_LOG_FORMAT=json, the services' default: space.rest.log_records) or text (the
 default of `space up`); both are shown, filtered by component, request id and time. `--raw` prints the
 lines as they are (for jq or grep).
 
@@ -44,7 +44,7 @@ from space.core import errors
 #: Components and the file a local installation writes each to.
 FILES: Final = {"controlplane": "controlplane.log", "agent": "agent.log", "helper": "helper.log",
                 "supervisor": "space.log"}  # fmt: skip
-#: The gateway logs inside the agent's process (space.core.log_records.component_of).
+#: The gateway logs inside the agent's process (space.rest.log_records.component_of).
 COMPONENTS: Final = (*FILES, "gateway")
 MAX_TAIL_BYTES: Final = 4 << 20
 FOLLOW_POLL_S: Final = 0.5

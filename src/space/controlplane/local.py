@@ -42,12 +42,12 @@ from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, Emit, Supervisor
 from space.core import errors, tracing
-from space.core.log_records import LOG_FORMAT_ENV
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.rpc_listen import MAX_SOCKET_PATH, default_rpc_socket
 from space.node.agent.settings import NodeAgentSettings
 from space.node.local import LocalNode, ensure_local_store
+from space.rest.log_records import LOG_FORMAT_ENV
 
 AGENT_USER = "space"
 READY_TIMEOUT_S = 600.0

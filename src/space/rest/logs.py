@@ -1,5 +1,5 @@
 """A SPACE process's logging, set once at its start: the format from SPACE_LOG_FORMAT (text by default, json
-for the systemd services; space.core.log_records), and uvicorn's own loggers in the same format.
+for the systemd services; space.rest.log_records), and uvicorn's own loggers in the same format.
 
 Invariants:
 - With json, uvicorn is given no logging configuration of its own (`uvicorn_log_config()` is None): its
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from space.core.log_records import LOG_FORMAT_ENV, LogFormat, configure, parse_format
+from space.rest.log_records import LOG_FORMAT_ENV, LogFormat, configure, parse_format
 
 _configured: list[LogFormat] = []
 

@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from space.core import errors, log_records, request_ids
+from space.core import errors, request_ids
+from space.rest import log_records
 
 
 def _record(name: str, msg: str, *, exc: bool = False) -> logging.LogRecord:
