@@ -8,6 +8,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,6 +85,14 @@ def test_only_a_nodes_data_directory_is_touched(tmp_path: pathlib.Path) -> None:
         assert plain.is_dir() and link.is_symlink() and node_dir.is_dir()
 
 
+def wait_for_exec(pid: int, last_argument: str) -> None:
+    deadline = time.monotonic() + 10
+    cmdline = pathlib.Path(f"/proc/{pid}/cmdline")
+    while cmdline.read_bytes().rstrip(b"\0").split(b"\0")[-1] != os.fsencode(last_argument):
+        assert time.monotonic() < deadline, f"{pid} did not exec"
+        time.sleep(0.01)
+
+
 def test_a_process_is_a_component_only_when_an_argument_is_the_directory(tmp_path: pathlib.Path) -> None:
     data_dir = tmp_path / "node"
     data_dir.mkdir()
@@ -91,6 +100,9 @@ def test_a_process_is_a_component_only_when_an_argument_is_the_directory(tmp_pat
     named = subprocess.Popen([*sleeper, str(data_dir)])
     inside = subprocess.Popen([*sleeper, f"{data_dir}/x", f"--root={data_dir}"])
     try:
+        # Popen returns after fork, before exec: until then a child's cmdline is still pytest's.
+        wait_for_exec(named.pid, str(data_dir))
+        wait_for_exec(inside.pid, f"--root={data_dir}")
         assert cleanup.components_of(data_dir) == [named.pid]
         cleanup.stop_processes([named.pid])
         assert named.wait(5) == -signal.SIGTERM
