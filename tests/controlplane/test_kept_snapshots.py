@@ -111,6 +111,55 @@ def test_a_deletion_killed_midway_converges(world: World, killed_after: str) -> 
     )
 
 
+def test_a_deleting_sandbox_is_stopped_before_its_named_snapshots_upload(world: World) -> None:
+    """ADR 0078: the upload takes its time; the sandbox must not run (nor send anything) meanwhile."""
+    sb = world.running_sandbox({"a.txt": b"A"})
+    _snapshot(world, sb, name="golden")
+    _snapshot(world, sb, name="silver")
+    assert sb.node_id is not None
+    api = world.api[sb.node_id]
+    assert _delete(world, sb).state == State.DELETED
+    assert api.uploaded_from == ["stopped", "stopped"]
+    assert api.calls.index("stop") < api.calls.index("upload_snapshot")
+
+
+def test_a_deletion_killed_after_the_stop_uploads_and_converges(world: World) -> None:
+    sb = world.running_sandbox({"a.txt": b"A"})
+    named = _snapshot(world, sb, name="golden")
+    assert sb.node_id is not None
+    api = world.api[sb.node_id]
+    api.kill_after.add("stop")
+    world.store.set_desired(sb.id, State.DELETED)
+    with pytest.raises(Killed):
+        world.run(sb.id)
+    assert "upload_snapshot" not in api.calls
+    assert world.run(sb.id).state == State.DELETED  # the restarted control plane stops again, then uploads
+    kept = world.store.get_snapshot(named.id)
+    assert kept is not None and kept.restorable and api.uploaded_from == ["stopped"]
+
+
+def test_a_node_that_cannot_stop_the_sandbox_makes_the_deletion_retry_before_any_upload(world: World) -> None:
+    sb = world.running_sandbox()
+    named = _snapshot(world, sb, name="golden")
+    assert sb.node_id is not None
+    api = world.api[sb.node_id]
+    api.fail["stop"] = errors.Unavailable("the node does not answer")
+    world.store.set_desired(sb.id, State.DELETED)
+    waiting = world.run(sb.id, rounds=1)
+    assert waiting.state == State.DELETING and "upload_snapshot" not in api.calls
+    assert world.run(sb.id).state == State.DELETED
+    kept = world.store.get_snapshot(named.id)
+    assert kept is not None and kept.restorable and api.uploaded_from == ["stopped"]
+
+
+def test_a_deletion_with_nothing_to_keep_does_not_stop_first(world: World) -> None:
+    sb = world.running_sandbox()
+    _snapshot(world, sb)  # unnamed: goes with its sandbox, nothing is uploaded
+    assert sb.node_id is not None
+    assert _delete(world, sb).state == State.DELETED
+    assert "stop" not in world.api[sb.node_id].calls and "delete_sandbox" in world.api[sb.node_id].calls
+
+
 def test_a_restore_killed_midway_converges_on_one_node(world: World) -> None:
     sb = world.running_sandbox({"a.txt": b"A"})
     named = _snapshot(world, sb, name="golden")

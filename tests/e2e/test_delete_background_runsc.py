@@ -6,6 +6,9 @@ From the moment DELETE answers, the sandbox is `deleting` and every data and lif
 deadline, its resources on the node are gone: the runsc container, the holder process, its btrfs
 subvolume, its network namespaces and host link; the record is `deleted` and GET answers 404. Attacks:
 another tenant's DELETE of it is 404 (and it keeps running); an encoded id is refused before any lookup.
+A sandbox whose named snapshot must be uploaded before its node copy goes is stopped before that upload
+(ADR 0078): once the snapshot is in object storage, its runtime and every process in its network namespace
+are gone, though its node copy is deleted only after, and the snapshot is restored from storage intact.
 The crash safety of the background teardown is tests/crash/test_crash_injection.py's (delete kill points).
 """
 
@@ -76,6 +79,15 @@ def network_of(data_dir: pathlib.Path, slot: int) -> list[str]:
         ["ip", "link", "show", names.host_link(slot)], capture_output=True, text=True, check=False
     )
     return left + ([names.host_link(slot)] if link.returncode == 0 else [])
+
+
+def netns_pids(data_dir: pathlib.Path, slot: int) -> list[str]:
+    """The processes in the slot's sandbox network namespace (none once nothing of the sandbox runs)."""
+    names = SlotNames(node_tag(data_dir))
+    listed = subprocess.run(
+        ["ip", "netns", "pids", names.sandbox_ns(slot)], capture_output=True, text=True, check=False
+    )
+    return listed.stdout.split()
 
 
 def pty_status(url: str, sandbox_id: str, key: str) -> int:
@@ -159,3 +171,58 @@ def test_another_tenants_delete_is_404_and_changes_nothing(real_cluster: c.RealC
             assert sb.exec("true").exit_code == 0
         finally:
             sb.delete()
+
+
+def test_a_deleting_sandbox_is_stopped_before_its_named_snapshot_uploads(real_cluster: c.RealCluster) -> None:
+    """ADR 0078: the upload of a named snapshot takes a while (here ~64 MB of guest memory); meanwhile the
+    sandbox must not run. Each poll reads the snapshot's state FIRST and the node AFTER: the stop precedes
+    the upload, so once the snapshot is in object storage nothing of the sandbox may be found running,
+    however the polls fall. (Before: the runtime and its netns processes lived until after the upload.)"""
+    data_dir = real_cluster.data_dir
+    name = f"floors-kept-{secrets.token_hex(4)}"
+    with real_cluster.sdk() as sp:
+        sb = sp.sandboxes.create(template="python", limits={"cpus": 1.0, "memory_mb": 512})
+        sb.files.write("/work/kept.txt", b"written before the snapshot")
+        # A busy sandbox: a writer that never stops, and guest memory that makes the upload take its time.
+        assert sb.exec(["sh", "-c", "head -c 64M /dev/urandom > /tmp/ballast"]).exit_code == 0
+        sb.exec(["sh", "-c", "nohup sh -c 'while :; do date >> /work/beat; done' >/dev/null 2>&1 &"])
+        sb.snapshots.create(full=True, name=name)
+        held = node_resources(data_dir, sb.id)
+        slot = int(str(held["slot"]))
+        assert {"holder", "container"} <= set(held) and netns_pids(data_dir, slot), held  # the oracle is live
+
+        answered = sb.delete()
+        assert answered.state == "deleting"
+        api = httpx.Client(
+            base_url=real_cluster.url, headers={"Authorization": f"Bearer {real_cluster.api_key}"}
+        )
+        with api:
+            deadline = time.monotonic() + 120
+            while True:
+                snaps = api.get("/v1/snapshots", params={"name": name}).json()["snapshots"]
+                uploaded = bool(snaps) and snaps[0]["restorable"]
+                running = {
+                    "holder": node_resources(data_dir, sb.id).get("holder"),
+                    "netns processes": netns_pids(data_dir, slot),
+                }
+                if uploaded:
+                    break
+                assert time.monotonic() < deadline, f"{name} not uploaded in 120 s: {snaps}"
+                time.sleep(0.01)
+            assert not any(running.values()), f"still running once its snapshot was uploaded: {running}"
+            c.wait_for(
+                lambda: api.get(f"/v1/sandboxes/{sb.id}").status_code == 404,
+                timeout=60, interval=0.1, what=f"{sb.id} deleted",
+            )  # fmt: skip
+        try:
+            child = sp.sandboxes.create(from_snapshot=name)  # restored from object storage: intact
+            try:
+                assert child.files.read("/work/kept.txt") == b"written before the snapshot"
+                assert child.exec(["sh", "-c", "test -s /tmp/ballast"]).exit_code == 0
+            finally:
+                child.delete()
+        finally:
+            with httpx.Client(
+                base_url=real_cluster.url, headers={"Authorization": f"Bearer {real_cluster.api_key}"}
+            ) as admin:
+                admin.delete(f"/v1/snapshots/{name}")

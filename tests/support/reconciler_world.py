@@ -46,6 +46,7 @@ class FakeNodeApi:
         self.kill_after: set[str] = set()  # method names: raise Killed after the side effect
         self.fail: dict[str, errors.SpaceError] = {}  # method name -> raised before any side effect
         self.calls: list[str] = []
+        self.uploaded_from: list[str] = []  # the sandbox's state at each upload_snapshot
 
     def _enter(self, name: str) -> None:
         self.calls.append(name)
@@ -119,7 +120,9 @@ class FakeNodeApi:
         return self._observed(sandbox_id)
 
     async def stop(self, sandbox_id: str) -> rm.SandboxObserved:
+        self._enter("stop")
         self._get(sandbox_id)["state"] = "stopped"
+        self._leave("stop")
         return self._observed(sandbox_id)
 
     async def start(self, sandbox_id: str) -> rm.SandboxObserved:
@@ -189,6 +192,7 @@ class FakeNodeApi:
         self, sandbox_id: str, snapshot_id: str, *, store_url: str, prefix: str, data_key: DataKey | None
     ) -> dict[str, Any]:
         self._enter("upload_snapshot")
+        self.uploaded_from.append(self._get(sandbox_id)["state"])
         snap = self._get(sandbox_id)["snapshots"][snapshot_id]
         answer = self._write(prefix, snap["files"] or {"empty": b""}, data_key)
         self._leave("upload_snapshot")

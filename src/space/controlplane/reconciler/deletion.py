@@ -7,8 +7,11 @@ Invariants:
   in the background (docs/adr/0073-delete-answers-at-once.md). The row says `deleting` before any side
   effect: a process killed mid-teardown leaves a row the next claim re-runs this step on.
 - deleting: the named full snapshots are uploaded first, while the node copy exists (kept_snapshots.py,
-  ADR 0060); then the node copy is deleted when its node is ready (a node that no longer knows it: already
-  gone); a lost node's copy is collected as an orphan when the node comes back. The other snapshots are
+  ADR 0060), but from a STOPPED copy: before the first upload the node stops the sandbox (its processes
+  killed, so nothing of it runs or sends traffic while the upload takes its time; the upload reads the
+  checkpoint's image and disk snapshot, not the running sandbox). Then the node copy is deleted when its
+  node is ready (a node that no longer knows it: already gone); a lost node's copy is collected as an
+  orphan when the node comes back. The other snapshots are
   marked for deletion (their node copies and objects are removed by SnapshotKeeper.collect), then the
   sandbox's object-storage prefix goes but for the kept snapshots' artifacts, which also takes any
   half-written upload whose row never got written.
@@ -28,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Iterable
@@ -120,6 +124,8 @@ class DeletionSteps(KeptSnapshotSteps):
     _orphans: asyncio.Task[list[str]] | None = None
 
     async def _delete(self, sb: SandboxRecord) -> SandboxRecord:
+        if await self._uploads_to_keep(sb):
+            await self._stop_before_keeping(sb)
         kept = await self._keep_named(sb)  # before the node copy (and its checkpoints) goes
         if sb.node_id is not None and await self.node_ready(sb.node_id):
             try:
@@ -134,6 +140,16 @@ class DeletionSteps(KeptSnapshotSteps):
         if self.objects is not None:
             await asyncio.to_thread(delete_prefix_but, self.objects, sandbox_prefix(sb), kept.values())
         return await self._transition(sb, Event.DELETED)
+
+    async def _stop_before_keeping(self, sb: SandboxRecord) -> None:
+        """Stop the node's copy of `sb` (being deleted) before its named snapshots upload, so it runs and
+        sends nothing meanwhile (docs/adr/0078-a-deleting-sandbox-stops-before-its-uploads.md). A copy the
+        node no longer holds, or one the node's table cannot stop (already stopped, crashed: nothing runs),
+        is fine; a node that does not answer makes the step retry, before any upload."""
+        if sb.node_id is None or await self.node_gone(sb.node_id):
+            return  # nothing to ask; a lost node is fenced (ADR 0033) and its copy collected as an orphan
+        with contextlib.suppress(errors.NotFound, errors.InvalidState):
+            await self._node_of(sb).stop(sb.id)
 
     def collect_orphans_soon(self) -> None:
         """Run an orphan collection now in the background (one at a time)."""

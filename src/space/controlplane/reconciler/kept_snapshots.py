@@ -67,6 +67,13 @@ class KeptSnapshotSteps(SuspensionSteps):
                 kept_ones[done.id] = done.prefix
         return kept_ones
 
+    async def _uploads_to_keep(self, sb: SandboxRecord) -> bool:
+        """Whether `_keep_named(sb)` would upload anything (a named full snapshot with no verified copy)."""
+        if self.objects is None or self.store_url is None:
+            return False
+        snaps = await asyncio.to_thread(self.store.list_snapshots, sb.id)
+        return any(keepable(snap) and not (snap.restorable and snap.prefix) for snap in snaps)
+
     async def _mark_suspended(self, sb: SandboxRecord, snapshot_id: str) -> SandboxRecord:
         """A suspend's node copy goes: its named snapshots are kept in object storage first."""
         await self._keep_named(sb)
