@@ -4,11 +4,15 @@
 
 Each operation is timed from the SDK call to its answer (ms): `delete` (the answer, not the teardown, which
 `delete_teardown` times until the record is `deleted`), `pause`/`resume` (each until settled),
-`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before); `layers`: pause/resume and a disk
+`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before), `checkpoint_full` (a full snapshot),
+`rollback_full` (to a full checkpoint taken before), `fork` (one child: the request to the child's first
+exec answered, as `space bench` measures it) and `fork_n` (FORK_N children in one request, until each
+answered an exec: compared with FORK_N times `fork`); `layers`: pause/resume and a disk
 snapshot one layer down at a time (`node_*`: the node agent's RPC, `helper_*`: the root helper's verb,
 `runsc_*`: runsc itself; `node_rollback_disk` and the helper verbs of a disk rollback: stop, reset_rootfs,
-start), on a sandbox of their own. Prints p50/p90 per operation; the
-numbers of ADRs 0073-0075 come from here (machine shared with other work: "loaded machine").
+start), on a sandbox of their own. Prints p50/p90 per operation, then the median span breakdown of those
+measured through the API with traces (bench.api_spans, as `space bench` prints it); the numbers of ADRs
+0073-0075, 0077 come from here (machine shared with other work: "loaded machine").
 
 Invariants:
 - The embedded installation (space.controlplane.local.LocalCluster, no pool) is purged at the end, also
@@ -25,10 +29,17 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+from bench import api_measure, api_spans
 from space.sdk import Sandbox, Space
 
-OPS = ("delete", "pause_resume", "snapshot_disk", "rollback_disk", "layers")
+OPS = (
+    "delete", "pause_resume", "snapshot_disk", "rollback_disk", "checkpoint_full", "rollback_full", "fork",
+    "fork_n", "layers",
+)  # fmt: skip
+#: Children of one `fork_n` request.
+FORK_N = 4
 
 
 def _ms(start: float) -> float:
@@ -100,6 +111,64 @@ def measure_on_one(sp: Space, ops: set[str], n: int, out: dict[str, list[float]]
                 _timed(out, "rollback_disk", lambda: sb.rollback(snap))
     finally:
         sb.delete()
+
+
+def measure_checkpoints(sp: Space, ops: set[str], n: int, out: dict[str, list[float]],
+                        spans: dict[str, dict[str, float]]) -> None:  # fmt: skip
+    """checkpoint_full, rollback_full, fork and fork_n on one running sandbox, each series' span breakdown
+    read from the sandbox's traces after it (never timed)."""
+    sb: Sandbox = sp.sandboxes.create(template="python")
+    try:
+        sb.exec("true")
+        series: dict[str, api_measure.Series] = {}
+        if "checkpoint_full" in ops:
+            series["checkpoint_full"] = api_measure.snapshot_series(sb, n, full=True)
+        if "rollback_full" in ops:
+            series["rollback_full"] = rollback_full_series(sb, n)
+        if "fork" in ops:
+            series["fork"] = api_measure.fork_series(sb, n)
+        if "fork_n" in ops:
+            series["fork_n"] = fork_n_series(sb, n)
+        for name, done in series.items():
+            out[name] = done.samples
+            spans[name] = done.spans
+    finally:
+        sb.delete()
+
+
+def rollback_full_series(sb: Sandbox, n: int) -> api_measure.Series:
+    """Rollbacks to one full checkpoint, a file written between them (so each has something to undo)."""
+    snap = sb.snapshots.create(full=True)
+    series = api_measure.Series()
+    for _ in range(n):
+        sb.files.write("/work/floors-changed", b"x")
+        with api_spans.window(series.windows):
+            start = time.perf_counter()
+            sb.rollback(snap)
+            series.samples.append(_ms(start))
+        if sb.exec(["test", "!", "-e", "/work/floors-changed"]).exit_code != 0:
+            raise api_measure.BenchFailure(f"{sb.id}: the file written after the checkpoint survived")
+    return series.explain(sb)
+
+
+def fork_n_series(sb: Sandbox, n: int) -> api_measure.Series:
+    """FORK_N children in one request, until each answered `exec true` (the execs run side by side)."""
+    series = api_measure.Series()
+    with ThreadPoolExecutor(max_workers=FORK_N) as pool:
+        for _ in range(n):
+            children: list[Sandbox] = []
+            try:
+                with api_spans.window(series.windows):
+                    start = time.perf_counter()
+                    children = sb.fork(FORK_N)
+                    codes = list(pool.map(lambda child: child.exec(["true"]).exit_code, children))
+                    series.samples.append(_ms(start))
+                if any(codes):
+                    raise api_measure.BenchFailure(f"a child of {sb.id} answered exit codes {codes}")
+            finally:
+                for child in children:
+                    child.delete()
+    return series.explain(sb)
 
 
 def measure_layers(
@@ -177,15 +246,25 @@ def main() -> None:
     args = parser.parse_args()
     ops = set(args.ops.split(","))
     out: dict[str, list[float]] = {}
+    spans: dict[str, dict[str, float]] = {}
     with embedded() as (sp, data_dir, node_url):
         sp.sandboxes.create(template="python").delete()  # warm: the template is prepared
         if "delete" in ops:
             measure_delete(sp, args.n, out)
         measure_on_one(sp, ops, args.n, out)
+        if ops & {"checkpoint_full", "rollback_full", "fork", "fork_n"}:
+            measure_checkpoints(sp, ops, args.n, out, spans)
         if "layers" in ops:
             measure_layers(sp, data_dir, node_url, args.n, out)
     for name, samples in out.items():
         print(f"{name:16s} n={len(samples):3d} p50={_p(samples, 50):8.1f} ms  p90={_p(samples, 90):8.1f} ms")
+    if "fork" in out and "fork_n" in out:
+        ratio = _p(out["fork_n"], 50) / (FORK_N * _p(out["fork"], 50))
+        print(f"fork_n p50 / ({FORK_N} x fork p50) = {ratio:.2f}")
+    if spans:
+        print("where the milliseconds go (median span breakdown, ms; spans nest: read top-down)")
+        for name, breakdown in spans.items():
+            print(f"{name:16s} {api_spans.format_breakdown(breakdown, width=12)}")
 
 
 if __name__ == "__main__":
