@@ -130,6 +130,13 @@ class RuntimeIncompatible(SpaceError):
     code = "runtime_incompatible"
 
 
+class NotSupported(SpaceError):
+    """The sandbox's isolation cannot do this (yet), e.g. a disk snapshot of a microvm sandbox
+    (space.core.isolation); `details` name the isolation and the operation. Retrying cannot help."""
+
+    code = "not_supported"
+
+
 class Internal(SpaceError):
     code = "internal"
 

@@ -60,6 +60,7 @@ EVENT_KIND_LENGTH = 32
 SNAPSHOT_KINDS = ("disk", "full")
 SNAPSHOT_STATES = ("creating", "ready", "deleting")
 ON_TIMEOUT = ("delete", "pause")  # space.core.sandbox_options.ON_TIMEOUT
+ISOLATIONS = ("gvisor", "microvm")  # space.core.isolation.ISOLATIONS
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -162,6 +163,7 @@ class Sandbox(Base):
         Index("ix_sandboxes_expires_at", "expires_at"),
         Index("ix_sandboxes_node_id", "node_id"),
         CheckConstraint(_one_of("on_timeout", ON_TIMEOUT), name="on_timeout"),
+        CheckConstraint(_one_of("isolation", ISOLATIONS), name="isolation"),
     )
 
     id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
@@ -217,6 +219,9 @@ class Sandbox(Base):
     # What the deadline (expires_at) does: 'delete' the sandbox, or 'pause' it (kept suspended, or
     # paused where there is no object storage) and clear the deadline until it runs again.
     on_timeout: Mapped[str] = mapped_column(String(8), server_default=text("'delete'"))
+    # Issue 15 (migration 0013, ADR 0076): 'gvisor' or 'microvm', fixed at create (forks and sandboxes
+    # from its snapshots keep it); placement sends it only to nodes whose driver provides it.
+    isolation: Mapped[str] = mapped_column(String(8), server_default=text("'gvisor'"))
 
 
 class Snapshot(Base):

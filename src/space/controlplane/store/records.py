@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from space.core.isolation import Isolation
 from space.core.lifecycle import State
 from space.core.sandbox_options import OnTimeout
 from space.core.settings import SandboxLimits
@@ -117,6 +118,8 @@ class SandboxRecord:
     # Issue 13 (ADR 0048): the user's labels, and what the deadline (expires_at) does.
     metadata: dict[str, str] = field(default_factory=dict)
     on_timeout: OnTimeout = "delete"
+    # Issue 15 (ADR 0076): gVisor or a QEMU microVM; fixed at create, and what placement matches nodes on.
+    isolation: Isolation = "gvisor"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ Invariants:
   out unless asked.
 - Metadata obeys space.core.sandbox_options (checked here, whoever calls); a fork that is given no
   metadata or on_timeout of its own takes its source's, read in the transaction that creates it.
+- A sandbox's isolation (space.core.isolation) is fixed at create: a fork (and a sandbox from a snapshot,
+  which is one) always has its source's; asking a fork for another one is InvalidArgument.
 - A tenant's page of sandboxes (`page_sandboxes`) is filtered, ordered and cut in SQL
   (sandbox_listing.py), never by loading the project's rows.
 """
@@ -36,6 +38,8 @@ from space.controlplane.store.sandbox_listing import (
 )
 from space.core import ids, lifecycle
 from space.core.errors import InvalidArgument, NotFound
+from space.core.isolation import DEFAULT as DEFAULT_ISOLATION
+from space.core.isolation import Isolation, parse_isolation
 from space.core.lifecycle import State
 from space.core.sandbox_options import OnTimeout, check_metadata, parse_on_timeout, timeout_seconds
 from space.core.settings import SandboxLimits
@@ -85,17 +89,20 @@ class SandboxRepository(Repository):
         snapshot_policy: Mapping[str, Any] | None = None,
         metadata: Mapping[str, str] | None = None,
         on_timeout: OnTimeout | None = None,
+        isolation: Isolation | None = None,
     ) -> SandboxRecord:
         """A new sandbox record in state `pending` (generation 0); the reconciler creates it.
 
         A fork names its source (`forked_from`, which must be in the same project) and optionally the
         checkpoint to start from; the reconciler then uses the `fork` event instead of `create`. Its
-        metadata and on_timeout are its source's unless given (None)."""
+        metadata and on_timeout are its source's unless given (None), its isolation always is; a new
+        sandbox's isolation is `isolation` (None: the default, gVisor)."""
         ids.parse_template_name(template)
         env_map = dict(env or {})
         _check_env_and_timeouts(env_map, idle_timeout_s, ttl_s)
         labels = check_metadata(metadata) if metadata is not None else None
         when_expired = parse_on_timeout(on_timeout) if on_timeout is not None else None
+        chosen = parse_isolation(isolation) if isolation is not None else None
         desired = desirable(desired_state)
         now = self.now()
         row = Sandbox(
@@ -127,6 +134,7 @@ class SandboxRepository(Repository):
             crash_count=0,
             metadata_=labels or {},
             on_timeout=when_expired or "delete",
+            isolation=chosen or DEFAULT_ISOLATION,
         )
         with self._tx("creating a sandbox") as session:
             if forked_from is not None:
@@ -137,6 +145,11 @@ class SandboxRepository(Repository):
                     row.metadata_ = dict(source.metadata_ or {})
                 if when_expired is None:
                     row.on_timeout = source.on_timeout
+                if chosen is not None and chosen != source.isolation:
+                    raise InvalidArgument(
+                        f"a fork has its source's isolation ({source.isolation})", field="isolation"
+                    )
+                row.isolation = source.isolation
             session.add(row)
         return sandbox_record(row)
 
