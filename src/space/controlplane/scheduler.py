@@ -24,6 +24,11 @@ Invariants:
   when its sandboxes need the room), so every placement, pooled or not, is judged on the same room.
 - `check_admissible` refuses at once (StorageExhausted, 507) a `disk_mb` larger than any ready node can
   ever hold, instead of letting the create wait for a node that will never have room.
+- Isolation (docs/adr/0076-isolation-per-sandbox.md): a sandbox is placed only on nodes whose reported
+  driver provides its isolation (space.core.isolation: runsc and fake -> gvisor, qemu -> microvm), for
+  every placement (create, restore, recovery), before any other judgement. Ready nodes of which none
+  provides it: placement is ResourceExhausted (retried: such a node may join), and `check_admissible`
+  refuses the create at once (Unavailable, 503, naming the isolation) instead of letting it wait.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from space.controlplane import restore_targets
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.records import NodeRecord, SandboxRecord
 from space.controlplane.store.store import Store
-from space.core import errors, node_states
+from space.core import errors, isolation, node_states
 from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent.settings import NodeAgentSettings
 
@@ -175,6 +180,7 @@ def _best(
 ) -> tuple[NodeRecord, int]:
     candidates: list[tuple[tuple[int, float], str, NodeRecord]] = []
     ready = schedulable_nodes(store, fresh_within_s) if ready is None else ready
+    ready = offering(ready, sandbox.isolation, what=f"sandbox {sandbox.id}")
     # A restore or recovery goes only to nodes whose runtime can restore its checkpoint (ADR 0035).
     for node in restore_targets.able_nodes(store, sandbox, ready):
         placed = store.placed_disk_mb(node.id, besides=sandbox.id) if disk_room_mb(node) is not None else 0
@@ -189,12 +195,37 @@ def _best(
     return best, value[0]
 
 
-def check_admissible(store: Store, limits: SandboxLimits) -> None:
-    """StorageExhausted when no ready node that reports its disk could ever hold `limits.disk_mb` (even
-    empty). Silent when no node reports a disk: nothing is known yet, the create waits for a node."""
-    rooms = [
-        room for node in placeable(store.list_nodes("ready")) if (room := disk_room_mb(node)) is not None
-    ]
+def offering(nodes: list[NodeRecord], wanted: str, *, what: str) -> list[NodeRecord]:
+    """The nodes of `nodes` whose driver provides isolation `wanted`; ResourceExhausted (naming the
+    isolation and what the nodes run) when there are nodes but none does."""
+    able = [node for node in nodes if isolation.of_node(node.runtime) == wanted]
+    if nodes and not able:
+        raise errors.ResourceExhausted(
+            f"no ready node runs {wanted} sandboxes, so {what} waits for one ({_offered(nodes)})",
+            reason="no_node_for_isolation", isolation=wanted,
+        )  # fmt: skip
+    return able
+
+
+def _offered(nodes: list[NodeRecord]) -> str:
+    found = sorted({isolation.of_node(node.runtime) or "nothing known" for node in nodes})
+    return f"the ready nodes run {', '.join(found)}"
+
+
+def check_admissible(store: Store, limits: SandboxLimits, wanted: str = isolation.DEFAULT) -> None:
+    """Before a create is recorded: Unavailable when ready nodes exist but none runs isolation `wanted`;
+    StorageExhausted when no ready node of that isolation that reports its disk could ever hold
+    `limits.disk_mb` (even empty). Silent when no node is ready or none reports a disk: nothing is known
+    yet, the create waits for a node."""
+    ready = placeable(store.list_nodes("ready"))
+    able = [node for node in ready if isolation.of_node(node.runtime) == wanted]
+    if ready and not able:
+        raise errors.Unavailable(
+            f"no node runs {wanted} sandboxes ({_offered(ready)}); create it with another isolation, or "
+            f"ask the operator for a node whose driver provides {wanted}",
+            reason="no_node_for_isolation", field="isolation", isolation=wanted,
+        )  # fmt: skip
+    rooms = [room for node in able if (room := disk_room_mb(node)) is not None]
     if rooms and limits.disk_mb > max(rooms):
         raise errors.StorageExhausted(
             f"disk_mb {limits.disk_mb} is more than any node can hold: the largest takes {max(rooms)} MB "

@@ -3,7 +3,7 @@ the one can restore the other (pure: no I/O; docs/adr/0035-checkpoints-describe-
 
 A descriptor is a small flat JSON object:
 
-    driver           "runsc" | "fake" (required)
+    driver           "runsc" | "qemu" | "fake" (required; space.core.isolation maps it to an isolation)
     platform         gVisor's platform ("ptrace", "systrap"); None for drivers without one
     network          the node's sandbox network mode ("none", "sandbox")
     runtime_version  the runtime's own version string (`runsc --version`)

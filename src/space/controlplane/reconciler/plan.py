@@ -30,6 +30,7 @@ PERMANENT: tuple[type[errors.SpaceError], ...] = (
     errors.TooLarge,
     errors.ArtifactCorrupt,  # never retried: the same bytes fail the same way; visible on the record
     errors.KeyRevoked,  # revoked on purpose: the data is meant to be unreadable
+    errors.NotSupported,  # the sandbox's isolation cannot do it (a microVM's suspend): ADR 0076
 )
 # A restore whose artifact is gone cannot succeed by retrying either.
 RESTORE_PERMANENT: tuple[type[errors.SpaceError], ...] = (*PERMANENT, errors.NotFound)

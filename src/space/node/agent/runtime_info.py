@@ -7,6 +7,10 @@ Invariants:
   It is read as untrusted input (space.core.runtimes.parse_or_none); unreadable or absent means unknown
   (None), never a guess.
 - The fake driver's checkpoints restore only on the fake driver: its descriptor names nothing else.
+- A qemu node's descriptor names its driver only (`qemu`), never the runsc descriptor its helper also
+  publishes: placement matches a microvm sandbox to it by that name (space.core.isolation, ADR 0076), and
+  its checkpoints restore only on qemu nodes. The accelerator and machine a checkpoint needs are checked by
+  the helper on every restore (ADR 0068).
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ def read_descriptor(path: pathlib.Path) -> runtimes.Descriptor | None:
 
 def node_runtime(driver: Driver) -> runtimes.Descriptor | None:
     """This node's runtime descriptor (None: the helper has not published one yet)."""
-    if driver.name == "fake":
-        return runtimes.describe("fake")
+    if driver.name in ("fake", "qemu"):
+        return runtimes.describe(driver.name)
     layout = getattr(driver, "layout", None)  # the runsc driver's; other drivers publish nothing yet
     if not isinstance(layout, NodeLayout):
         return None

@@ -8,21 +8,30 @@ Invariants:
 - A sandbox starts by restoring its template's booted checkpoint (create); the template's checkpoint is
   made once per node by `ensure_template` (one cold boot, HELLO, then the checkpoint).
 - The channel survives checkpoints and pauses: it is the holder's socket in front of QEMU's stdio chardev.
-- What this driver does not do yet raises NotImplementedError naming the operation (ADR 0068 lists them);
-  a stopped sandbox boots cold from its own disk (`start`); `list` reports every microVM disk on the node;
-  it never pretends: a disk-only snapshot or a suspend to object storage is refused, not half done.
+- What this driver does not do yet raises NotSupported (HTTP 409) with space.core.isolation's message for
+  the operation, naming the microvm isolation (ADR 0068 lists them, ADR 0076 the errors); it never
+  pretends: a disk-only snapshot or a suspend to object storage is refused, not half done. A stopped
+  sandbox boots cold from its own disk (`start`); `list` reports every microVM disk on the node.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import pathlib
+from typing import Any, NoReturn
 
-from space.core import errors
+from space.core import errors, isolation
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
-from space.node.drivers.base import CheckpointInfo, Driver, Progress, RuntimeState, SandboxSpec
+from space.node.drivers.base import (
+    CheckpointInfo,
+    Driver,
+    Progress,
+    RuntimeState,
+    SandboxSpec,
+    StagedFiles,
+)
 from space.node.layout import NodeLayout
 
 #: A cold boot under TCG on a busy 2-core machine took up to ~25 s; restores answer in well under 1 s.
@@ -68,7 +77,7 @@ class QemuDriver(Driver):
         return {**result, "microvm": {"accel": status["accel"], **self.machine}}
 
     async def create(self, spec: SandboxSpec) -> None:
-        raise NotImplementedError("the qemu driver creates running sandboxes only: use create_warm")
+        _refuse("cold_create")  # every create is create_warm: a restore of the template's checkpoint
 
     async def create_warm(self, spec: SandboxSpec) -> GuestChannel | None:
         """Restore the template's checkpoint as `spec.sandbox_id`. Like every warm start, the caller then
@@ -126,10 +135,30 @@ class QemuDriver(Driver):
         return await self._channel(sandbox_id, str(result["socket"]))
 
     async def disk_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
-        raise NotImplementedError("the qemu driver takes full checkpoints only (ADR 0068)")
+        _refuse("disk_snapshot")
 
     async def reset_rootfs(self, sandbox_id: str, snapshot_id: str) -> None:
-        raise NotImplementedError("the qemu driver rolls back by restoring a full checkpoint (ADR 0068)")
+        _refuse("disk_rollback")  # a rollback restores a full checkpoint instead
+
+    # -- not yet for microVMs (ADR 0068's list): refused by name instead of the base class's
+    # NotImplementedError, so the agent answers a typed 409 and the reconciler does not retry them.
+    async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
+        _refuse("warm_pool")
+
+    async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
+        _refuse("warm_pool")
+
+    async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
+        _refuse("warm_pool")
+
+    async def export_snapshot(self, sandbox_id: str, snapshot_id: str) -> StagedFiles:
+        _refuse("upload")
+
+    async def prepare_import(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
+        _refuse("import")
+
+    async def import_snapshot(self, spec: SandboxSpec, snapshot_id: str) -> None:
+        _refuse("import")
 
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         await self.helper.call(
@@ -175,6 +204,11 @@ class QemuDriver(Driver):
 
     async def close(self) -> None:
         await self.helper.close()
+
+
+def _refuse(operation: str) -> NoReturn:
+    isolation.refuse_unsupported("microvm", operation)
+    raise AssertionError(f"{operation} is missing from space.core.isolation.UNSUPPORTED['microvm']")
 
 
 def _runtime_state(raw: dict[str, Any]) -> RuntimeState:
