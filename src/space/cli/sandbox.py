@@ -88,6 +88,14 @@ def create(  # noqa: PLR0917
             "--from-snapshot", metavar="ID|NAME", help="Start from a full snapshot (its source's template)."
         ),
     ] = None,
+    isolation: Annotated[
+        str | None,
+        typer.Option(
+            "--isolation",
+            metavar="gvisor|microvm",
+            help="gVisor (the default) or a QEMU microVM on its own kernel (a node must run them).",
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Create a sandbox and wait until it runs; prints its id."""
@@ -117,6 +125,7 @@ def create(  # noqa: PLR0917
             metadata=parse_pairs(metadata, "--metadata") if metadata else None,
             on_timeout=on_timeout,
             from_snapshot=from_snapshot,
+            isolation=isolation,
         )
     if as_json:
         print_json(sb.data)

@@ -71,6 +71,8 @@ def error_text(error: SpaceError) -> str:
 def sandbox_line(data: Mapping[str, Any]) -> str:
     """`<id>  <state>  template=<name>` and what else an agent needs to know about it."""
     parts = [str(data.get("id", "?")), str(data.get("state", "unknown")), f"template={data.get('template')}"]
+    if data.get("isolation") == "microvm":  # gVisor, the default, goes without saying
+        parts.append("isolation=microvm")
     metadata = data.get("metadata")
     if isinstance(metadata, Mapping) and metadata:
         parts.append("metadata=" + ",".join(f"{k}={v}" for k, v in sorted(metadata.items())))

@@ -136,13 +136,17 @@ class SpaceTools:
                 "processes, with its source's template and limits.",
             ),
         ] = None,
+        isolation: Annotated[
+            Literal["gvisor", "microvm"] | None,
+            Field(description="gvisor (default) or microvm: a QEMU microVM with its own Linux kernel."),
+        ] = None,
     ) -> str:
         """Create a sandbox and wait until it runs; answers its id."""
         wanted = limits.model_dump(exclude_none=True) if limits is not None else None
         async with self.acting(ctx) as space:
             sb = await space.sandboxes.create(
                 template, env=env, limits=wanted or None, ttl_s=ttl_s, idle_timeout_s=idle_timeout_s,
-                metadata=metadata, on_timeout=on_timeout, from_snapshot=from_snapshot,
+                metadata=metadata, on_timeout=on_timeout, from_snapshot=from_snapshot, isolation=isolation,
             )  # fmt: skip
         return f"Created sandbox {sb.id}: {render.sandbox_line(sb.data)}"
 

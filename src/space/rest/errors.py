@@ -54,6 +54,9 @@ STATUS_BY_CODE: dict[str, int] = {
     # The chosen node's runtime cannot restore this checkpoint (space.core.runtimes): a conflict with the
     # node, not a failure of it; placement then picks another node.
     errors.RuntimeIncompatible.code: 409,
+    # What the sandbox's isolation cannot do (a disk snapshot of a microVM): the request conflicts with
+    # how the sandbox was made, like a state that refuses it.
+    errors.NotSupported.code: 409,
     # A node whose protocol range does not overlap the control plane's (ADR 0071): a conflict between
     # versions, refused at registration; retrying does not help, upgrading one side does.
     errors.IncompatibleProtocol.code: 409,

@@ -371,15 +371,12 @@ def create_body(
     metadata: Mapping[str, str] | None = None,
     on_timeout: str | None = None,
     from_snapshot: str | None = None,
+    isolation: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"from_snapshot": from_snapshot} if from_snapshot else {"template": template}
     body["env"] = dict(env or {})
     if limits is not None:
         body["limits"] = dict(limits)
-    if idle_timeout_s is not None:
-        body["idle_timeout_s"] = idle_timeout_s
-    if ttl_s is not None:
-        body["ttl_s"] = ttl_s
     if allow:
         body["allow"] = list(allow)
     if credentials:
@@ -390,8 +387,8 @@ def create_body(
         body["snapshot_policy"] = dict(snapshot_policy)
     if metadata is not None:
         body["metadata"] = dict(metadata)
-    if on_timeout is not None:
-        body["on_timeout"] = on_timeout
+    optional = dict(idle_timeout_s=idle_timeout_s, ttl_s=ttl_s, on_timeout=on_timeout, isolation=isolation)
+    body.update({name: value for name, value in optional.items() if value is not None})
     body["wait"] = wait
     return body
 

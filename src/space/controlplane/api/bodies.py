@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from space.controlplane.credentials import spec
+from space.core.isolation import Isolation
 from space.core.retention import SnapshotPolicy
 from space.core.sandbox_options import MAX_TIMEOUT_S, OnTimeout
 from space.core.settings import SandboxLimits
@@ -56,6 +57,9 @@ class CreateSandbox(_Body):
     # store: 400 naming `metadata`), and what the deadline (ttl_s, or a timeout set later) does.
     metadata: dict[str, str] = Field(default_factory=dict)
     on_timeout: OnTimeout = "delete"
+    # Issue 15 (ADR 0076): gVisor (the default) or a QEMU microVM; placed only on nodes that run it. Strict
+    # names: "microvm\n", "MICROVM" or a driver's name ("qemu") are 422s.
+    isolation: Isolation = "gvisor"
     # A full snapshot's id or name: the sandbox starts from that checkpoint (api/snapshot_sandboxes.py).
     from_snapshot: str | None = Field(default=None, min_length=1, max_length=128)
 

@@ -57,9 +57,10 @@ from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.sandbox_listing import DEFAULT_PAGE, MAX_PAGE, MAX_TOKEN_LENGTH, SandboxQuery
 from space.controlplane.template_catalog import find as find_template
 from space.controlplane.template_catalog import resolve_for_create
-from space.core import errors, lifecycle
+from space.core import errors, isolation, lifecycle
 from space.core.ids import new_sandbox_id, parse_sandbox_id
 from space.core.lifecycle import Event, State, transition
+from space.core.retention import SnapshotPolicy
 from space.core.sandbox_options import MAX_METADATA_KEYS, check_metadata, metadata_filters
 from space.core.settings import SandboxLimits
 
@@ -72,10 +73,12 @@ async def create_sandbox(
 ) -> JSONResponse:
     who.require("member")
     check_metadata(body.metadata)  # before anything is recorded (its egress policy)
+    _check_policy(body.isolation, body.snapshot_policy)
     if body.from_snapshot is not None:
         return await snapshot_sandboxes.create_route(body, who, services, idem)
-    # A disk no node can hold is refused now, not left waiting for a node forever (ADR 0027).
-    await asyncio.to_thread(check_admissible, services.store, body.limits or SandboxLimits())
+    # A disk no node can hold, or an isolation no node runs, is refused now, not left waiting for a node
+    # forever (ADR 0027, ADR 0076).
+    await asyncio.to_thread(check_admissible, services.store, body.limits or SandboxLimits(), body.isolation)
     spec = body.egress or EgressSpec()
     allow, bound = [*body.allow, *spec.allow], [*body.credentials, *spec.credentials]
     has_policy = bool(allow or spec.deny or bound)
@@ -106,6 +109,7 @@ async def _create(
             services.store.create_sandbox, who.project_id, template, env, body.limits,
             idle_timeout_s=body.idle_timeout_s, ttl_s=body.ttl_s, sandbox_id=sandbox_id,
             snapshot_policy=policy, metadata=body.metadata, on_timeout=body.on_timeout,
+            isolation=body.isolation,
         )  # fmt: skip
     except errors.AlreadyExists:
         assert sandbox_id is not None
@@ -120,6 +124,12 @@ async def _create(
         return await wait_settled(services, sb.id)
     services.reconciler.poke()
     return sb
+
+
+def _check_policy(kind: str, policy: SnapshotPolicy | None) -> None:
+    """NotSupported (409) for a policy asking what sandboxes of isolation `kind` cannot do (ADR 0076)."""
+    if policy is not None:
+        isolation.refuse_policy(kind, disk_every_s=policy.disk_every_s, upload_full=policy.upload_full)
 
 
 @router.get("/sandboxes", response_model=Sandboxes)
@@ -166,6 +176,7 @@ async def patch_sandbox(sandbox_id: str, body: PatchSandbox, who: Auth, services
     who.require("member")
     sb = await find_sandbox(services, who, sandbox_id)
     if "snapshot_policy" in body.model_fields_set:
+        _check_policy(sb.isolation, body.snapshot_policy)
         policy = body.snapshot_policy.model_dump(mode="json") if body.snapshot_policy else None
         sb = await asyncio.to_thread(services.store.update_observed, sb.id, snapshot_policy=policy)
     return sandbox_view(sb)
@@ -264,6 +275,8 @@ def _lifecycle_route(action: str, event: Event, target: State) -> None:
                 "suspend needs object storage: start the control plane with --store-url", action=action
             )
         parse_sandbox_id(sandbox_id, field="sandbox_id")
+        if action in isolation.RESTRICTED:  # only then is the record read for it first
+            isolation.refuse_unsupported((await find_sandbox(services, who, sandbox_id)).isolation, action)
 
         async def work() -> tuple[int, Any]:
             current = await _act(services, who, sandbox_id, event, target, drive=wait)

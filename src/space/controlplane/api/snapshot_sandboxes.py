@@ -46,7 +46,9 @@ from space.core.sandbox_options import OnTimeout
 
 _GONE = (State.DELETED, State.DELETING)
 #: What a sandbox from a snapshot takes from its source, so a create may not set it.
-_FROM_SOURCE = ("template", "limits", "idle_timeout_s", "allow", "credentials", "egress", "snapshot_policy")
+_FROM_SOURCE = (
+    "template", "limits", "idle_timeout_s", "allow", "credentials", "egress", "snapshot_policy", "isolation",
+)  # fmt: skip
 
 
 async def create_route(

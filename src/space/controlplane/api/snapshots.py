@@ -49,7 +49,7 @@ from space.controlplane.api.snapshot_sandboxes import find_snapshot
 from space.controlplane.api.views import Sandbox, Sandboxes, Snapshot, Snapshots, sandbox_view, snapshot_view
 from space.controlplane.store.records import SandboxRecord, SnapshotRecord
 from space.controlplane.store.sandbox_state import Note
-from space.core import errors
+from space.core import errors, isolation
 from space.core.ids import SNAPSHOT, parse_snapshot_id
 from space.core.lifecycle import Event, State
 from space.core.sandbox_options import check_metadata
@@ -77,6 +77,8 @@ async def take_snapshot(
             f"invalid snapshot name {name[:80]!r}: letters, digits, '.', '_', '-' (not 'snap-...')",
             field="name",
         )
+    if not full:
+        isolation.refuse_unsupported(sb.isolation, "disk_snapshot")  # every caller of the API and E2B
     info = await services.nodes.client(node_of(sb)).create_snapshot(sb.id, full=full)
     # The node made it already: its row is written `ready`, in one write (ADR 0074).
     return await asyncio.to_thread(
@@ -91,6 +93,10 @@ async def create_snapshot(sandbox_id: str, body: SnapshotBody, who: Auth, servic
     who.require("member")
     if body.name is not None and not body.full:  # refused before the sandbox is touched
         raise errors.InvalidArgument("only a full snapshot can have a name", field="name")
+    if not body.full:  # refused before a paused sandbox is resumed for it (ADR 0076)
+        isolation.refuse_unsupported(
+            (await find_sandbox(services, who, sandbox_id)).isolation, "disk_snapshot"
+        )
     sb = await running_sandbox(services, who, sandbox_id)
     return snapshot_view(await take_snapshot(services, sb, full=body.full, name=body.name))
 

@@ -72,6 +72,10 @@ class Sandbox(_View):
         description="'delete' the sandbox at its deadline, or 'pause' it: kept suspended (paused where "
         "there is no object storage) with no deadline until it comes back."
     )
+    isolation: Literal["gvisor", "microvm"] = Field(
+        description="'gvisor' (gVisor's application kernel) or 'microvm' (a QEMU microVM on its own Linux "
+        "kernel); fixed at create: forks and sandboxes from its snapshots keep it (ADR 0076)."
+    )
 
 
 class Sandboxes(_View):
@@ -112,6 +116,7 @@ def sandbox_view(sb: SandboxRecord) -> dict[str, Any]:
         "metadata": sb.metadata,
         "expires_at": _iso(sb.expires_at),
         "on_timeout": sb.on_timeout,
+        "isolation": sb.isolation,
     }
 
 

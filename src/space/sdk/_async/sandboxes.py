@@ -64,12 +64,14 @@ class AsyncSandboxes:
         metadata: Mapping[str, str] | None = None,
         on_timeout: str | None = None,
         from_snapshot: str | None = None,
+        isolation: str | None = None,
     ) -> AsyncSandbox:
         """A new sandbox. `ttl_s` is its deadline in seconds (reset with `set_timeout`); at the deadline
         `on_timeout` "delete" (the default) deletes it, "pause" keeps it suspended (paused without object
         storage) until it is used again. `metadata` labels it for `list(metadata=...)`. `from_snapshot`
-        (a full snapshot's id or name) starts it from that checkpoint, with its source's template, limits
-        and egress policy."""
+        (a full snapshot's id or name) starts it from that checkpoint, with its source's template, limits,
+        egress policy and isolation. `isolation` "gvisor" (the server's default) or "microvm" (a QEMU
+        microVM on its own Linux kernel, on a node that runs them)."""
         body = create_body(
             template=template,
             env=env,
@@ -84,6 +86,7 @@ class AsyncSandboxes:
             metadata=metadata,
             on_timeout=on_timeout,
             from_snapshot=from_snapshot,
+            isolation=isolation,
         )
         data = await self._http.json("POST", "/v1/sandboxes", json_body=body, idempotency_key=idempotency_key)
         return AsyncSandbox(self._http, data)
@@ -181,6 +184,11 @@ class AsyncSandbox:
         while it is being created, or from an older server."""
         value = self.data.get("created_from")
         return None if value is None else str(value)
+
+    @property
+    def isolation(self) -> str:
+        """ "gvisor" or "microvm" (fixed at create); "gvisor" from an older server, which ran nothing else."""
+        return str(self.data.get("isolation") or "gvisor")
 
     @property
     def metadata(self) -> dict[str, str]:
