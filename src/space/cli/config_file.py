@@ -33,11 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from space.controlplane.settings import ControlPlaneSettings
 from space.core import errors
+from space.core.node_cgroups import parse_cgroup_parent
 from space.node.agent.settings import NodeAgentSettings
 from space.sdk.errors import ConfigurationError
 
@@ -115,9 +116,18 @@ class JoinOptions(BaseSettings):
         description="Built-in templates prepared at start (comma-separated).",
     )  # fmt: skip
     cgroup_parent: str = Field(
-        default="space", pattern=r"^[a-z0-9][a-z0-9-]{0,62}$", validation_alias="SPACE_NODE_CGROUP_PARENT",
+        default="space", max_length=256, validation_alias="SPACE_NODE_CGROUP_PARENT",
         description="The cgroup under which the node's sandboxes run (one per node on a machine).",
     )  # fmt: skip
+
+    @field_validator("cgroup_parent")
+    @classmethod
+    def _cgroup_parent(cls, value: str) -> str:
+        """What the node's helper takes: the one validator (space.core.node_cgroups), not a copy."""
+        try:
+            return parse_cgroup_parent(value)
+        except errors.InvalidArgument as exc:
+            raise ValueError(exc.message) from exc
 
 
 class ObjectsOptions(BaseSettings):

@@ -16,8 +16,12 @@ What it does, in order, each step failing with a message that says what to fix:
 Invariants:
 - The token reaches the agent only through DATA_DIR/enrolment.token (0600, the agent's); it is removed
   once the node holds an identity (a single-use token is spent then anyway), never logged or printed.
-- The agent's environment is PATH and the variables of the configuration's [node] and [objects] sections
-  (space.cli.config_file); `--ca-file` becomes its SSL_CERT_FILE (a copy in the data directory it can read).
+- The agent's environment is PATH, the variables of the configuration's [node] and [objects] sections
+  (space.cli.config_file) and the process-wide ones a starter passes on (space.core.process_env: log
+  format, tracing, reported version); `--ca-file` becomes its SSL_CERT_FILE (a copy in the data directory
+  it can read). The helper gets the same process-wide ones (space.node.local.HELPER_ENV).
+- A setting the node's processes would refuse (a `cgroup_parent` the helper does not take: the one
+  validator of space.core.node_cgroups) stops the join before it starts anything.
 - DATA_DIR/up.json and DATA_DIR/status.json are the ones `space up` writes, so `space down` and
   `space status` see a joined node as they see a one-machine installation.
 """
@@ -57,7 +61,7 @@ from space.cli.config_file import (
     settings,
 )
 from space.cli.controlplane_role import split_listen
-from space.core import errors
+from space.core import errors, process_env
 from space.node import filemodes
 from space.node.agent.identity import NodeIdentity, default_identity_file
 from space.node.agent.settings import NodeAgentSettings
@@ -158,6 +162,7 @@ def agent_environment(ca_copy: pathlib.Path | None) -> dict[str, str]:
             name = env_name(model, key)
             if name in os.environ:
                 env[name] = os.environ[name]
+    env.update(process_env.passed_on(os.environ))  # log format, tracing, reported version (ADR 0079)
     if ca_copy is not None:
         env["SSL_CERT_FILE"] = str(ca_copy)
     return env

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import pathlib
 import pwd
-import re
 import shutil
 import subprocess
 import sys
@@ -97,11 +96,6 @@ def node_plan(loaded: ConfigFile, environment_file: pathlib.Path) -> su.NodePlan
             "the node role needs the control plane's URL: control_plane in the file's [node] section "
             "(or SPACE_NODE_CONTROL_PLANE)",
             field="control_plane",
-        )
-    if not re.fullmatch(r"space[a-z0-9-]{0,40}", options.cgroup_parent):  # what the helper takes
-        raise errors.InvalidArgument(
-            f"cgroup_parent {options.cgroup_parent!r}: the node helper takes 'space' followed by [a-z0-9-]",
-            field="cgroup_parent",
         )
     data_dir = pathlib.Path(options.data_dir)
     return su.NodePlan(

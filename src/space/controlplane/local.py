@@ -41,13 +41,12 @@ from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
 from space.controlplane.store.migrate import migrate
 from space.controlplane.store.store import Store
 from space.controlplane.supervisor import STATUS_FILENAME, Backoff, Component, Emit, Supervisor
-from space.core import errors, tracing
+from space.core import errors, process_env
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.rpc_listen import MAX_SOCKET_PATH, default_rpc_socket
 from space.node.agent.settings import NodeAgentSettings
 from space.node.local import LocalNode, ensure_local_store
-from space.rest.log_records import LOG_FORMAT_ENV
 
 AGENT_USER = "space"
 READY_TIMEOUT_S = 600.0
@@ -154,9 +153,8 @@ class LocalCluster:
                **settings_environment()}  # fmt: skip
         src = pathlib.Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = str(src)
-        if LOG_FORMAT_ENV in os.environ:  # `SPACE_LOG_FORMAT=json space up`: JSON log lines (ADR 0071)
-            env[LOG_FORMAT_ENV] = os.environ[LOG_FORMAT_ENV]
-        env.update({name: os.environ[name] for name in tracing.TRACING_ENV if name in os.environ})  # ADR 0072
+        # `SPACE_LOG_FORMAT=json space up`: JSON lines (ADR 0071), tracing (ADR 0072), version (ADR 0079)
+        env.update(process_env.passed_on(os.environ))
         if user is not None and user[0] != 0:
             argv = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", *argv]
             env["HOME"] = "/"

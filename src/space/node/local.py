@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from space.core import errors, tracing
+from space.core import errors, process_env
 from space.core.settings import NodeSettings
 from space.node import filemodes
 from space.node.agent.agent import NodeAgent
@@ -43,8 +43,7 @@ from space.objectstore.backends import open_store
 HELPER_ENV = (
     "PATH", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "LANG", "LC_ALL", "TMPDIR",
     "http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
-    "SPACE_LOG_FORMAT",  # text or json lines (ADR 0071)
-    *tracing.TRACING_ENV,  # sampling, ring size, OTLP export (ADR 0072)
+    *process_env.PASSED_ON,  # log format, tracing, reported version (ADR 0071, 0072, 0079)
 )  # fmt: skip
 
 

@@ -24,7 +24,6 @@ import logging
 import os
 import pathlib
 import pwd
-import re
 import signal
 import socket
 import socketserver
@@ -35,6 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from space.core import errors, tracing
+from space.core.node_cgroups import parse_cgroup_parent
 from space.core.settings import NodeSettings
 from space.faults import failpoints
 from space.node.filemodes import set_owner_only_umask
@@ -182,9 +182,10 @@ def _resolve_uid(user: str) -> int:
 
 
 def _cgroup_parent(value: str) -> str:
-    if re.fullmatch(r"space[a-z0-9-]{0,40}", value) is None:
-        raise argparse.ArgumentTypeError("--cgroup-parent is 'space' followed by [a-z0-9-]")
-    return value
+    try:
+        return parse_cgroup_parent(value)  # the one validator of space.core.node_cgroups (ADR 0079)
+    except errors.InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(exc.message) from exc
 
 
 def main(argv: list[str] | None = None) -> int:
