@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
+from space.controlplane.api import node_admin
 from space.controlplane.api.app import create_app
 from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.store.engine import sqlite_url
@@ -82,3 +83,34 @@ def test_a_stopped_copy_of_a_running_or_paused_record_is_a_crash(world: tuple[St
         and "while its agent was away" in (crashed.notice or "")
     )
     assert [event.kind for event in store.list_events(running)] == ["sandbox.crashed"]
+
+
+@pytest.mark.parametrize(
+    ("reported", "kept"),
+    [
+        ({"space_version": "1.2.3"}, "1.2.3"),
+        ({"space_version": "1.0\n{forged"}, None),
+        ({"space_version": "x" * 65}, None),
+        ({"space_version": ["1.2.3"]}, None),
+        ({}, None),  # an older agent reports none
+    ],
+)
+def test_a_heartbeat_s_space_version_is_parsed_not_trusted(
+    world: tuple[Store, TestClient], reported: dict[str, object], kept: str | None
+) -> None:
+    """ADR 0079: the release a node reports is kept beside its runtime descriptor only when it is a version
+    token; a version smuggled inside the descriptor itself is dropped with the descriptor's unknown keys."""
+    store, client = world
+    body = {"url": f"http://127.0.0.1:1/{secrets.token_hex(6)}", "token": secrets.token_urlsafe(24),
+            "capacity": {"cpus": 1, "memory_mb": 64}, "templates": []}  # fmt: skip
+    enrolled = client.post("/v1/nodes/register", json=body, headers={"Authorization": f"Bearer {BOOTSTRAP}"})
+    node_id, identity = enrolled.json()["node_id"], enrolled.json()["identity"]
+    beat = {"sandboxes": [], "time": time.time(), "runtime": {"driver": "fake", "space_version": "smuggled"},
+            **reported}  # fmt: skip
+    answer = client.post(f"/v1/nodes/{node_id}/heartbeat", json=beat,
+                         headers={"Authorization": f"Bearer {identity}"})  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    node = store.get_node(node_id)
+    assert node is not None and node.runtime is not None and node.runtime.get("driver") == "fake"
+    assert node.runtime.get("space_version") == kept
+    assert node_admin.node_view(node, 0)["space_version"] == kept

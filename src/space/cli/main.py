@@ -24,6 +24,7 @@ from space.cli.service import service_app
 from space.cli.status import status
 from space.cli.templates import template_app
 from space.cli.trace import trace_command
+from space.core import errors, versions
 
 app = typer.Typer(
     name="space",
@@ -32,6 +33,17 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(wanted: bool) -> None:
+    """`space --version`: the version every component of this installation reports (ADR 0079)."""
+    if wanted:
+        try:
+            typer.echo(f"space {versions.space_version()}")
+        except errors.InvalidArgument as exc:
+            typer.echo(f"error: {exc.message}", err=True)
+            raise typer.Exit(EXIT_USAGE) from exc
+        raise typer.Exit(0)
 
 
 @app.callback()
@@ -43,6 +55,12 @@ def main(
         str | None,
         typer.Option("--api-key", metavar="KEY", help="API key (default: $SPACE_API_KEY or config)."),
     ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", is_eager=True, callback=_print_version, help="Print SPACE's version and exit."
+        ),
+    ] = False,
 ) -> None:
     """SPACE: self-hostable sandboxes for long-running AI agents."""
     state.url = url

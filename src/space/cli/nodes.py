@@ -37,11 +37,12 @@ def node_list(as_json: JsonFlag = False) -> None:
         [
             n.id, n.data.get("status"), n.admin, _used(n.data), n.data.get("sandboxes", 0),
             n.data.get("moving", 0), ",".join(f"{t}={c}" for t, c in (n.data.get("pools") or {}).items()),
-            n.data.get("version") or "-", n.data.get("last_heartbeat_at"),
+            n.data.get("space_version") or "-", n.data.get("version") or "-", n.data.get("last_heartbeat_at"),
         ]
         for n in nodes
     ]  # fmt: skip
-    table(rows, ["ID", "STATUS", "ADMIN", "MEMORY", "SANDBOXES", "MOVING", "POOLS", "VERSION", "HEARTBEAT"])
+    columns = ["ID", "STATUS", "ADMIN", "MEMORY", "SANDBOXES", "MOVING", "POOLS", "VERSION", "RUNTIME"]
+    table(rows, [*columns, "HEARTBEAT"])
 
 
 @node_app.command("cordon")

@@ -5,6 +5,8 @@ Where each part comes from (the report says so in `sources`):
 - components (pid, state, uptime, restarts, last exit): DATA_DIR/status.json, which the supervisor
   rewrites on every change (ADR 0037); uptime is computed now from the recorded start time, and only
   while the supervisor is alive (a dead supervisor's file is shown as it was left, `running: false`);
+- versions (ADR 0079): this command's, the control plane's (its /healthz answer) and each node's (its
+  heartbeats, kept in the database);
 - the control plane's health: GET /healthz at the url the supervisor recorded (no key needed), and the
   E2B front's: GET /health of its control API (docs/e2b.md; a port it could not bind shows here);
 - the nodes (status, capacity, use, last heartbeat): the control plane's own database in DATA_DIR, read
@@ -27,7 +29,7 @@ import typer
 from space.cli._common import EXIT_OK, EXIT_UNAVAILABLE
 from space.cli.installation import DEFAULT_DATA_DIR, read_state, rows_of, supervisor_pid
 from space.controlplane.supervisor import read_status
-from space.core import errors
+from space.core import errors, versions
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -79,7 +81,9 @@ def _health(url: str, path: str = "/healthz") -> dict[str, Any]:
     except httpx.HTTPError as exc:
         return {"health": "unreachable", "error": f"{type(exc).__name__}: {exc}"[:200]}
     if answer.status_code == 200:
-        return {"health": "ok"}
+        reported = answer.json() if "json" in answer.headers.get("content-type", "") else {}
+        version = versions.parse_reported(reported.get("version") if isinstance(reported, dict) else None)
+        return {"health": "ok", "version": version}  # the control plane's own SPACE version (ADR 0079)
     return {"health": "unhealthy", "status_code": answer.status_code}
 
 
@@ -87,6 +91,7 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     """Every node the control plane knows (None: no database here, or it cannot be read)."""
     # Imported here: SQLAlchemy and the store cost every other `space` command ~0.4 s of start-up.
     from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
+    from space.controlplane.store.nodes import RELEASE_KEY
     from space.controlplane.store.store import Store
     from space.core import node_states
 
@@ -105,6 +110,7 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     return [
         {"id": node.id, "url": node.url, "status": node.status,
          "admin": node_states.of_labels(node.labels).value, "capacity": node.capacity, "used": node.used,
+         "space_version": (node.runtime or {}).get(RELEASE_KEY),
          "last_heartbeat_at": node.last_heartbeat_at.isoformat()}
         for node in nodes
     ]  # fmt: skip
@@ -126,12 +132,21 @@ def _e2b_line(e2b: dict[str, Any]) -> str:
     )
 
 
+def _own_version() -> str:
+    try:
+        return versions.space_version()
+    except errors.InvalidArgument:  # a bad SPACE_VERSION_OVERRIDE: the report is still worth showing
+        return "?"
+
+
 def render(report: dict[str, Any]) -> str:
     head = "running" if report["running"] else "NOT running"
     lines = [
         f"SPACE {head} from {report['data_dir']}"
         + (f" (supervisor pid {report['supervisor_pid']}, {report['url']})" if report["running"] else ""),
-        f"control plane: {report['controlplane'].get('health')}",
+        f"SPACE {_own_version()} (this command); control plane: "
+        f"{report['controlplane'].get('health')}"
+        + (f" ({report['controlplane']['version']})" if report["controlplane"].get("version") else ""),
         _e2b_line(report.get("e2b") or {}),
         "",
         f"{'COMPONENT':<13}{'PID':>8}  {'STATE':<9}{'UPTIME':>10}{'RESTARTS':>10}  LAST EXIT",
@@ -150,7 +165,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"node {node['id']} {node['status']} ({node.get('admin', 'active')}) at {node['url']}: "
             f"sandboxes {used.get('sandboxes', 0)}/"
-            f"{cap.get('sandboxes', '?')}, cpus {cap.get('cpus', '?')}, mem {cap.get('memory_mb', '?')} MiB"
+            f"{cap.get('sandboxes', '?')}, cpus {cap.get('cpus', '?')}, mem {cap.get('memory_mb', '?')} MiB, "
+            f"SPACE {node.get('space_version') or '?'}"
         )
     return "\n".join(lines)
 

@@ -8,8 +8,9 @@ bodies are bodies.py and views.py; the periodic jobs are jobs.py. docs/adr/0030-
 Invariants:
 - Request limits (api/limits.py) are the outermost layer: a public request is authenticated and its body
   bounded before any route reads it.
-- `/healthz` needs nothing; `/metrics` (route names, statuses and rates of every tenant) needs an org admin
-  key; every other public route is under /v1 and in the OpenAPI document, the node-facing ones are not.
+- `/healthz` needs nothing and answers the replica's SPACE version (ADR 0079); `/metrics` (route names,
+  statuses and rates of every tenant) needs an org admin key; every other public route is under /v1 and
+  in the OpenAPI document, the node-facing ones are not.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from space.controlplane.settings import ControlPlaneSettings
 from space.controlplane.snapshots import SnapshotKeeper
 from space.controlplane.store.store import Store
 from space.controlplane.template_builds import TemplateBuilds
-from space.core import errors, tracing
+from space.core import errors, tracing, versions
 from space.rest import errors as rest_errors
 from space.rest.request_id import RequestIdMiddleware
 from space.rest.tracing import TraceRequests
@@ -103,6 +104,7 @@ def create_app(
     app = FastAPI(title="SPACE", version="1", lifespan=lifespan)  # type: ignore[arg-type]
     mcp.mount(app)  # /mcp: SPACE's tools over streamable HTTP, acting with the caller's key (ADR 0049)
     app.state.services = services
+    app.state.space_version = versions.space_version()  # what /healthz reports (ADR 0079)
     builds = TemplateBuilds(
         store,
         services.nodes.client,
@@ -213,7 +215,7 @@ class _Metrics:
 async def _health(request: Request) -> dict[str, Any]:
     services: Services = request.app.state.services
     await asyncio.to_thread(services.store.ping)
-    return {"status": "ok"}
+    return {"status": "ok", "version": request.app.state.space_version}
 
 
 async def _metrics_route(request: Request, authorization: Annotated[str | None, Header()] = None) -> Response:

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from space.controlplane.api.deps import Auth, Services, Svc, require_org_admin
 from space.controlplane.api.views import _View
+from space.controlplane.store.nodes import RELEASE_KEY
 from space.controlplane.store.records import NodeRecord
 from space.core import errors, node_states
 from space.core.node_states import NodeAdminEvent
@@ -43,6 +44,7 @@ class NodeView(_View):
     pools: dict[str, int] | None = Field(description="Ready pooled sandboxes per template (null: unknown).")
     labels: dict[str, str]
     version: str | None = Field(description="The node's runtime version, as it reports it (null: unknown).")
+    space_version: str | None = Field(description="The SPACE release the node's agent runs (null: unknown).")
     sandboxes: int = Field(description="Sandboxes recorded on the node (any state but deleted).")
     moving: int = Field(description="Sandboxes a drain of this node is still moving.")
     last_heartbeat_at: str
@@ -70,6 +72,7 @@ def node_view(node: NodeRecord, sandboxes: int) -> dict[str, Any]:
         "pools": node.pools,
         "labels": {k: v for k, v in labels.items() if not k.startswith(node_states.RESERVED_PREFIX)},
         "version": (node.runtime or {}).get("runtime_version"),
+        "space_version": (node.runtime or {}).get(RELEASE_KEY),
         "sandboxes": sandboxes,
         "moving": len(node_states.drain_entries(labels)),
         "last_heartbeat_at": node.last_heartbeat_at.isoformat(),

@@ -24,7 +24,8 @@ Invariants:
   spares a pooled node the room check its own `used` already made): it is parsed, not trusted. Templates
   the node does not report holding, names that are not template names, and counts that are not integers
   are left out; a count is clamped to 0..MAX_POOL_COUNT; a map of more than MAX_POOL_TEMPLATES entries,
-  or one that is not a map, is recorded as empty.
+  or one that is not a map, is recorded as empty. Its `space_version` (the node's release, ADR 0079) is
+  kept only when it is a version token (space.core.versions), else dropped.
 - Deregistration needs the node's own identity and the `beat` of its LATEST heartbeat (a 409 otherwise), so
   a replayed or delayed deregistration never takes a node that has reported since offline.
 - A node gets credential values only for a sandbox whose record names it as its node (403 otherwise, also
@@ -56,7 +57,7 @@ from space.controlplane.store.credentials import AuditEntry, CredentialRecord
 from space.controlplane.store.digests import new_node_identity
 from space.controlplane.store.records import SandboxRecord
 from space.controlplane.store.store import Store
-from space.core import errors, ids, lifecycle, runtimes
+from space.core import errors, ids, lifecycle, runtimes, versions
 from space.core.ids import parse_node_id, parse_sandbox_id
 from space.core.lifecycle import State
 from space.protocol import node_protocol
@@ -305,6 +306,7 @@ async def heartbeat(
         # What the node's runtime restores (ADR 0035): untrusted, so parsed; an unreadable one is no report.
         runtime=runtimes.parse_or_none(beat.get("runtime")),
         pools=_pools(beat.get("pools"), templates),
+        space_version=versions.parse_reported(beat.get("space_version")),  # untrusted too (ADR 0079)
     )  # fmt: skip
     await _crash_reports(services, node_id, reported_sandboxes, beat.get("time"))
     reported = [str(item["id"]) for item in beat.get("sandboxes") or [] if item.get("id")]

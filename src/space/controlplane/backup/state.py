@@ -26,7 +26,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import os
 import pathlib
 import pwd
@@ -56,6 +55,7 @@ from space.controlplane.credentials.service import MASTER_KEY_FILENAME
 from space.controlplane.store.engine import SQLITE_FILENAME, is_sqlite
 from space.controlplane.store.migrate import alembic_config, migrate
 from space.core import errors
+from space.core.versions import space_version
 
 #: files/credentials.master.key (MASTER_KEY_FILENAME), files/node.token, files/admin.key.
 MASTER_KEY_MEMBER, NODE_TOKEN_MEMBER, ADMIN_KEY_MEMBER = FILES
@@ -113,13 +113,6 @@ class Installation:
                 if path.is_file() and not path.is_symlink() and valid_name(name):  # not the .lock files
                     found[name] = path
         return found
-
-
-def space_version() -> str:
-    try:
-        return importlib.metadata.version("space-sandbox")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def known_revisions() -> set[str]:

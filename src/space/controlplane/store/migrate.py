@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Final
@@ -28,6 +29,7 @@ from sqlalchemy.engine import URL
 from space.controlplane.store.engine import make_engine
 from space.controlplane.store.errors import translate_db_errors
 
+log = logging.getLogger(__name__)
 MIGRATIONS_DIR: Final = pathlib.Path(__file__).resolve().parent / "migrations"
 # An arbitrary constant that names "the SPACE schema migration" among PostgreSQL advisory locks.
 ADVISORY_LOCK_KEY: Final = 0x5350414345_01  # "SPACE", 1
@@ -81,13 +83,25 @@ def _run_locked(url_or_engine: str | URL | Engine, what: str, step: Callable[[Co
             engine.dispose()
 
 
-def migrate(url_or_engine: str | URL | Engine, revision: str = "head") -> None:
-    """Upgrade the database at `url_or_engine` to `revision` (default: head). Safe to run concurrently."""
-    _run_locked(
-        url_or_engine,
-        "migrating the control plane database",
-        lambda config: command.upgrade(config, revision),
-    )
+def migrate(url_or_engine: str | URL | Engine, revision: str = "head") -> bool:
+    """Upgrade the database at `url_or_engine` to `revision` (default: head). Safe to run concurrently.
+    True when this call changed the schema; it logs which (the one replica of several started together
+    that migrated says so, the others find the schema there: an upgrade's logs show it ran once)."""
+    seen: list[str | None] = []
+
+    def upgrade(config: Config) -> None:
+        connection: Connection = config.attributes["connection"]
+        seen.append(current_revision(connection))
+        command.upgrade(config, revision)
+        seen.append(current_revision(connection))
+
+    _run_locked(url_or_engine, "migrating the control plane database", upgrade)
+    before, after = seen
+    if before != after:
+        log.info("database schema migrated from %s to %s", before or "empty", after)
+    else:
+        log.info("database schema already at %s: nothing to migrate", after)
+    return before != after
 
 
 def downgrade(url_or_engine: str | URL | Engine, revision: str) -> None:

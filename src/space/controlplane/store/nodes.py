@@ -42,6 +42,8 @@ from space.core.node_states import NodeAdmin, NodeAdminEvent
 
 _NODE_STATUSES: Final = frozenset(get_args(NodeStatus))
 URL_LENGTH: Final = 512
+#: The key of the runtime column under which a node's heartbeat keeps the SPACE release it runs (ADR 0079).
+RELEASE_KEY: Final = "space_version"
 
 
 def _set_registration(
@@ -251,13 +253,18 @@ class NodeRepository(Repository):
         capacity: Mapping[str, Any] | None = None,
         runtime: Mapping[str, Any] | None = None,
         pools: Mapping[str, int] | None = None,
+        space_version: str | None = None,
     ) -> NodeRecord:
         """A node's periodic report: resource use, templates present, when given its ready pooled
         sandboxes per template (already parsed by the caller: api/node_routes.py), per-sandbox last activity
         (applied only to sandboxes assigned to this node, never moving backwards) and, when given, its
         runtime descriptor (already parsed by the caller: space.core.runtimes). A lost node that
-        reports again is ready; a draining one stays draining. NotFound: register again."""
+        reports again is ready; a draining one stays draining. NotFound: register again. The SPACE release
+        the node reports (ADR 0079, already parsed) is kept beside its descriptor, under RELEASE_KEY of the
+        runtime column (a descriptor's reader ignores keys it does not know; no schema change)."""
         now = self.now()
+        if runtime is not None and space_version is not None:
+            runtime = {**runtime, RELEASE_KEY: space_version}
         statement = (
             update(Node)
             .where(Node.id == node_id)

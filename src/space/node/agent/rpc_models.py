@@ -207,8 +207,8 @@ class NodeInfo(BaseModel):
     store_url: str | None = None  # the only object store suspend/restore requests may name on this node
     #: What this node's runtime restores (space.core.runtimes; None: not known yet). ADR 0035.
     runtime: dict[str, str | None] | None = None
-    #: Ready pooled sandboxes per template (ADR 0047).
-    pools: dict[str, int] = Field(default_factory=dict)
+    pools: dict[str, int] = Field(default_factory=dict)  # ready pooled sandboxes per template (ADR 0047)
+    space_version: str | None = None  # the SPACE release this agent runs (space.core.versions, ADR 0079)
 
 
 # -- data plane ------------------------------------------------------------------------------------------
@@ -384,9 +384,9 @@ class RegisterRequest(BaseModel):
     driver: str
     isolating: bool
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
-    #: The node protocol versions this node speaks (space.protocol.node_protocol, ADR 0071).
-    protocol_min: int = 1
-    protocol_max: int = 1
+    space_version: str | None = None  # as in NodeInfo (ADR 0079)
+    protocol_min: int = 1  # the node protocol versions this node speaks (space.protocol.node_protocol,
+    protocol_max: int = 1  # ADR 0071)
 
 
 class Heartbeat(BaseModel):
@@ -410,8 +410,8 @@ class Heartbeat(BaseModel):
     sandboxes: list[SandboxObserved]
     unmanaged: list[str] = Field(default_factory=list)
     runtime: dict[str, str | None] | None = None  # as in NodeInfo (ADR 0035)
-    #: Ready pooled sandboxes per template (issue 12); the scheduler prefers nodes with one.
-    pools: dict[str, int] = Field(default_factory=dict)
+    pools: dict[str, int] = Field(default_factory=dict)  # ready pooled per template (issue 12)
+    space_version: str | None = None  # as in NodeInfo (ADR 0079)
 
 
 # -- suspend / restore / recover (object storage) -----------------------------------------------------------

@@ -27,7 +27,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from space.core import errors
+from space.core import errors, versions
 from space.core.lifecycle import IN_PROGRESS_STATES, State
 from space.core.settings import CPU_OVERCOMMIT, SandboxLimits
 from space.node.agent import rpc_models as rm
@@ -212,6 +212,7 @@ class ServiceCore:
             store_url=public_url(self.agent.store.url) if self.agent.store is not None else None,
             runtime=self.agent.node_runtime(),
             pools=self.agent.pools.counts() if self.agent.pools is not None else {},
+            space_version=versions.space_version(),
         )
 
     def has_room(self, limits: SandboxLimits | None) -> bool:
@@ -259,6 +260,7 @@ class ServiceCore:
             driver=info.driver,
             isolating=info.isolating,
             runtime=info.runtime,
+            space_version=info.space_version,
             protocol_min=protocol_min,
             protocol_max=protocol_max,
         )
