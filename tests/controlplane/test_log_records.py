@@ -31,7 +31,8 @@ def test_a_json_line_has_the_documented_keys_and_the_bound_ids() -> None:
         line = formatter.format(_record("space.node.rpc", "two\nlines", exc=True))
     assert "\n" not in line  # one record, one line
     parsed = json.loads(line)
-    assert set(parsed) == {"ts", "level", "component", "logger", "msg", "request_id", "sandbox_id", "error"}
+    keys = {"ts", "level", "component", "logger", "msg", "request_id", "sandbox_id", "trace_id", "span_id"}
+    assert set(parsed) == keys | {"error"}
     assert parsed["msg"] == "two\nlines" and parsed["level"] == "warning" and parsed["component"] == "agent"
     assert parsed["request_id"] == "req_abc" and parsed["sandbox_id"] == "sb-aaaaaaaaaaaaaaaaaaaaaaaaaa"
     assert "ValueError: boom" in parsed["error"]
@@ -109,3 +110,22 @@ def test_a_step_context_keeps_the_request_s_id_or_makes_a_step_id() -> None:
         driven = request_ids.step_context("sb-aaaaaaaaaaaaaaaaaaaaaaaaaa")
     assert driven.get(request_ids.current_request_id) == "req_driving"
     assert request_ids.current_request_id.get() is None  # the caller's context is untouched
+
+
+def test_a_line_written_after_its_span_names_the_ids_it_was_given() -> None:
+    """The access line of a request is written when its span has ended: it carries the ids it was given
+    (TRACE_IDS_ATTR); text shows the trace id's first TEXT_TRACE_CHARS digits (ADR 0079)."""
+    record = _record("space.rest.request_id", "GET /v1/sandboxes 200 1.0ms")
+    setattr(record, log_records.TRACE_IDS_ATTR, ("a" * 32, "b" * 16))
+    parsed = json.loads(log_records.JsonFormatter("controlplane").format(record))
+    assert (parsed["trace_id"], parsed["span_id"]) == ("a" * 32, "b" * 16)
+    text = log_records.TextFormatter("controlplane").format(record)
+    assert text.endswith(f"200 1.0ms [trace={'a' * log_records.TEXT_TRACE_CHARS}]")
+    plain = log_records.TextFormatter("controlplane").format(_record("space.x", "no span here"))
+    assert (
+        "trace=" not in plain
+        and json.loads(log_records.JsonFormatter("controlplane").format(_record("space.x", "none")))[
+            "trace_id"
+        ]
+        is None
+    )

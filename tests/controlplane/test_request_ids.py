@@ -6,6 +6,7 @@ and the node's log lines of that request, so one grep follows it from the gatewa
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -151,3 +152,43 @@ def test_a_reconciler_step_names_its_request_or_a_step_id_of_its_own(
     for row in rows:  # the request's id on the direct path, else the step's own
         assert row["request_id"] == answer.headers["x-request-id"] or row["request_id"].startswith("step_")
         assert row["sandbox_id"] == doomed
+
+
+def test_a_caller_s_trace_id_names_the_api_s_and_the_node_s_lines(
+    cluster: c.Cluster, project: c.Project, sandbox_id: str
+) -> None:
+    """Issue 17 (ADR 0079): a request in the caller's trace (W3C traceparent) is logged under that trace id,
+    on the API and on the node it reached, with the span of each hop (not the caller's)."""
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    answer = project.http().post(
+        f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": "true"},
+        headers={"X-Request-Id": "traced-1", "traceparent": f"00-{trace_id}-{parent}-01"}, timeout=60,
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    api = c.wait_for(lambda: _with(cluster.cp, "traced-1"), timeout=30, what="the API's access line")
+    node = c.wait_for(lambda: _with(cluster.node, "traced-1"), timeout=30, what="the node's access line")
+    access = [row for row in api if row["msg"].startswith(f"POST /v1/sandboxes/{sandbox_id}/exec 200")]
+    assert access and all(row["trace_id"] == trace_id for row in access), api
+    assert all(len(row["span_id"]) == 16 and row["span_id"] != parent for row in access), access
+    assert any(row["trace_id"] == trace_id for row in node), node
+    assert {row["span_id"] for row in node}.isdisjoint({parent}), node
+
+
+HOSTILE_TRACEPARENTS = {
+    "malformed": "00-zz-yy-01",
+    "all-zero trace": "00-" + "0" * 32 + "-" + "b" * 16 + "-01",
+    "oversized": "00-" + "c" * 32 + "-" + "d" * 16 + "-01" + "-x" * 100,
+}
+
+
+@pytest.mark.parametrize("hostile", list(HOSTILE_TRACEPARENTS.values()), ids=list(HOSTILE_TRACEPARENTS))
+def test_a_hostile_traceparent_starts_a_trace_of_its_own_in_the_lines(
+    cluster: c.Cluster, project: c.Project, hostile: str
+) -> None:
+    request_id = f"hostile-tp-{secrets.token_hex(4)}"
+    answer = project.http().get("/v1/sandboxes", headers={"X-Request-Id": request_id, "traceparent": hostile})
+    assert answer.status_code == 200, answer.text
+    rows = c.wait_for(lambda: _with(cluster.cp, request_id), timeout=30, what="the access line")
+    for row in rows:  # a fresh, well-formed trace: nothing of the header
+        assert len(row["trace_id"]) == 32 and set(row["trace_id"]) <= set("0123456789abcdef"), row
+        assert row["trace_id"] not in {"0" * 32, "c" * 32}, row
