@@ -78,7 +78,9 @@ def test_nodes_come_from_the_database(tmp_path: pathlib.Path) -> None:
         node = store.register_node(
             "http://127.0.0.1:7", "t" * 32, capacity={"cpus": 2.0, "memory_mb": 4096, "sandboxes": 10}
         )
-        store.heartbeat(node.id, used={}, runtime={"driver": "fake"}, space_version="9.9.9")  # ADR 0079
+        store.heartbeat(
+            node.id, used={}, runtime={"driver": "fake"}, space_version="9.9.9", pools={"python": 2}
+        )  # ADR 0079
     finally:
         store.close()
     report = collect(tmp_path)
@@ -86,7 +88,8 @@ def test_nodes_come_from_the_database(tmp_path: pathlib.Path) -> None:
     [seen] = report["nodes"]
     assert seen["id"] == node.id and seen["status"] == "ready" and seen["capacity"]["sandboxes"] == 10
     assert f"node {node.id} ready" in render(report)
-    assert seen["space_version"] == "9.9.9" and "SPACE 9.9.9" in render(report).split(f"node {node.id}")[1]
+    line = render(report).split(f"node {node.id}")[1]
+    assert seen["space_version"] == "9.9.9" and "SPACE 9.9.9, pool python 2" in line, line
 
 
 def test_a_damaged_status_file_is_no_status(tmp_path: pathlib.Path) -> None:

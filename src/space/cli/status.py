@@ -9,9 +9,10 @@ Where each part comes from (the report says so in `sources`):
   heartbeats, kept in the database);
 - the control plane's health: GET /healthz at the url the supervisor recorded (no key needed), and the
   E2B front's: GET /health of its control API (docs/e2b.md; a port it could not bind shows here);
-- the nodes (status, capacity, use, last heartbeat): the control plane's own database in DATA_DIR, read
-  directly, so they are shown even when the API is down (`space node list` asks the API, with an org
-  admin key); with the operator's hold on each (`admin`: active, cordoned, draining, drained, ADR 0065).
+- the nodes (status, capacity, use, ready warm-pool members per template, last heartbeat): the control
+  plane's own database in DATA_DIR, read directly, so they are shown even when the API is down (`space
+  node list` asks the API, with an org admin key); with the operator's hold on each (`admin`: active,
+  cordoned, draining, drained, ADR 0065).
 
 Exit code 0 when the supervisor runs, 6 (unavailable) when it does not; `--json` prints JSON only.
 """
@@ -110,7 +111,7 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     return [
         {"id": node.id, "url": node.url, "status": node.status,
          "admin": node_states.of_labels(node.labels).value, "capacity": node.capacity, "used": node.used,
-         "space_version": (node.runtime or {}).get(RELEASE_KEY),
+         "space_version": (node.runtime or {}).get(RELEASE_KEY), "pools": node.pools or {},
          "last_heartbeat_at": node.last_heartbeat_at.isoformat()}
         for node in nodes
     ]  # fmt: skip
@@ -167,6 +168,7 @@ def render(report: dict[str, Any]) -> str:
             f"sandboxes {used.get('sandboxes', 0)}/"
             f"{cap.get('sandboxes', '?')}, cpus {cap.get('cpus', '?')}, mem {cap.get('memory_mb', '?')} MiB, "
             f"SPACE {node.get('space_version') or '?'}"
+            + "".join(f", pool {name} {count}" for name, count in sorted((node.get("pools") or {}).items()))
         )
     return "\n".join(lines)
 
