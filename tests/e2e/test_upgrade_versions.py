@@ -8,6 +8,8 @@ controlplane run` replicas on a real PostgreSQL and a real runsc node joined wit
    exec works), and `space node list`'s record shows the new version.
 3. One replica is restarted as N+1 while the other stays N: both answer /healthz with their own version,
    both serve the sandbox, and the restarted one finds the schema at head (no second migration).
+4. The node is drained, restarted as N+2 and comes back: ready, reporting N+2, still drained (no sandbox
+   placed on it) until it is uncordoned; then a new sandbox runs on it.
 
 The version string changes what each process reports, not its code: what a real N+1 adds (a migration of
 its own, a protocol change) is covered where it lives (tests/store/test_store.py: one migrator of several;
@@ -44,6 +46,7 @@ postgres_url = postgres.postgres_url
 READY_TIMEOUT_S = 600.0
 LOOP_RELEASE_S = 60.0
 NEXT = "99.0.0-next"  # "N+1": any version token the running code is not
+AFTER_NEXT = "99.1.0"  # "N+2"
 MIGRATED = "database schema migrated from empty to "
 ALREADY = "database schema already at "
 
@@ -210,6 +213,26 @@ def test_node_and_replica_restarted_as_the_next_version_while_a_sandbox_runs(
         assert f"SPACE {NEXT} starting (controlplane)" in logs[1]
         with Space(url=urls[1], api_key=admin_key) as sp:
             sp.sandboxes.get(sandbox.id).delete()
+            sandbox = None
+            # 4. the node is drained, upgraded again and comes back: ready, N+2, drained until uncordoned
+            node_id = str(node["id"])
+            sp.nodes.drain(node_id)
+            c.wait_for(
+                lambda: sp.nodes.get(node_id).admin == "drained", timeout=120, interval=0.5, what="drained"
+            )
+            join.stop(timeout=120)
+            assert join.proc is not None and join.proc.returncode == 0, join.log_tail()
+            join.extra_env = {"SPACE_VERSION_OVERRIDE": AFTER_NEXT}
+            join.start()
+            c.wait_for(
+                lambda: (_node(sp, join) or {}).get("space_version") == AFTER_NEXT, timeout=READY_TIMEOUT_S,
+                interval=0.5, what="the drained node back as N+2",
+            )  # fmt: skip
+            assert sp.nodes.get(node_id).admin == "drained"  # an upgrade does not undo the operator's hold
+            sp.nodes.uncordon(node_id)
+            sandbox = sp.sandboxes.create(limits={"cpus": 0.5, "memory_mb": 256})
+            assert sandbox.data["node_id"] == node_id and sandbox.exec("echo back").stdout == "back\n"
+            sandbox.delete()
             sandbox = None
     finally:
         if sandbox is not None:
