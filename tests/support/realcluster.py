@@ -318,7 +318,7 @@ class TwoNodeCluster:
 
 # -- set-up and teardown -------------------------------------------------------------------------------------
 def _make_node(root: pathlib.Path, name: str, token_file: pathlib.Path, cp_url: str,
-               store_url: str, uid: int, gid: int) -> ClusterNode:  # fmt: skip
+               store_url: str, uid: int, gid: int, driver: str = "runsc") -> ClusterNode:  # fmt: skip
     data_dir = root / f"node-{name}"
     data_dir.mkdir()
     data_dir.chmod(0o755)  # the agent user reaches its sockets in here
@@ -334,7 +334,7 @@ def _make_node(root: pathlib.Path, name: str, token_file: pathlib.Path, cp_url: 
     if uid:
         argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *argv]
     agent = c.Service(f"agent-{name}", argv, root / f"agent-{name}.log")
-    agent.extra_env = {"HOME": "/"}
+    agent.extra_env = {"HOME": "/", "SPACE_NODE_DRIVER": driver}  # qemu: a microVM node (ADR 0068, 0076)
     return ClusterNode(name, local, agent, port)
 
 
@@ -453,7 +453,9 @@ def _teardown(made: TwoNodeCluster | None, root: pathlib.Path, cp: c.ControlPlan
 
 
 @contextlib.contextmanager
-def start_two_nodes() -> Iterator[TwoNodeCluster]:
+def start_two_nodes(drivers: tuple[str, str] = ("runsc", "runsc")) -> Iterator[TwoNodeCluster]:
+    """The cluster; `drivers`: each node's SPACE_NODE_DRIVER (a qemu node makes its microVM template
+    checkpoint while its agent prepares, before it registers)."""
     if os.geteuid() != 0:
         pytest.fail("two real nodes need their root helpers (runsc, btrfs): run the tests as root")
     uid, gid = _agent_ids()
@@ -470,7 +472,10 @@ def start_two_nodes() -> Iterator[TwoNodeCluster]:
     db: Store | None = None
     made: TwoNodeCluster | None = None
     cp = c.ControlPlane(cp_dir, token_file, database_url=None, name="controlplane", store_url=store_url)
-    nodes = [_make_node(root, name, token_file, cp.url, store_url, uid, gid) for name in NODE_NAMES]
+    nodes = [
+        _make_node(root, name, token_file, cp.url, store_url, uid, gid, driver)
+        for name, driver in zip(NODE_NAMES, drivers, strict=True)
+    ]
     try:
         db, _org, project_id, admin_key = c.bootstrap(sqlite_url(cp_dir))
         cp.start()

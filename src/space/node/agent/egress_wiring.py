@@ -383,10 +383,16 @@ async def install(
     identity: NodeIdentity | None = None,
 ) -> EgressWiring | None:
     """Give `agent` its egress gateway if its node gives sandboxes a network; None (nothing changed) when
-    the node's network is "none" or the driver has no helper. Call after the node is prepared and before
-    `agent.recover()`, so that adopted sandboxes get their policies too."""
+    the node's network is "none", the driver's sandboxes have no network or the driver has no helper. Call
+    after the node is prepared and before `agent.recover()`, so that adopted sandboxes get their policies
+    too."""
     if isinstance(agent.driver, EgressDriver):
         return agent.driver.wiring
+    if not getattr(agent.driver, "networked", True):
+        # A driver whose sandboxes have no network device (the qemu driver's microVMs: ADR 0068, 0076) has
+        # nothing to send through a gateway, and its sandboxes no network slot to ask the helper about.
+        log.info("%s sandboxes have no network: no egress gateway on this node", agent.driver.name)
+        return None
     helper = cast("HelperClient | None", getattr(agent.driver, "helper", None))
     if helper is None:
         return None
