@@ -59,6 +59,8 @@ class SandboxRegistry:
         self.pools: WarmPools | None = None
         #: Lifecycle steps running now: pool refills wait while there are any (space.node.agent.pools).
         self.steps_in_flight = 0
+        #: Resumes after checkpoints running in the background (ADR 0077), referenced until they end.
+        self._resumes: set[asyncio.Task[None]] = set()
 
     def get(self, sandbox_id: str) -> SandboxHandle:
         handle = self.sandboxes.get(parse_sandbox_id(sandbox_id))

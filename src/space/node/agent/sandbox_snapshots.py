@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
 from space.core import errors
 from space.core.ids import new_sandbox_id, new_snapshot_id, parse_snapshot_id
-from space.core.lifecycle import Event, State
+from space.core.lifecycle import Event, State, transition
 from space.node.agent.guest import GuestSession
 from space.node.agent.sandbox_handle import SandboxHandle, SnapshotRecord
 from space.node.agent.sandbox_lifecycle import SandboxLifecycle
 from space.node.drivers.base import SandboxSpec
+
+log = logging.getLogger("space.node.agent.agent")
 
 
 class SandboxSnapshots(SandboxLifecycle):
@@ -49,9 +52,16 @@ class SandboxSnapshots(SandboxLifecycle):
             return record
 
     async def checkpoint(self, sandbox_id: str) -> SnapshotRecord:
-        """A full checkpoint (processes, memory, files); the sandbox runs on afterwards."""
+        """A full checkpoint (processes, memory, files); the sandbox runs on afterwards. With a driver that
+        can (`resumes_after_checkpoint`), the runtime is left paused by the checkpoint and resumed in the
+        background, still under the sandbox's lock: the answer (and a fork's children, restored from the
+        checkpoint) need not wait for the resume, every later step on the sandbox waits for it, and calls
+        over its channel meanwhile are answered once it runs (ADR 0077)."""
         handle = self.get(sandbox_id)
-        async with handle.lock:
+        apart = self.driver.resumes_after_checkpoint
+        paused_by_us = False
+        await handle.lock.acquire()
+        try:
             what = f"full checkpoint of {handle.sandbox_id}"
             if handle.state == State.RUNNING:
                 await self._check_growth(
@@ -63,9 +73,11 @@ class SandboxSnapshots(SandboxLifecycle):
             record = SnapshotRecord(new_snapshot_id(), "full", time.time())
 
             async def effect() -> None:
+                nonlocal paused_by_us
                 await handle.session.sync()
+                paused_by_us = apart  # from here on the checkpoint may have paused it, even if it fails
                 info, channel = await self.driver.checkpoint(
-                    sandbox_id, record.snapshot_id, keep_running=True
+                    sandbox_id, record.snapshot_id, keep_running=True, leave_paused=apart
                 )
                 record.image_bytes = info.image_bytes
                 record.timings = info.timings
@@ -76,11 +88,39 @@ class SandboxSnapshots(SandboxLifecycle):
             try:
                 await self._step(handle, Event.CHECKPOINT, Event.CHECKPOINTED, effect)
             except BaseException:
+                if paused_by_us:
+                    paused_by_us = False
+                    with contextlib.suppress(errors.SpaceError):
+                        await self.driver.resume(sandbox_id)  # whatever the failed checkpoint left paused
                 await self._reconnect_if_running(handle)
                 raise
             handle.snapshots[record.snapshot_id] = record
             await self._settle_growth(handle, record.snapshot_id, what)
             return record
+        finally:
+            if paused_by_us:
+                self._resume_after_checkpoint(handle)  # releases the lock once resumed
+            else:
+                handle.lock.release()
+
+    def _resume_after_checkpoint(self, handle: SandboxHandle) -> None:
+        """Resume `handle`'s runtime, paused by its checkpoint, in the background; the sandbox's lock (held
+        by the caller, handed over here) is released once it runs. A resume that fails leaves the sandbox
+        recorded as paused, which it is (a resume request tries again), never as running."""
+
+        async def resume() -> None:
+            try:
+                await self.driver.resume(handle.sandbox_id)
+            except errors.SpaceError as exc:
+                log.error("sandbox %s stays paused after its checkpoint: %s", handle.sandbox_id, exc.message)
+                with contextlib.suppress(errors.InvalidState):
+                    handle.state = transition(transition(handle.state, Event.PAUSE), Event.PAUSED)
+            finally:
+                handle.lock.release()
+
+        task = asyncio.get_running_loop().create_task(resume(), name=f"resume-{handle.sandbox_id}")
+        self._resumes.add(task)
+        task.add_done_callback(self._resumes.discard)
 
     async def rollback(self, sandbox_id: str, snapshot_id: str) -> None:
         """Back to a snapshot: a full checkpoint brings processes back as they were; a disk snapshot brings

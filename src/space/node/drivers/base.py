@@ -72,6 +72,9 @@ class Driver(abc.ABC):
     warm_supported: bool = False
     #: The runtime names of a driver that keeps warm pools (space.node.agent.runtime_names); None: no pools.
     names: RuntimeNames | None = None
+    #: Whether `checkpoint(leave_paused=True)` then `resume()` is the same as `checkpoint(keep_running=True)`
+    #: with the same runtime and channel: the agent then answers a checkpoint before the resume (ADR 0077).
+    resumes_after_checkpoint: bool = False
 
     @abc.abstractmethod
     async def prepare(self, progress: Progress | None = None) -> None:

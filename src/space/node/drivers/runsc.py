@@ -33,6 +33,7 @@ class RunscDriver(Driver):
     name = "runsc"
     isolating = True
     warm_supported = True
+    resumes_after_checkpoint = True  # the same runsc container resumes: its holder and channel stay
 
     def __init__(self, layout: NodeLayout, helper: HelperClient) -> None:
         self.layout = layout

@@ -316,6 +316,19 @@ class Runtimes:
         if container:
             self.retire(container)
 
+    def discard(self, sandbox_id: str) -> None:
+        """End the current incarnation when nothing of it is kept (its root filesystem is replaced next: a
+        rollback, a restore over it): a running or paused runtime's processes are SIGKILLed directly, not
+        through `runsc kill` (a Go binary started, and a paused sandbox resumed first, for a kill that flushes
+        nothing anyone reads). A runtime still coming up, or one whose processes do not go, is stopped the
+        usual way; either way its container is retired in the background, as `stop` does."""
+        container = self.container(sandbox_id)
+        if container and self.status(sandbox_id) in {"running", "paused"}:
+            self._kill_runtime_processes(sandbox_id, container)
+            with contextlib.suppress(errors.RuntimeFailure):
+                self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
+        self.stop(sandbox_id)  # a no-op for a runtime already gone; retires its container
+
     def _kill_runtime_processes(self, sandbox_id: str, container: str | None) -> None:
         """SIGKILL the runtime's processes: runsc's own if it still runs, and (runsc runs sandboxes detached)
         the sandbox and gofer processes its state names; each only while its command line still names the

@@ -102,7 +102,7 @@ def sandbox_restore(ctx: HelperContext, params: RestoreParams, _progress: Progre
         raise errors.NotFound(f"sandbox {source} has no bundle on this node")
     config = json.loads(config_source.read_text())
     if source == sandbox_id:
-        ctx.runtimes.stop(sandbox_id)
+        ctx.runtimes.discard(sandbox_id)  # its files are replaced below: nothing of it is kept (ADR 0077)
     elif btrfs.is_subvolume(rootfs):
         raise errors.AlreadyExists(f"sandbox {sandbox_id} already exists on this node")
     bundle.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,153 @@
+"""The checkpoint, rollback and fork floors of ADR 0077 on real runsc.
+
+- A checkpoint answers before its runtime resumes: the runtime is left paused by `runsc checkpoint` and
+  resumed in the background under the sandbox's lock. The sandbox runs on (its counter counts, an exec
+  answers), a pause asked for at once is a real pause (runsc says paused, the counter stands still) and
+  a fork right after the checkpoint works.
+- A rollback to a full checkpoint discards the sandbox's current runtime: its processes are SIGKILLed
+  directly instead of through `runsc kill` (nothing of them is kept: the root filesystem is replaced by the
+  checkpoint's). Whatever state it was in (running, paused), nothing of the old incarnation is left: its
+  sandbox, gofer and holder processes are gone when the rollback answers, its runsc container and cgroup
+  soon after (retired in the background), and the restored processes carry on from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+from space.core.lifecycle import State
+from space.node.agent.agent import NodeAgent
+from tests.support.sandboxes import eventually, new_sandbox, read_int, running_ids, start_counter
+
+pytestmark = pytest.mark.root
+
+
+def runtime_processes(data_dir: pathlib.Path, sandbox_id: str) -> tuple[str, dict[str, int]]:
+    """The current container of `sandbox_id` and its host processes (sandbox, gofer, holder) by role."""
+    run_dir = data_dir / "run" / sandbox_id
+    container = (run_dir / "container").read_text().strip()
+    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
+    holder = json.loads((run_dir / "holder.json").read_text())
+    pids = {"sandbox": state["sandbox"]["pid"], "gofer": state["goferPid"], "holder": holder["holder_pid"]}
+    return container, {role: int(pid) for role, pid in pids.items()}
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie not yet reaped counts as gone: it runs nothing)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def runsc_knows(data_dir: pathlib.Path, container: str) -> bool:
+    listing = subprocess.run(
+        ["runsc", "--root", str(data_dir / "runsc"), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return container in listing.stdout.split()
+
+
+def cgroup_left(container: str) -> list[str]:
+    found = subprocess.run(
+        ["find", "/sys/fs/cgroup", "-maxdepth", "3", "-type", "d", "-name", container],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return found.stdout.split()
+
+
+@pytest.mark.parametrize("paused", [False, True], ids=["running", "paused"])
+def test_rollback_to_a_checkpoint_leaves_nothing_of_the_old_runtime(node, paused: bool) -> None:  # type: ignore[no-untyped-def]
+    agent: NodeAgent = node.agent
+    data_dir: pathlib.Path = node.data_dir
+
+    async def scenario() -> None:
+        async with new_sandbox(agent) as sb:
+            sid = sb.sandbox_id
+            counter = await start_counter(sb.session)
+            at_checkpoint = await read_int(sb.session, "/work/counter")
+            snap = await agent.checkpoint(sid)
+            await eventually(
+                lambda: _above(sb, at_checkpoint + 10), what="counting on after the checkpoint"
+            )  # fmt: skip
+            before = await read_int(sb.session, "/work/counter")
+            old_container, old = runtime_processes(data_dir, sid)
+            assert all(alive(pid) for pid in old.values()), old  # the oracle sees them now
+            if paused:
+                await agent.pause(sid)
+                assert sb.state == State.PAUSED
+
+            await agent.rollback(sid, snap.snapshot_id)
+
+            assert not {role: pid for role, pid in old.items() if alive(pid)}, "old runtime processes live on"
+            new_container, new = runtime_processes(data_dir, sid)
+            assert new_container != old_container and all(alive(pid) for pid in new.values())
+            assert sb.state == State.RUNNING
+            restored = await read_int(sb.session, "/work/counter")
+            assert at_checkpoint <= restored < before, (at_checkpoint, restored, before)
+            assert counter in await running_ids(sb.session)
+            await eventually(lambda: _above(sb, restored + 5), what="counting on from the checkpoint")
+
+            async def retired() -> bool:
+                return not runsc_knows(data_dir, old_container) and not cgroup_left(old_container)
+
+            await eventually(retired, timeout=30, what=f"container {old_container} retired")
+            assert os.path.isdir(data_dir / "run" / sid)
+
+    node.run(scenario())
+
+
+def runsc_status(data_dir: pathlib.Path, sandbox_id: str) -> str:
+    container = (data_dir / "run" / sandbox_id / "container").read_text().strip()
+    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
+    return str(state["status"])
+
+
+def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> None:  # type: ignore[no-untyped-def]
+    agent: NodeAgent = node.agent
+    data_dir: pathlib.Path = node.data_dir
+
+    async def scenario() -> None:
+        async with new_sandbox(agent) as sb:
+            sid = sb.sandbox_id
+            await start_counter(sb.session)
+            await agent.checkpoint(sid)
+            assert sb.state == State.RUNNING
+            assert (await sb.session.exec(["true"])).exit_code == 0  # answered: it runs
+            async with sb.lock:  # the background resume has let go
+                assert runsc_status(data_dir, sid) == "running"
+            await eventually(lambda: _above(sb, 3), what="counting after the checkpoint")
+
+            await agent.checkpoint(sid)
+            await agent.pause(sid)  # asked at once: it must not be undone by the checkpoint's resume
+            await asyncio.sleep(0.3)
+            assert sb.state == State.PAUSED and runsc_status(data_dir, sid) == "paused"
+            await agent.resume(sid)
+            standing = await read_int(sb.session, "/work/counter")
+            await eventually(lambda: _above(sb, standing + 3), what="counting after the resume")
+
+            snap = await agent.checkpoint(sid)
+            children = await agent.fork(
+                sid, snapshot_id=snap.snapshot_id
+            )  # restored while the parent resumes
+            try:
+                assert (await children[0].session.exec(["true"])).exit_code == 0
+            finally:
+                await agent.delete(children[0].sandbox_id)
+            async with sb.lock:
+                assert runsc_status(data_dir, sid) == "running"
+
+    node.run(scenario())
+
+
+async def _above(sb, value: int) -> bool:  # type: ignore[no-untyped-def]
+    return await read_int(sb.session, "/work/counter") > value
