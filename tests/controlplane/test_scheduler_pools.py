@@ -43,7 +43,7 @@ def node(
 
 
 def sandbox(sandbox_id: str = "sb-new", template: str = "python", disk_mb: int = 100) -> Any:
-    return SimpleNamespace(id=sandbox_id, template=template, state=State.PENDING,
+    return SimpleNamespace(id=sandbox_id, template=template, state=State.PENDING, isolation="gvisor",
                            limits=SandboxLimits(cpus=0.5, memory_mb=256, disk_mb=disk_mb))  # fmt: skip
 
 

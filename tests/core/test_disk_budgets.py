@@ -227,7 +227,7 @@ def node(node_id: str, *, disk_mb: int | None, free_mb: int | None = None, reser
 
 
 def sandbox(sandbox_id: str, disk_mb: int, state: State = State.RUNNING) -> Any:
-    return SimpleNamespace(id=sandbox_id, template="python", state=state,
+    return SimpleNamespace(id=sandbox_id, template="python", state=state, isolation="gvisor",
                            limits=SandboxLimits(cpus=0.1, memory_mb=64, disk_mb=disk_mb))  # fmt: skip
 
 
