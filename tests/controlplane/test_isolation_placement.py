@@ -142,3 +142,25 @@ def test_a_checkpoint_names_its_driver_even_where_the_record_would_allow_a_node(
     with pytest.raises(errors.ResourceExhausted) as caught:
         choose_node(store, sb)
     assert caught.value.details["reason"] == "no_compatible_runtime"
+
+
+def test_a_restore_after_suspend_goes_back_to_a_node_of_its_isolation(store: Store) -> None:
+    """A suspended gVisor sandbox, restored while a roomier qemu node is ready: only gVisor nodes qualify,
+    by its record and by its checkpoint's descriptor alike."""
+    first = _node(store, "a", RUNSC)
+    sb = _sandbox(store, "gvisor")
+    sb = store.transition(sb.id, State.PENDING, sb.generation, Event.CREATE, node_id=first)
+    sb = store.transition(sb.id, sb.state, sb.generation, Event.CREATED)
+    snap = store.create_snapshot(sb.id, "full", first)
+    store.mark_snapshot_ready(snap.id, 1)
+    sb = store.transition(sb.id, sb.state, sb.generation, Event.SUSPEND, suspended_snapshot_id=snap.id)
+    sb = store.transition(sb.id, sb.state, sb.generation, Event.SUSPENDED, node_id=None)
+    sb = store.transition(sb.id, sb.state, sb.generation, Event.RESTORE)
+    assert sb.state == State.RESTORING
+    store.set_node_status(first, "lost")
+    _node(store, "b", QEMU)
+    with pytest.raises(errors.ResourceExhausted) as caught:
+        choose_node(store, sb)
+    assert caught.value.details["reason"] == "no_node_for_isolation"
+    second = _node(store, "c", RUNSC, memory_used=9000)
+    assert choose_node(store, sb) == second
