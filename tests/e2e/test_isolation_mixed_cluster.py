@@ -2,7 +2,8 @@
 runsc node and a qemu node (each its own data directory, root helper and agent; tests/support/realcluster).
 Through the SDK, a default sandbox lands on the runsc node and answers gVisor's kernel release; a
 `microvm` one lands on the qemu node and answers Debian's own kernel (under TCG on this machine); its fork
-stays a microVM on the qemu node; what a microVM cannot do is a typed 409 naming it."""
+stays a microVM on the qemu node; what a microVM cannot do is a typed 409 naming it, from the API and from
+the node alike."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from space.controlplane.store.records import SandboxRecord
 from space.core import isolation
+from space.core.lifecycle import State
 from space.sdk import Sandbox
 from space.sdk.errors import SpaceError
+from tests.support import cluster as c
 from tests.support import realcluster
 from tests.support.realcluster import TwoNodeCluster
 
@@ -63,8 +67,22 @@ def test_each_isolation_runs_on_its_own_node(mixed: TwoNodeCluster) -> None:
         _refused(vm.suspend, "suspend")
         assert mixed.sdk.sandboxes.get(vm.id).state == "running"
 
-        # A fork keeps the isolation: one checkpoint, restored as a second microVM on the qemu node.
+        # A suspend the API does not guard (a drain's, a deadline's `on_timeout: pause`) reaches the node:
+        # its typed refusal crosses the node RPC, is permanent for the reconciler (no retries), and leaves
+        # the microVM paused (the suspend's fail edge), from where it resumes with its memory.
         vm.exec("echo from-the-parent > /root/note")
+        mixed.db.set_desired(vm.id, State.SUSPENDED)
+
+        def refused() -> SandboxRecord | None:
+            record = mixed.record(vm.id)
+            return record if record.error_code == "not_supported" and record.state == State.PAUSED else None
+
+        record = c.wait_for(refused, timeout=120, interval=0.2, what="the node's refusal recorded")
+        assert record is not None and record.error_permanent and "microvm" in (record.error or "")
+        vm.resume()
+        assert vm.exec("cat /root/note").stdout == "from-the-parent\n"
+
+        # A fork keeps the isolation: one checkpoint, restored as a second microVM on the qemu node.
         child = vm.fork()
         made.append(child)
         assert (child.isolation, child.data["node_id"]) == ("microvm", mixed.node_id(qemu_node))
