@@ -112,5 +112,5 @@ def test_a_heartbeat_s_space_version_is_parsed_not_trusted(
     assert answer.status_code == 200, answer.text
     node = store.get_node(node_id)
     assert node is not None and node.runtime is not None and node.runtime.get("driver") == "fake"
-    assert node.runtime.get("space_version") == kept
+    assert node.space_version == kept and "space_version" not in node.runtime
     assert node_admin.node_view(node, 0)["space_version"] == kept

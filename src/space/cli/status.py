@@ -92,7 +92,6 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     """Every node the control plane knows (None: no database here, or it cannot be read)."""
     # Imported here: SQLAlchemy and the store cost every other `space` command ~0.4 s of start-up.
     from space.controlplane.store.engine import SQLITE_FILENAME, sqlite_url
-    from space.controlplane.store.nodes import RELEASE_KEY
     from space.controlplane.store.store import Store
     from space.core import node_states
 
@@ -111,7 +110,7 @@ def _nodes(data_dir: pathlib.Path) -> list[dict[str, Any]] | None:
     return [
         {"id": node.id, "url": node.url, "status": node.status,
          "admin": node_states.of_labels(node.labels).value, "capacity": node.capacity, "used": node.used,
-         "space_version": (node.runtime or {}).get(RELEASE_KEY), "pools": node.pools or {},
+         "space_version": node.space_version, "pools": node.pools or {},
          "last_heartbeat_at": node.last_heartbeat_at.isoformat()}
         for node in nodes
     ]  # fmt: skip

@@ -23,7 +23,6 @@ from pydantic import Field
 
 from space.controlplane.api.deps import Auth, Services, Svc, require_org_admin
 from space.controlplane.api.views import _View
-from space.controlplane.store.nodes import RELEASE_KEY
 from space.controlplane.store.records import NodeRecord
 from space.core import errors, node_states
 from space.core.node_states import NodeAdminEvent
@@ -72,7 +71,7 @@ def node_view(node: NodeRecord, sandboxes: int) -> dict[str, Any]:
         "pools": node.pools,
         "labels": {k: v for k, v in labels.items() if not k.startswith(node_states.RESERVED_PREFIX)},
         "version": (node.runtime or {}).get("runtime_version"),
-        "space_version": (node.runtime or {}).get(RELEASE_KEY),
+        "space_version": node.space_version,
         "sandboxes": sandboxes,
         "moving": len(node_states.drain_entries(labels)),
         "last_heartbeat_at": node.last_heartbeat_at.isoformat(),

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import TypeAdapter
 
 from space.controlplane.store.records import (
+    RELEASE_KEY,
     ApiKeyRecord,
     IdempotencyRecordView,
     NodeRecord,
@@ -57,7 +58,19 @@ class RowMapper(Generic[R]):
 org_record = RowMapper(OrgRecord)
 project_record = RowMapper(ProjectRecord)
 api_key_record = RowMapper(ApiKeyRecord)
-node_record = RowMapper(NodeRecord)
+
+
+def _node_runtime(row: Any) -> dict[str, Any] | None:
+    runtime = row.runtime
+    return None if runtime is None else {key: value for key, value in runtime.items() if key != RELEASE_KEY}
+
+
+def _node_release(row: Any) -> str | None:
+    release = (row.runtime or {}).get(RELEASE_KEY)
+    return release if isinstance(release, str) else None
+
+
+node_record = RowMapper(NodeRecord, runtime=_node_runtime, space_version=_node_release)
 # `metadata_`: declarative classes reserve the attribute name `metadata` (models.Sandbox).
 sandbox_record = RowMapper(SandboxRecord, metadata=lambda row: row.metadata_ or {})
 snapshot_record = RowMapper(SnapshotRecord)

@@ -33,7 +33,7 @@ from space.controlplane.store.digests import MAX_SECRET_LENGTH, hash_secret, mat
 from space.controlplane.store.enrolment_tokens import consume_enrolment
 from space.controlplane.store.mapping import node_record
 from space.controlplane.store.models import Node, Sandbox, Snapshot
-from space.controlplane.store.records import NodeRecord, NodeStatus
+from space.controlplane.store.records import RELEASE_KEY, NodeRecord, NodeStatus
 from space.controlplane.store.values import aware, seconds, text
 from space.core import ids, node_states
 from space.core.errors import AlreadyExists, Conflict, InvalidArgument, InvalidState, NotFound
@@ -42,8 +42,6 @@ from space.core.node_states import NodeAdmin, NodeAdminEvent
 
 _NODE_STATUSES: Final = frozenset(get_args(NodeStatus))
 URL_LENGTH: Final = 512
-#: The key of the runtime column under which a node's heartbeat keeps the SPACE release it runs (ADR 0079).
-RELEASE_KEY: Final = "space_version"
 
 
 def _set_registration(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from space.core.isolation import Isolation
 from space.core.lifecycle import State
@@ -60,6 +60,11 @@ class ApiKeyRecord:
         return self.revoked_at is not None
 
 
+#: The key of a node row's runtime column under which its heartbeat keeps the SPACE release it runs (ADR
+#: 0079): no schema change, and the mapper takes it out of the record's runtime descriptor again.
+RELEASE_KEY: Final = "space_version"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
     id: str
@@ -73,6 +78,7 @@ class NodeRecord:
     registered_at: datetime
     runtime: dict[str, Any] | None = None  # what this node can restore (None: not reported)
     pools: dict[str, int] | None = None  # ready pooled sandboxes per template (None: not reported)
+    space_version: str | None = None  # the SPACE release its agent reports (ADR 0079; None: not reported)
 
 
 @dataclass(frozen=True, slots=True)

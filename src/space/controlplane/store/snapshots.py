@@ -28,7 +28,7 @@ from typing import Any, Final, get_args
 from sqlalchemy import and_, delete, or_, select, true, update
 
 from space.controlplane.store.database import Repository
-from space.controlplane.store.mapping import snapshot_record
+from space.controlplane.store.mapping import node_record, snapshot_record
 from space.controlplane.store.models import Node, Sandbox, Snapshot
 from space.controlplane.store.records import SnapshotKind, SnapshotRecord
 from space.controlplane.store.values import aware, rowcount, settable
@@ -94,7 +94,7 @@ class SnapshotRepository(Repository):
         with self._tx(f"creating a snapshot of sandbox {sandbox_id}") as session:
             if kind == "full" and row.runtime is None and node_id is not None:
                 node = session.get(Node, node_id)
-                row.runtime = dict(node.runtime) if node is not None and node.runtime else None
+                row.runtime = node_record(node).runtime if node is not None and node.runtime else None
             session.add(row)
         return snapshot_record(row)
 
