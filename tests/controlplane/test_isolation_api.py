@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.core import isolation
 from tests.support import cluster as c
 
 fake_cluster = c.fake_cluster
@@ -92,11 +93,8 @@ def test_what_a_microvm_cannot_do_is_409_naming_it(fake_cluster: c.Cluster, proj
     assert disk["details"] == {"isolation": "microvm", "operation": "disk_snapshot"}
     policy = _error(client.patch(f"/v1/sandboxes/{vm}", json={"snapshot_policy": DISK_POLICY}), 409)
     assert policy["code"] == "not_supported"
-    upload = {"full_every_s": 86400, "upload_full": True}
-    assert _error(client.patch(f"/v1/sandboxes/{vm}", json={"snapshot_policy": upload}), 409)["details"] == {
-        "isolation": "microvm",
-        "operation": "upload",
-    }
+    assert isolation.unsupported("microvm", "suspend") is None  # ADR 0081: suspend and uploads work
+    assert isolation.unsupported("microvm", "upload") is None
     create = client.post("/v1/sandboxes", json={"isolation": "microvm", "snapshot_policy": DISK_POLICY})
     assert _error(create, 409)["code"] == "not_supported"  # before placement is even asked about
     record = fake_cluster.store.load_sandbox(vm)

@@ -36,9 +36,6 @@ def _refusals(driver: QemuDriver) -> dict[str, Callable[[], Awaitable[Any]]]:
         "disk_snapshot": lambda: driver.disk_snapshot(sid, snap),
         "disk_rollback": lambda: driver.reset_rootfs(sid, snap),
         "cold_create": lambda: driver.create(SPEC),
-        "upload": lambda: driver.export_snapshot(sid, snap),
-        "import": lambda: driver.import_snapshot(SPEC, snap),
-        "import ": lambda: driver.prepare_import(sid, snap),
         "warm_pool": lambda: driver.create_pooled(SPEC),
         "warm_pool ": lambda: driver.adopt_warm("python", sid, snap),
     }

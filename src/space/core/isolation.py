@@ -36,9 +36,6 @@ UNSUPPORTED: Final[Mapping[str, Mapping[str, str]]] = {
     "microvm": {
         "disk_snapshot": "disk snapshots are not supported for microvm sandboxes; take a full snapshot",
         "disk_rollback": "microvm sandboxes roll back to full snapshots only",
-        "suspend": "suspending to object storage is not supported for microvm sandboxes yet; pause it",
-        "upload": "uploading checkpoints to object storage is not supported for microvm sandboxes yet",
-        "import": "restoring from object storage is not supported for microvm sandboxes yet",
         "warm_pool": "warm pools are not kept for microvm sandboxes yet",
         "cold_create": "microvm sandboxes are created from their template's checkpoint only",
     },

@@ -10,8 +10,9 @@ Invariants:
 - The channel survives checkpoints and pauses: it is the holder's socket in front of QEMU's stdio chardev.
 - What this driver does not do yet raises NotSupported (HTTP 409) with space.core.isolation's message for
   the operation, naming the microvm isolation (ADR 0068 lists them, ADR 0076 the errors); it never
-  pretends: a disk-only snapshot or a suspend to object storage is refused, not half done. A stopped
-  sandbox boots cold from its own disk (`start`); `list` reports every microVM disk on the node.
+  pretends: a disk-only snapshot is refused, not half done. A suspend exports memory image and whole disk
+  through the helper (ADR 0081). A stopped sandbox boots cold from its own disk (`start`); `list` reports
+  every microVM disk on the node.
 """
 
 from __future__ import annotations
@@ -152,14 +153,42 @@ class QemuDriver(Driver):
     async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
         _refuse("warm_pool")
 
+    # -- object storage (space.node.helper.microvm_transfer, ADR 0081): the agent uploads and downloads
+    # exactly as for gVisor; the artifact's runtime descriptor is this node's (`qemu`).
     async def export_snapshot(self, sandbox_id: str, snapshot_id: str) -> StagedFiles:
-        _refuse("upload")
+        result = await self.helper.call(
+            "microvm.export", {"sandbox_id": sandbox_id, "snapshot_id": snapshot_id}, timeout=600.0
+        )
+        return StagedFiles(
+            directory=pathlib.Path(str(result["dir"])),
+            files={str(k): int(v) for k, v in dict(result["files"]).items()},
+            metadata=dict(result.get("metadata") or {}),
+            timings={str(k): float(v) for k, v in dict(result.get("timings") or {}).items()},
+        )
 
     async def prepare_import(self, sandbox_id: str, snapshot_id: str) -> pathlib.Path:
-        _refuse("import")
+        result = await self.helper.call(
+            "staging.prepare", {"kind": "import", "sandbox_id": sandbox_id, "snapshot_id": snapshot_id}
+        )
+        return pathlib.Path(str(result["dir"]))
 
     async def import_snapshot(self, spec: SandboxSpec, snapshot_id: str) -> None:
-        _refuse("import")
+        """Take in the downloaded checkpoint (checked as hostile by the helper); `restore` then runs it."""
+        await self.helper.call(
+            "microvm.import",
+            {"sandbox_id": spec.sandbox_id, "snapshot_id": snapshot_id, "template": spec.template},
+            timeout=600.0,
+        )
+
+    async def release_staging(
+        self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
+    ) -> None:
+        args: dict[str, Any] = {"kind": kind}
+        if sandbox_id is not None:
+            args["sandbox_id"] = sandbox_id
+        if snapshot_id is not None:
+            args["snapshot_id"] = snapshot_id
+        await self.helper.call("staging.release", args)
 
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         await self.helper.call(

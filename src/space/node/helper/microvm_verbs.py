@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from space.core import errors
+from space.node.helper import staging
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.microvm import Machine, MicroVMs
 from space.node.helper.params import NoParams, Params, SandboxId, SandboxParams, SnapshotId, TemplateName
@@ -135,6 +136,7 @@ def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress)
 
 def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     _vms(ctx).destroy(params.sandbox_id)
+    staging.discard_sandbox_staging(ctx, params.sandbox_id)  # an export or import left half-way (ADR 0081)
     return {}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from space.node.helper import (
     fence_verbs,
     metrics_verbs,
+    microvm_transfer,
     microvm_verbs,
     network_verbs,
     node_verbs,
@@ -78,6 +79,11 @@ MICROVM_VERBS = (
     Verb("microvm.list", NoParams, microvm_verbs.sandbox_list),
     Verb("microvm.snapshot_list", SandboxParams, microvm_verbs.snapshot_list),
     Verb("microvm.snapshot_delete", microvm_verbs.MicrovmSnapshotParams, microvm_verbs.snapshot_delete,
+         sandbox_scoped=True),
+    # through object storage (space.node.helper.microvm_transfer, ADR 0081)
+    Verb("microvm.export", microvm_transfer.MicrovmTransferParams, microvm_transfer.microvm_export,
+         sandbox_scoped=True),
+    Verb("microvm.import", microvm_transfer.MicrovmImportParams, microvm_transfer.microvm_import,
          sandbox_scoped=True),
 )  # fmt: skip
 
