@@ -2,8 +2,8 @@
 runsc node and a qemu node (each its own data directory, root helper and agent; tests/support/realcluster).
 Through the SDK, a default sandbox lands on the runsc node and answers gVisor's kernel release; a
 `microvm` one lands on the qemu node and answers Debian's own kernel (under TCG on this machine); its fork
-stays a microVM on the qemu node; what a microVM cannot do is a typed 409 naming it, from the API and from
-the node alike."""
+stays a microVM on the qemu node; it suspends to object storage and is restored on the qemu node (ADR
+0081); what a microVM cannot do is a typed 409 naming it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from space.controlplane.store.records import SandboxRecord
 from space.core import isolation
-from space.core.lifecycle import State
 from space.sdk import Sandbox
 from space.sdk.errors import SpaceError
 from tests.support import cluster as c
@@ -44,8 +42,14 @@ def _refused(call: Callable[[], object], operation: str) -> None:
 
 def test_each_isolation_runs_on_its_own_node(mixed: TwoNodeCluster) -> None:
     runsc_node, qemu_node = mixed.nodes
-    drivers = {n.id: (n.runtime or {}).get("driver") for n in mixed.db.list_nodes("ready")}
-    assert drivers == {mixed.node_id(runsc_node): "runsc", mixed.node_id(qemu_node): "qemu"}
+    wanted = {mixed.node_id(runsc_node): "runsc", mixed.node_id(qemu_node): "qemu"}
+
+    def drivers() -> dict[str, object]:
+        return {n.id: (n.runtime or {}).get("driver") for n in mixed.db.list_nodes("ready")}
+
+    # A node's runtime arrives with its first heartbeat after registering (the record may hold only the
+    # node's release before that).
+    c.wait_for(lambda: drivers() == wanted, timeout=60, interval=0.2, what=f"both drivers reported: {wanted}")
     made: list[Sandbox] = []
     try:
         plain = mixed.sdk.sandboxes.create(limits=LIMITS)
@@ -64,23 +68,23 @@ def test_each_isolation_runs_on_its_own_node(mixed: TwoNodeCluster) -> None:
 
         # What a microVM cannot do is refused before the node is asked, naming the isolation.
         _refused(lambda: vm.snapshots.create(full=False), "disk_snapshot")
-        _refused(vm.suspend, "suspend")
         assert mixed.sdk.sandboxes.get(vm.id).state == "running"
 
-        # A suspend the API does not guard (a drain's, a deadline's `on_timeout: pause`) reaches the node:
-        # its typed refusal crosses the node RPC, is permanent for the reconciler (no retries), and leaves
-        # the microVM paused (the suspend's fail edge), from where it resumes with its memory.
-        vm.exec("echo from-the-parent > /root/note")
-        mixed.db.set_desired(vm.id, State.SUSPENDED)
-
-        def refused() -> SandboxRecord | None:
-            record = mixed.record(vm.id)
-            return record if record.error_code == "not_supported" and record.state == State.PAUSED else None
-
-        record = c.wait_for(refused, timeout=120, interval=0.2, what="the node's refusal recorded")
-        assert record is not None and record.error_permanent and "microvm" in (record.error or "")
-        vm.resume()
-        assert vm.exec("cat /root/note").stdout == "from-the-parent\n"
+        # Suspend to object storage and restore through the API (ADR 0081): the artifact names the qemu
+        # driver, so the restore goes back to the qemu node although the runsc node is ready and roomy; a
+        # file and a value in the guest's memory (/dev/shm, tmpfs) come back.
+        vm.exec("echo from-the-parent > /root/note; echo in-memory > /dev/shm/value")
+        started = time.monotonic()
+        assert vm.suspend().state == "suspended"
+        suspend_s = time.monotonic() - started
+        assert vm.refresh().data["node_id"] is None
+        c.wait_for(lambda: mixed.holding(vm.id) == {}, timeout=60, interval=0.2, what="the node's copy gone")
+        started = time.monotonic()
+        assert vm.restore().state == "running"
+        restore_s = time.monotonic() - started
+        print(f"microVM suspend {suspend_s:.2f}s, restore {restore_s:.2f}s through the API")
+        assert vm.refresh().data["node_id"] == mixed.node_id(qemu_node)
+        assert vm.exec("cat /root/note /dev/shm/value").stdout == "from-the-parent\nin-memory\n"
 
         # A fork keeps the isolation: one checkpoint, restored as a second microVM on the qemu node.
         child = vm.fork()
