@@ -38,6 +38,13 @@ def refused(verb: str, args: dict[str, Any]) -> dict[str, Any]:
         ("microvm.destroy", {"sandbox_id": "sb-" + "A" * 26}),
         ("microvm.snapshot_delete", {"sandbox_id": SANDBOX, "snapshot_id": "../" + SNAPSHOT}),
         ("microvm.snapshot_list", {"sandbox_id": SANDBOX + "/.."}),
+        # through object storage (ADR 0081): no path, no other staging name, no template path
+        ("microvm.export", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT + "/../x"}),
+        ("microvm.export", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT, "dir": "/etc"}),
+        ("microvm.import", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT, "template": "../python"}),
+        ("microvm.import", {"sandbox_id": SANDBOX, "snapshot_id": SNAPSHOT}),  # the template is named
+        ("microvm.import", {"sandbox_id": SANDBOX + "%2f..", "snapshot_id": SNAPSHOT, "template": "python"}),
+        ("microvm.import", {"sandbox_id": SANDBOX, "snapshot_id": "x" * 10_000, "template": "python"}),
     ],
 )
 def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any]) -> None:
@@ -46,7 +53,7 @@ def test_microvm_verbs_refuse_malformed_arguments(verb: str, args: dict[str, Any
 
 def test_every_microvm_verb_that_starts_a_qemu_is_fenced_and_sandbox_scoped() -> None:
     microvm = {name: verb for name, verb in VERBS.items() if name.startswith("microvm.")}
-    assert len(microvm) == 15
+    assert len(microvm) == 17
     for name in (
         "microvm.create",
         "microvm.restore",
