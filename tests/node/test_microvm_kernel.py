@@ -7,8 +7,15 @@ import pathlib
 import pytest
 
 from space.core.errors import RuntimeFailure
-from space.node.helper.microvm_kernel import ModuleMetadata, init_script, module_order, template_initramfs
+from space.node.helper.microvm_kernel import (
+    GUEST_MODULES,
+    ModuleMetadata,
+    init_script,
+    module_order,
+    template_initramfs,
+)
 from space.node.helper.microvm_qemu import MachineSpec, detect_accel, host_tsc_khz, qemu_argv
+from space.node.helper.netaddr import EDGE_INNER_MAC, MICROVM_TAP, SANDBOX_MAC
 
 # Lines as depmod -b writes them for Debian 12's 6.1 kernel (trimmed to the modules that matter).
 DEP = """kernel/fs/ext4/ext4.ko: kernel/fs/jbd2/jbd2.ko kernel/fs/mbcache.ko kernel/lib/crc16.ko
@@ -38,6 +45,28 @@ def test_module_order_follows_dependencies_soft_dependencies_and_aliases() -> No
         "crc32c-intel.ko", "crc32c_generic.ko", "crc16.ko", "mbcache.ko", "jbd2.ko", "ext4.ko",
     ]  # fmt: skip
     assert len(set(order)) == len(order)
+
+
+def test_the_network_device_and_its_dependencies_come_from_the_metadata() -> None:
+    """virtio_net is one of the guest's modules; what it needs (failover, as Debian's 6.1 has it) comes from
+    modules.dep, not from a list here (docs/adr/0080-microvm-egress.md)."""
+    assert "virtio_net" in GUEST_MODULES
+    dep = DEP + (
+        "kernel/drivers/net/virtio_net.ko: kernel/drivers/net/net_failover.ko kernel/net/core/failover.ko"
+        " kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko\n"
+        "kernel/drivers/net/net_failover.ko: kernel/net/core/failover.ko\nkernel/net/core/failover.ko:\n"
+    )
+    names = [path.rsplit("/", 1)[-1] for path in module_order(ModuleMetadata(dep), ("virtio_net",))]
+    assert names == ["virtio_ring.ko", "virtio.ko", "failover.ko", "net_failover.ko", "virtio_net.ko"]
+
+
+def test_init_script_gives_eth0_the_address_every_sandbox_has() -> None:
+    script = init_script(["virtio_net.ko"])
+    assert "ip addr add 10.99.0.2/30 dev eth0" in script
+    assert "ip route add default via 10.99.0.1 dev eth0" in script
+    # the edge's MAC is fixed: a restored guest's neighbour entry is right in every slot
+    assert f"ip neigh replace 10.99.0.1 lladdr {EDGE_INNER_MAC} dev eth0 nud permanent" in script
+    assert script.index("ip route add default") < script.index("exec switch_root")
 
 
 def test_module_order_refuses_a_missing_module_and_a_cycle() -> None:
@@ -86,12 +115,22 @@ def test_qemu_runs_jailed_and_takes_no_path_after_start(tmp_path: pathlib.Path) 
     assert argv[:7] == [
         "unshare",
         "--mount",
-        "--net",
+        "--net",  # no slot: an empty network namespace, where the tap leads nowhere
         "--propagation",
-        "private",
+        "slave",  # the host's unmounts (a deleted slot's /run/netns entry) reach QEMU's copy
         f"--wd={tmp_path / 'j'}",
         "--",
     ]
+    # the same virtio-net device in every guest (so every checkpoint restores in any slot), on the tap
+    assert argv[argv.index("-netdev") + 1] == f"tap,id=net0,ifname={MICROVM_TAP},script=no,downscript=no"
+    assert argv[argv.index("-device", argv.index("-netdev")) + 1] == (
+        f"virtio-net-device,netdev=net0,mac={SANDBOX_MAC}"
+    )
+    slot = pathlib.Path("/run/netns/sp000000s3")
+    in_slot = qemu_argv(MachineSpec(**{**spec.__dict__, "netns": slot}))
+    assert in_slot[:8] == ["nsenter", f"--net={slot}", "unshare", "--mount", "--propagation", "slave",
+                           f"--wd={tmp_path / 'j'}", "--"]  # fmt: skip
+    assert in_slot[8:] == argv[7:]
     assert argv[argv.index("-sandbox") + 1].startswith("on,obsolete=deny,spawn=deny")
     assert argv[argv.index("-runas") + 1] == "70001:70001"
     assert argv[argv.index("-chroot") + 1] == str(tmp_path / "j")

@@ -46,7 +46,7 @@ class QemuDriver(Driver):
     name = "qemu"
     isolating = True
     warm_supported = True  # every create is a restore of the template's checkpoint (no pools yet)
-    networked = False  # no virtio-net device yet (ADR 0068): the agent wires no egress gateway for it
+    networked = True  # a virtio-net device on a tap in the sandbox's slot (ADR 0080): egress as gVisor's
 
     def __init__(
         self, layout: NodeLayout, helper: HelperClient, *, memory_mb: int = 512, vcpus: int = 1

@@ -40,6 +40,7 @@ from space.core import errors
 from space.core.ids import SANDBOX_ID_PATTERN
 from space.node.helper.microvm_kernel import INITRAMFS_VERSION, ensure_guest_kernel, template_initramfs
 from space.node.helper.microvm_qemu import MachineSpec, Qmp, detect_accel, qemu_argv
+from space.node.helper.network import SandboxNetworks
 from space.node.helper.runtime import Runtimes, log_tail
 from space.node.layout import NodeLayout
 from space.node.volumes.template_files import run
@@ -72,9 +73,16 @@ def reflink(source: pathlib.Path, target: pathlib.Path) -> None:
 
 
 class MicroVMs:
-    def __init__(self, layout: NodeLayout, owner_uid: int, accel: str | None = None) -> None:
+    def __init__(
+        self,
+        layout: NodeLayout,
+        owner_uid: int,
+        accel: str | None = None,
+        network: SandboxNetworks | None = None,
+    ) -> None:
         self.layout = layout
         self.owner_uid = owner_uid
+        self.network = network  # None: the node gives sandboxes no network (their tap leads nowhere)
         self.accel = accel or detect_accel()
         self.root = layout.fs / "microvm"
 
@@ -292,6 +300,8 @@ class MicroVMs:
 
     def destroy(self, sandbox_id: str) -> None:
         self._kill(sandbox_id)
+        if self.network is not None:
+            self.network.release(sandbox_id)  # after QEMU ended: its tap no longer holds the namespace
         shutil.rmtree(self.sandbox_dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self.root / "checkpoints" / sandbox_id, ignore_errors=True)
         shutil.rmtree(self.layout.run_dir(sandbox_id), ignore_errors=True)
@@ -353,7 +363,7 @@ class MicroVMs:
         spec = MachineSpec(
             kernel=kernel, initramfs=initrd, disk=pathlib.Path("disk.img"), qmp_socket=run_dir / "qmp.sock",
             jail=jail, uid=sandbox_uid(sandbox_id), memory_mb=machine.memory_mb, vcpus=machine.vcpus,
-            accel=self.accel, incoming=incoming is not None,
+            accel=self.accel, incoming=incoming is not None, netns=self._netns(sandbox_id),
         )  # fmt: skip
         socket_path = self.layout.channel_socket(sandbox_id)
         log_path = run_dir / "runtime.log"
@@ -371,6 +381,13 @@ class MicroVMs:
         info = self._holder_info(sandbox_id) or {}
         self._confine(sandbox_id, int(info.get("runtime_pid", 0)), machine)
         return str(socket_path)
+
+    def _netns(self, sandbox_id: str) -> pathlib.Path | None:
+        """The sandbox's network slot with a fresh tap for its uid (a restore, fork or restart gets one
+        too); None for a template's boot (no sandbox, no slot) or a node without sandbox networks."""
+        if self.network is None or not SANDBOX_ID.fullmatch(sandbox_id):
+            return None
+        return self.network.attach_microvm(sandbox_id, sandbox_uid(sandbox_id))
 
     def _confine(self, sandbox_id: str, pid: int, machine: Machine) -> None:
         """Memory and task limits of the QEMU process (cgroup v1 hierarchies where the host has them)."""

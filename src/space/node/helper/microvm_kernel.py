@@ -31,19 +31,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from space.core.errors import RuntimeFailure
+from space.node.helper.netaddr import EDGE_INNER_MAC, SANDBOX_ADDR, SANDBOX_GATEWAY, SANDBOX_PREFIX
 from space.node.volumes.template_files import flock, run
 from space.node.volumes.templates import guest_command
 
 #: What the guest needs from its kernel: the microvm machine's virtio-mmio transport, the root disk, the
-#: channel's serial port and the root filesystem. Their dependencies come from modules.dep.
-GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "ext4")
+#: channel's serial port, the network device (docs/adr/0080-microvm-egress.md) and the root filesystem.
+#: Their dependencies come from modules.dep.
+GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "ext4")
 KERNEL_META_PACKAGE = "linux-image-amd64"
 DEFAULT_CACHE_DIR = Path("/var/cache/space/microvm")
 BUSYBOX = Path("/bin/busybox")
 #: The name of the channel's virtio serial port (virtserialport name=...); the init script finds its device.
 CHANNEL_PORT_NAME = "space.0"
 #: Bumped when the initramfs recipe changes: a new cache entry.
-INITRAMFS_VERSION = "4"
+INITRAMFS_VERSION = "5"
 
 _DEPENDS = re.compile(r"Depends:\s+(linux-image-[0-9][A-Za-z0-9.+-]*-amd64)\b")
 _RELEASE = re.compile(r"^linux-image-([0-9][A-Za-z0-9.+-]*-amd64)$")
@@ -221,8 +223,10 @@ def _initramfs_tree(root: Path, module_dir: Path, order: list[str]) -> list[str]
 
 
 def init_script(modules: list[str]) -> str:
-    """PID 1 of the initramfs: load the modules, mount the root disk, find the channel's port, and exec
-    spaced as PID 1 of the root filesystem with the environment the template's part supplies."""
+    """PID 1 of the initramfs: load the modules, mount the root disk, find the channel's port, give eth0
+    the address every sandbox has (a gVisor netstack takes the same from its namespace; the edge's MAC is
+    fixed, so a static neighbour stays right in every slot a checkpoint is restored into), and exec spaced
+    as PID 1 of the root filesystem with the environment the template's part supplies."""
     daemon = " ".join(shlex.quote(arg) for arg in guest_command())
     loads = "\n".join(f"insmod /lib/modules/{name}" for name in modules)
     return f"""#!/bin/busybox sh
@@ -246,6 +250,15 @@ while [ -z "$port" ] && [ $n -lt 500 ]; do
 done
 [ -n "$port" ] || exec poweroff -f
 ip link set lo up
+n=0
+while [ ! -e /sys/class/net/eth0 ] && [ $n -lt 500 ]; do sleep 0.01; n=$((n+1)); done
+if [ -e /sys/class/net/eth0 ]; then
+  echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6
+  ip link set eth0 up
+  ip addr add {SANDBOX_ADDR}/{SANDBOX_PREFIX} dev eth0
+  ip neigh replace {SANDBOX_GATEWAY} lladdr {EDGE_INNER_MAC} dev eth0 nud permanent
+  ip route add default via {SANDBOX_GATEWAY} dev eth0
+fi
 mkdir -p /newroot/proc /newroot/sys /newroot/dev /newroot/tmp /newroot/run
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys

@@ -4,8 +4,11 @@ Invariants:
 - The accelerator is detected, never assumed: `kvm` only when /dev/kvm opens read-write AND a hardware
   KVM module (kvm_intel or kvm_amd) is loaded; a /dev/kvm of another kind (e.g. the PVM nested hypervisor
   of some cloud machines, where a stock guest kernel hangs in its real-mode setup) means `tcg`.
-- Every QEMU runs jailed (docs/adr/0068-qemu-microvm-driver.md): in a fresh mount and network namespace
-  (`unshare`; the VM has no network device, so nothing reaches any network), chrooted into its disk's
+- Every QEMU runs jailed (docs/adr/0068-qemu-microvm-driver.md): in a fresh mount namespace (a slave of
+  the host's, so a network slot deleted on the host is not kept alive by QEMU's copy of /run/netns) and in
+  its sandbox's network namespace, where its virtio-net device's tap is the only way out
+  (docs/adr/0080-microvm-egress.md), or in a fresh empty one (a template's boot, a node without sandbox
+  networks: the device's tap then leads nowhere), chrooted into its disk's
   root-owned directory (which holds the disk and its metadata only) and running as the sandbox's own
   unprivileged uid once its files are open (`-chroot`, `-runas`), under QEMU's seccomp filter with
   spawning, obsolete calls and resource control denied (`-sandbox on,...`; not `elevateprivileges`, which
@@ -29,6 +32,7 @@ from typing import Any
 
 from space.core import errors
 from space.node.helper.microvm_kernel import CHANNEL_PORT_NAME
+from space.node.helper.netaddr import MICROVM_TAP, SANDBOX_MAC
 
 QEMU = "qemu-system-x86_64"
 QMP_TIMEOUT_S = 30.0
@@ -81,13 +85,18 @@ class MachineSpec:
     vcpus: int = 1
     accel: str = "tcg"
     incoming: bool = False  # start waiting for a migration stream (restore) instead of booting
+    netns: pathlib.Path | None = None  # the sandbox's network namespace (holding its tap); None: an empty one
 
 
 def qemu_argv(spec: MachineSpec) -> list[str]:
     if spec.accel not in {"kvm", "tcg"}:
         raise errors.InvalidArgument(f"unknown accelerator {spec.accel!r}", field="accel")
+    if spec.netns is None:
+        jail = ["unshare", "--mount", "--net"]
+    else:
+        jail = ["nsenter", f"--net={spec.netns}", "unshare", "--mount"]
     argv = [
-        "unshare", "--mount", "--net", "--propagation", "private", f"--wd={spec.jail}", "--",
+        *jail, "--propagation", "slave", f"--wd={spec.jail}", "--",
         QEMU,
         "-M", "microvm,rtc=on", "-accel", spec.accel, "-cpu", "max" if spec.accel == "tcg" else "host",
         "-m", str(spec.memory_mb), "-smp", str(spec.vcpus),
@@ -98,6 +107,10 @@ def qemu_argv(spec: MachineSpec) -> list[str]:
         "-device", "virtio-serial-device",
         "-chardev", "stdio,id=channel,signal=off",
         "-device", f"virtserialport,chardev=channel,name={CHANNEL_PORT_NAME}",
+        # The same device in every guest, networked or not, so any checkpoint restores in any slot: QEMU
+        # opens the tap (made for its uid by the helper, or here in an empty namespace) before -runas.
+        "-netdev", f"tap,id=net0,ifname={MICROVM_TAP},script=no,downscript=no",
+        "-device", f"virtio-net-device,netdev=net0,mac={SANDBOX_MAC}",
         "-qmp", f"unix:{spec.qmp_socket},server=on,wait=off",
         "-sandbox", SECCOMP,
         "-chroot", str(spec.jail), "-runas", f"{spec.uid}:{spec.uid}",

@@ -45,7 +45,7 @@ class MicrovmRestoreParams(Params):
 
 
 def _vms(ctx: HelperContext) -> MicroVMs:
-    return MicroVMs(ctx.layout, ctx.owner_uid)
+    return MicroVMs(ctx.layout, ctx.owner_uid, network=ctx.network)
 
 
 def template_boot(ctx: HelperContext, params: MicrovmTemplateParams, progress: Progress) -> dict[str, Any]:

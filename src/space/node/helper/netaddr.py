@@ -29,6 +29,13 @@ SANDBOX_MAC = "02:00:0a:63:00:02"
 EDGE_INNER_MAC = "02:00:0a:63:00:01"
 EDGE_UPLINK_MAC = "02:00:0a:63:00:03"
 HOST_LINK_MAC = "02:00:0a:63:00:04"
+# A microVM's slot (docs/adr/0080-microvm-egress.md): the guest's virtio-net device takes SANDBOX_MAC and
+# 10.99.0.2 (the same as a gVisor netstack), so the veth end eth0 and the tap QEMU opens are ports of a
+# bridge with MACs of their own (a port whose MAC were the guest's would keep the guest's frames for itself).
+MICROVM_BRIDGE = "br0"
+MICROVM_TAP = "tap0"
+MICROVM_UPLINK_MAC = "02:00:0a:63:00:05"
+MICROVM_TAP_MAC = "02:00:0a:63:00:06"
 
 ADDRESS_SPACE = ipaddress.IPv4Network("100.64.0.0/10")  # shared address space: not routed on the Internet
 NODE_BLOCK_PREFIX = 20  # 4094 host addresses per node: the gateway's plus one per slot

@@ -33,6 +33,10 @@ from space.node.helper.netaddr import (
     EDGE_INNER_MAC,
     EDGE_UPLINK_MAC,
     HOST_LINK_MAC,
+    MICROVM_BRIDGE,
+    MICROVM_TAP,
+    MICROVM_TAP_MAC,
+    MICROVM_UPLINK_MAC,
     NETNS_DIR,
     NODE_BLOCK_PREFIX,
     SANDBOX_ADDR,
@@ -207,6 +211,40 @@ def sandbox_interface_batch() -> str:
         "link set eth0 up\n"
         f"route replace default via {SANDBOX_GATEWAY} dev eth0\n"
     )
+
+
+def microvm_tap_exists(names: SlotNames, slot: int) -> bool:
+    shown = subprocess.run(["ip", "-n", names.sandbox_ns(slot), "link", "show", "dev", MICROVM_TAP],
+                           capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False)  # fmt: skip
+    return shown.returncode == 0
+
+
+def wire_microvm_tap(names: SlotNames, slot: int, uid: int, *, fresh: bool) -> None:
+    """Make the slot's sandbox namespace a wire for a microVM (docs/adr/0080-microvm-egress.md): eth0 loses
+    the address gVisor would take over (the guest's kernel has it) and joins a bridge with a tap owned by
+    `uid`, which QEMU opens; the edge, its rules and the node table stay exactly as for gVisor. One `ip`
+    batch on a `fresh` slot; otherwise what a half-made wire left is removed first."""
+    sandbox_ns = names.sandbox_ns(slot)
+    if not fresh:
+        subprocess.run(["ip", "-n", sandbox_ns, "-force", "-batch", "-"], capture_output=True, text=True,
+                       input=f"link del {MICROVM_TAP}\nlink del {MICROVM_BRIDGE}\n",
+                       timeout=COMMAND_TIMEOUT_S, check=False)  # fmt: skip
+    # addrgenmode none: the bridge and the tap get no IPv6 link-local address, so the guest finds no host
+    # stack to talk to in this namespace (eth0 has no IPv4 address either, and its frames go to the bridge).
+    run(["ip", "-n", sandbox_ns, "-batch", "-"], what=f"slot {slot}: microVM tap", stdin=(
+        "addr flush dev eth0\n"
+        "link set eth0 down\n"
+        f"link set eth0 address {MICROVM_UPLINK_MAC}\n"
+        f"link add {MICROVM_BRIDGE} type bridge forward_delay 0 stp_state 0\n"
+        f"link set {MICROVM_BRIDGE} addrgenmode none\n"
+        f"link set eth0 master {MICROVM_BRIDGE}\n"
+        f"tuntap add dev {MICROVM_TAP} mode tap user {uid} group {uid}\n"
+        f"link set {MICROVM_TAP} address {MICROVM_TAP_MAC} addrgenmode none\n"
+        f"link set {MICROVM_TAP} master {MICROVM_BRIDGE}\n"
+        "link set eth0 up\n"
+        f"link set {MICROVM_TAP} up\n"
+        f"link set {MICROVM_BRIDGE} up\n"
+    ))  # fmt: skip
 
 
 def reset_sandbox_interface(names: SlotNames, slot: int) -> None:

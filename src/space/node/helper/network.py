@@ -46,6 +46,9 @@ from space.node.helper.params import GatewayPorts
 from space.node.layout import NodeLayout
 
 POOL_SIZE = 2
+#: Where a microVM sandbox's disk and metadata live (space.node.helper.microvm, which imports this module):
+#: a microVM has no bundle, and its recorded slot must survive node.prepare's sweep like a runsc sandbox's.
+MICROVM_SANDBOXES = pathlib.Path("microvm") / "sandboxes"
 
 
 def _write_json_atomic(path: pathlib.Path, value: dict[str, Any]) -> None:
@@ -195,13 +198,29 @@ class SandboxNetworks:
     # -- sandboxes -------------------------------------------------------------------------------------------
     def attach(self, sandbox_id: str, config: dict[str, Any]) -> list[str]:
         """Give the sandbox its slot (its own from before, else a fresh one) ready for runsc to scrape."""
+        slot, _new = self._claim(sandbox_id, reset_interface=True)
+        namespace = NETNS_DIR / self.sandbox_ns(slot)
+        set_bundle_netns(config, namespace)
+        return netns.runsc_entry(namespace, self.layout.data_dir)
+
+    def attach_microvm(self, sandbox_id: str, uid: int) -> pathlib.Path:
+        """Give a microVM its slot (its own from before, else a fresh one) with a tap owned by `uid` on the
+        veth end gVisor would use (docs/adr/0080-microvm-egress.md); the namespace QEMU must start in."""
+        slot, new = self._claim(sandbox_id, reset_interface=False)
+        # Its own slot again (restart, rollback): the tap and bridge outlive QEMU and are kept.
+        if new or not netns.microvm_tap_exists(self.names, slot):
+            netns.wire_microvm_tap(self.names, slot, uid, fresh=new)
+        return NETNS_DIR / self.sandbox_ns(slot)
+
+    def _claim(self, sandbox_id: str, *, reset_interface: bool) -> tuple[int, bool]:
+        """The sandbox's slot and whether it is new to it (else its own recorded one, still complete)."""
         record = self._read_record(sandbox_id)
         slot = record.get("slot") if record else None
         if isinstance(slot, int) and netns.slot_exists(self.names, slot):
             with self._lock:
                 fresh = slot in self._fresh
                 self._fresh.discard(slot)
-            if not fresh:
+            if not fresh and reset_interface:
                 self._reset_sandbox_interface(slot)  # the last runsc moved its address into gVisor
         else:
             if isinstance(slot, int):
@@ -217,9 +236,8 @@ class SandboxNetworks:
                 raise errors.RuntimeFailure(f"cannot record the network of {sandbox_id}: {exc}") from exc
             with self._lock:
                 self._unrecorded.discard(slot)
-        namespace = NETNS_DIR / self.sandbox_ns(slot)
-        set_bundle_netns(config, namespace)
-        return netns.runsc_entry(namespace, self.layout.data_dir)
+            return slot, True
+        return slot, False
 
     def release(self, sandbox_id: str) -> None:
         record = self._read_record(sandbox_id)
@@ -274,7 +292,10 @@ class SandboxNetworks:
             slot = (self._read_record(sandbox_id) or {}).get("slot")
             if not isinstance(slot, int):
                 continue
-            if self.layout.bundle(sandbox_id).exists():
+            if (
+                self.layout.bundle(sandbox_id).exists()
+                or (self.layout.fs / MICROVM_SANDBOXES / sandbox_id / "meta.json").is_file()
+            ):
                 recorded.add(slot)
             else:
                 path.unlink(missing_ok=True)  # the sandbox is gone: so is its claim
