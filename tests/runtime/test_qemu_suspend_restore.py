@@ -15,6 +15,7 @@ import asyncio
 import os
 import pathlib
 import tempfile
+import time
 
 import pytest
 
@@ -30,6 +31,7 @@ from space.node.drivers.qemu import QemuDriver
 from space.objectstore.artifacts import read_manifest
 from space.objectstore.backends import open_store
 from space.objectstore.base import ObjectStore
+from tests.support.realnode import RealNode
 from tests.support.s3server import S3Server
 from tests.support.sandboxes import delete_quietly, eventually
 
@@ -89,7 +91,9 @@ def tampered_copy(objects: ObjectStore, prefix: str, key: bytes, target: str, ch
         transfer.upload(objects, target, root, files, data_key=data_key, metadata=dict(manifest.metadata))
 
 
-def test_a_microvm_survives_suspend_to_s3_and_restore_from_it(node, s3_server: S3Server) -> None:  # type: ignore[no-untyped-def]
+def test_a_microvm_survives_suspend_to_s3_and_restore_from_it(
+    node: RealNode, s3_server: S3Server, tmp_path: pathlib.Path
+) -> None:
     layout = node.node.layout
     objects = open_store(s3_server.bucket_url("space-node-tests", f"microvm-{os.getpid()}"))
     key = DataKey(key_id="test-key", wrapped=b"wrapped", plaintext=os.urandom(32))
@@ -130,7 +134,7 @@ def test_a_microvm_survives_suspend_to_s3_and_restore_from_it(node, s3_server: S
             spec = SandboxSpec(sid, TEMPLATE)
 
             # Another isolation's agent refuses it from the artifact's runtime descriptor, fetching no part.
-            other = NodeAgent(FakeDriver(pathlib.Path(tempfile.mkdtemp(prefix="space-fake-"))))
+            other = NodeAgent(FakeDriver(tmp_path / "fake"))
             try:
                 with pytest.raises(errors.RuntimeIncompatible):
                     await other.restore_from_store(sid, store=objects, prefix=prefix, data_key=key.plaintext,
@@ -157,9 +161,11 @@ def test_a_microvm_survives_suspend_to_s3_and_restore_from_it(node, s3_server: S
                 assert left_on_node(layout.fs, layout.staging, sid) == [], change
                 assert sid not in agent.sandboxes
 
+            started = time.monotonic()
             restored = await agent.restore_from_store(
                 sid, store=objects, prefix=prefix, data_key=key.plaintext, spec=spec
             )
+            print(f"microVM restore from the artifact: {time.monotonic() - started:.2f}s")
             session = restored.session
             assert await session.read_file("/root/kept.bin") == payload
             assert await session.read_file("/dev/shm/value") == b"in-guest-memory"
