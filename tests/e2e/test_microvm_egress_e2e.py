@@ -7,8 +7,9 @@ their own (tests/support/egress_net.py, as tests/e2e/test_egress_e2e.py does for
   name, IP literals and the metadata address are refused (that test's list), and raw connections reach
   neither the upstreams' other ports, the metadata address, the node's gateway address on another port,
   nor any address of the host's own namespace (a listener there sees nothing);
-- a checkpoint, rollback and fork keep egress: every fork child gets its own slot (another host address
-  as the gateway sees it) while the guest's address and MAC stay the ones every sandbox has;
+- a checkpoint, rollback, stop/start (a cold boot) and fork keep egress: every fork child gets its own
+  slot (another host address as the gateway sees it, which no other sandbox reaches) while the guest's
+  address and MAC stay the ones every sandbox has;
 - the node's teardown leaves no namespace, link (tap, bridge, veth) or nftables table.
 """
 
@@ -262,6 +263,11 @@ def test_microvm_checkpoint_rollback_and_fork_keep_egress(microvm_egress_node: M
             await node.agent.rollback(sb.sandbox_id, record.snapshot_id)
             assert await node.host_addr(sb.sandbox_id) == parent_addr  # its own slot again
             assert all(echo(r)["server"] == "api" for r in await fetch(sb, allowed))
+            # stop + start: a cold boot from its own disk, in its own slot, whose init sets eth0 up again
+            await node.agent.stop(sb.sandbox_id)
+            await node.agent.start(sb.sandbox_id)
+            assert await node.host_addr(sb.sandbox_id) == parent_addr
+            assert all(echo(r)["server"] == "api" for r in await fetch(sb, allowed))
             children = await node.agent.fork(sb.sandbox_id, snapshot_id=record.snapshot_id, count=2)
             try:
                 addrs = {parent_addr}
@@ -273,6 +279,13 @@ def test_microvm_checkpoint_rollback_and_fork_keep_egress(microvm_egress_node: M
                     shown = await child.session.exec(["cat", "/sys/class/net/eth0/address"])
                     assert shown.stdout.decode().strip() == SANDBOX_MAC
                 assert len(addrs) == 3, "a fork child shares a slot (host address) with another sandbox"
+                # another sandbox, as the node sees it (its host address), is not reachable from a guest
+                own = await node.host_addr(children[0].sandbox_id)
+                others = [[addr, port] for addr in sorted(addrs - {own}) for port in (22, 8080)]
+                argv = ["python3", "-c", CONNECT, json.dumps(others)]
+                raw = await children[0].session.exec(argv, timeout=60)
+                assert raw.exit_code == 0, raw.stderr
+                assert b"connected" not in raw.stdout, raw.stdout
                 route = await children[0].session.exec(["cat", "/proc/net/route"])
                 assert "eth0" in route.stdout.decode()
                 # the guest's own address, as every sandbox has it (fib_trie names the local address)
