@@ -63,6 +63,22 @@ def test_extra_and_missing_arguments(ctx: HelperContext) -> None:
     refused(dispatch(ctx, {"verb": "sandbox.stop", "args": {}, "sudo": True}, print))
 
 
+def test_discard_takes_only_a_valid_sandbox_id_and_touches_nothing_else(ctx: HelperContext) -> None:
+    """sandbox.discard (a rollback's stop, ADR 0077) kills by pids it derives itself from the sandbox's own
+    records: nothing to name but the id, which is validated like every other."""
+    for bad in ("sb-../../etc", "../sb-x", "sb-" + "a" * 26 + "/x", "", 42, None):
+        assert "sandbox_id" in refused(
+            dispatch(ctx, {"verb": "sandbox.discard", "args": {"sandbox_id": bad}}, print)
+        )
+    sid = new_sandbox_id()
+    for extra in ({"pid": 1}, {"signal": "KILL"}, {"container": "x"}):
+        refused(dispatch(ctx, {"verb": "sandbox.discard", "args": {"sandbox_id": sid, **extra}}, print))
+    # An id this node holds nothing of: nothing runs, nothing to kill, nothing made.
+    answer = dispatch(ctx, {"verb": "sandbox.discard", "args": {"sandbox_id": sid}}, print)
+    assert answer == {"ok": True, "result": {"status": "stopped"}}, answer
+    assert not ctx.layout.run_dir(sid).exists() and not ctx.layout.bundle(sid).exists()
+
+
 def test_limits_are_validated(ctx: HelperContext) -> None:
     args = {
         "sandbox_id": new_sandbox_id(),

@@ -4,11 +4,12 @@
   resumed in the background under the sandbox's lock. The sandbox runs on (its counter counts, an exec
   answers), a pause asked for at once is a real pause (runsc says paused, the counter stands still) and
   a fork right after the checkpoint works.
-- A rollback to a full checkpoint discards the sandbox's current runtime: its processes are SIGKILLed
-  directly instead of through `runsc kill` (nothing of them is kept: the root filesystem is replaced by the
-  checkpoint's). Whatever state it was in (running, paused), nothing of the old incarnation is left: its
-  sandbox, gofer and holder processes are gone when the rollback answers, its runsc container and cgroup
-  soon after (retired in the background), and the restored processes carry on from the checkpoint.
+- A rollback (to a full checkpoint or to a disk snapshot) discards the sandbox's current runtime: its
+  processes are SIGKILLed directly instead of through `runsc kill` (nothing of them is kept: the root
+  filesystem is replaced by the snapshot's). Whatever state it was in (running, paused), nothing of the
+  old incarnation is left: its sandbox, gofer and holder processes are gone when the rollback answers,
+  its runsc container and cgroup soon after (retired in the background); the files are the snapshot's,
+  and the processes carry on from the checkpoint (full) or start from the template's init (disk).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def cgroup_left(container: str) -> list[str]:
     return found.stdout.split()
 
 
+@pytest.mark.parametrize("kind", ["full", "disk"])
 @pytest.mark.parametrize("paused", [False, True], ids=["running", "paused"])
-def test_rollback_to_a_checkpoint_leaves_nothing_of_the_old_runtime(node, paused: bool) -> None:  # type: ignore[no-untyped-def]
+def test_rollback_leaves_nothing_of_the_old_runtime(node, paused: bool, kind: str) -> None:  # type: ignore[no-untyped-def]
     agent: NodeAgent = node.agent
     data_dir: pathlib.Path = node.data_dir
 
@@ -75,10 +77,11 @@ def test_rollback_to_a_checkpoint_leaves_nothing_of_the_old_runtime(node, paused
             sid = sb.sandbox_id
             counter = await start_counter(sb.session)
             at_checkpoint = await read_int(sb.session, "/work/counter")
-            snap = await agent.checkpoint(sid)
+            snap = await (agent.checkpoint if kind == "full" else agent.disk_snapshot)(sid)
             await eventually(
-                lambda: _above(sb, at_checkpoint + 10), what="counting on after the checkpoint"
+                lambda: _above(sb, at_checkpoint + 10), what="counting on after the snapshot"
             )  # fmt: skip
+            await sb.session.write_file("/work/after.txt", b"after the snapshot")
             before = await read_int(sb.session, "/work/counter")
             old_container, old = runtime_processes(data_dir, sid)
             assert all(alive(pid) for pid in old.values()), old  # the oracle sees them now
@@ -92,10 +95,14 @@ def test_rollback_to_a_checkpoint_leaves_nothing_of_the_old_runtime(node, paused
             new_container, new = runtime_processes(data_dir, sid)
             assert new_container != old_container and all(alive(pid) for pid in new.values())
             assert sb.state == State.RUNNING
+            assert "after.txt" not in {e["name"] for e in await sb.session.list_dir("/work")}
             restored = await read_int(sb.session, "/work/counter")
             assert at_checkpoint <= restored < before, (at_checkpoint, restored, before)
-            assert counter in await running_ids(sb.session)
-            await eventually(lambda: _above(sb, restored + 5), what="counting on from the checkpoint")
+            if kind == "full":  # the processes as they were, counting on
+                assert counter in await running_ids(sb.session)
+                await eventually(lambda: _above(sb, restored + 5), what="counting on from the checkpoint")
+            else:  # the files as they were, the processes from the template's init
+                assert counter not in await running_ids(sb.session)
 
             async def retired() -> bool:
                 return not runsc_knows(data_dir, old_container) and not cgroup_left(old_container)

@@ -363,6 +363,10 @@ class EgressDriver:
         self.wiring.runtime_gone(sandbox_id)
         await self.inner.stop(sandbox_id)
 
+    async def discard(self, sandbox_id: str) -> None:
+        self.wiring.runtime_gone(sandbox_id)
+        await self.inner.discard(sandbox_id)
+
     async def destroy(self, sandbox_id: str) -> None:
         self.wiring.sandbox_deleted(sandbox_id)
         await self.inner.destroy(sandbox_id)

@@ -138,7 +138,7 @@ class SandboxSnapshots(SandboxLifecycle):
                     handle.attach(await self.driver.restore(sandbox_id, snapshot_id))
                     await handle.session.reseed()
                 else:
-                    await self.driver.stop(sandbox_id)
+                    await self.driver.discard(sandbox_id)  # its files are replaced next (ADR 0077)
                     await self.driver.reset_rootfs(sandbox_id, snapshot_id)
                     handle.attach(await self.driver.start(sandbox_id))
 

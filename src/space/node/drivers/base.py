@@ -171,6 +171,12 @@ class Driver(abc.ABC):
     async def stop(self, sandbox_id: str) -> None:
         """End every process; keep the disk."""
 
+    async def discard(self, sandbox_id: str) -> None:
+        """End every process when nothing of them is kept (the caller replaces the sandbox's files next: a
+        rollback). A driver that can end them faster than a stop does (runsc: SIGKILL instead of `runsc
+        kill`, ADR 0077) says so; by default a stop."""
+        await self.stop(sandbox_id)
+
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Remove everything the sandbox has on this node."""

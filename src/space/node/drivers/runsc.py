@@ -161,6 +161,9 @@ class RunscDriver(Driver):
     async def stop(self, sandbox_id: str) -> None:
         await self.helper.call("sandbox.stop", {"sandbox_id": sandbox_id})
 
+    async def discard(self, sandbox_id: str) -> None:
+        await self.helper.call("sandbox.discard", {"sandbox_id": sandbox_id})
+
     async def destroy(self, sandbox_id: str) -> None:
         await self.helper.call("sandbox.destroy", {"sandbox_id": sandbox_id})
 

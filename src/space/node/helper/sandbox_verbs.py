@@ -110,6 +110,12 @@ def sandbox_stop(ctx: HelperContext, params: SandboxParams, _progress: Progress)
     return {"status": "stopped"}
 
 
+def sandbox_discard(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
+    """Stop a sandbox whose files are replaced next (a rollback): its processes SIGKILLed (ADR 0077)."""
+    ctx.runtimes.discard(params.sandbox_id)
+    return {"status": "stopped"}
+
+
 def sandbox_destroy(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     sandbox_id = params.sandbox_id
     ctx.runtimes.stop(sandbox_id)

@@ -124,6 +124,7 @@ VERBS: dict[str, Verb] = {
         Verb("sandbox.pause", SandboxParams, sandbox_verbs.sandbox_pause, sandbox_scoped=True),
         Verb("sandbox.resume", SandboxParams, guarded(sandbox_verbs.sandbox_resume), sandbox_scoped=True),
         Verb("sandbox.stop", SandboxParams, sandbox_verbs.sandbox_stop, sandbox_scoped=True),
+        Verb("sandbox.discard", SandboxParams, sandbox_verbs.sandbox_discard, sandbox_scoped=True),
         Verb("sandbox.checkpoint", CheckpointParams, snapshot_verbs.sandbox_checkpoint, sandbox_scoped=True),
         Verb("sandbox.restore", RestoreParams, guarded(snapshot_verbs.sandbox_restore), sandbox_scoped=True),
         Verb(
