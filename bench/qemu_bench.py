@@ -4,6 +4,7 @@
 Starts its own node (root helper + btrfs) in a fresh data directory, makes the `python` template's microVM
 checkpoint once (one cold boot: reported, not a target), measures through the QemuDriver and the helper's
 microvm.* verbs, and purges everything. Under TCG where /dev/kvm runs no hardware guests (reported).
+`--network sandbox` gives every microVM its network slot (ADR 0080); the default is none.
 - create_first_answer: QemuDriver.create_warm (reflink the template's disk, start QEMU with -incoming,
   load the template's memory image, cont) until `exec true` answered;
 - exec_true: `exec true` in a running microVM;
@@ -73,9 +74,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
+    # sandbox: every microVM on its network slot (a tap bridged to the slot's veth end, ADR 0080), so
+    # create includes wiring the slot; none: the empty namespace (the driver's cost alone)
+    parser.add_argument("--network", choices=("none", "sandbox"), default="none")
     args = parser.parse_args()
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-bench-qemu-", dir="/var/tmp"))
-    node = LocalNode(data_dir, network="none")
+    node = LocalNode(data_dir, network=args.network)
 
     async def run() -> dict[str, dict[str, Any]]:
         await node.start(progress=lambda _line: None)
