@@ -15,12 +15,17 @@ T (from its data directory, so two nodes on one machine never collide) and the s
                                             (TCP 80/443 and UDP/TCP 53 anywhere are redirected to it);
                                             everything else from or to a slot is dropped
 
+A microVM (docs/adr/0080-microvm-egress.md) uses the same slot: in spTs<i>, eth0 (without its address) and
+a tap owned by the sandbox's uid are the two ports of a bridge; the guest's kernel holds 10.99.0.2 and the
+MAC gVisor would take, so the edge and everything behind it see what they see of a gVisor sandbox.
+
 Invariants:
 - Every name and address is derived from the data directory and a slot number; callers name only
   validated sandbox ids.
 - A sandbox's slot is recorded in `run/<sandbox>/network.json` (written atomically after the slot is
-  complete); a slot nobody records is swept by `prepare()`; `release()` and `teardown()` remove
-  namespaces, links and (teardown) the node's table and gateway link, so nothing outlives the node.
+  complete); a slot nobody records, or whose sandbox has neither a bundle nor a microVM disk, is swept by
+  `prepare()`; `release()` and `teardown()` remove namespaces, links and (teardown) the node's table and
+  gateway link, so nothing outlives the node.
 - host_addr is unique per live slot on the node and the gateway sees it as the source of every packet a
   sandbox sends (it cannot be spoofed: the edge forwards only 10.99.0.2, and the root table drops any
   packet whose source does not route back through the link it came from).
