@@ -265,8 +265,12 @@ def ensure_btrfs(
         return dataclasses.replace(fs, quota=mode)
 
 
-def unmount_btrfs(data_dir: str | os.PathLike[str], *, timeout: float = 10.0) -> None:
+def unmount_btrfs(data_dir: str | os.PathLike[str], *, timeout: float = 60.0) -> None:
     """Unmount `<data_dir>/fs` (if mounted from the image) and detach every loop device of the image.
+
+    The wait is long because the kernel releases a loop device only when the filesystem's last reference
+    goes: a mount copy in a namespace of a process still exiting (runsc's gofer, a QEMU jail) keeps it, and
+    on a loaded machine (load 10 on 2 cores) that took more than the 10 s this once waited.
 
     Raises RuntimeFailure if the filesystem is busy: a lazy unmount would hide a leak, so it is not done.
     A data dir on native btrfs is left alone (nothing is mounted by SPACE there).
