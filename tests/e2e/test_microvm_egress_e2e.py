@@ -6,7 +6,8 @@ their own (tests/support/egress_net.py, as tests/e2e/test_egress_e2e.py does for
 - an allowed name is reachable through the proxy and transparently (DNS, TCP 80/443 redirected); a denied
   name, IP literals and the metadata address are refused (that test's list), and raw connections reach
   neither the upstreams' other ports, the metadata address, the node's gateway address on another port,
-  nor any address of the host's own namespace (a listener there sees nothing);
+  nor any address of the host's own namespace (a listener there sees nothing); a source address the
+  guest gives itself (it is a real kernel, root inside) gets nowhere;
 - a checkpoint, rollback, stop/start (a cold boot) and fork keep egress: every fork child gets its own
   slot (another host address as the gateway sees it, which no other sandbox reaches) while the guest's
   address and MAC stay the ones every sandbox has;
@@ -55,6 +56,30 @@ for host, port in json.loads(sys.argv[1]):
     s = socket.socket(); s.settimeout(2)
     try: s.connect((host, port)); print('connected', host, port)
     except OSError as e: print('refused', host, port, e)
+"""
+
+# The same from source addresses the guest gives itself first (netlink RTM_NEWADDR on eth0, as root in the
+# guest: a real kernel can send from any address it is told to hold); one "<source> <result>" line each.
+FORGE = r"""
+import json, socket, struct, sys
+def rta(kind, data):
+    return struct.pack("HH", 4 + len(data), kind) + data
+index = socket.if_nametoindex("eth0")
+nl = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)
+held = {"10.99.0.2"}
+for src, host, port in json.loads(sys.argv[1]):
+    if src not in held:
+        held.add(src)
+        packed = socket.inet_aton(src)
+        body = struct.pack("BBBBI", socket.AF_INET, 32, 0, 0, index) + rta(2, packed) + rta(1, packed)
+        nl.sendto(struct.pack("IHHII", 16 + len(body), 20, 0x1 | 0x4 | 0x400, 1, 0) + body, (0, 0))
+        err = struct.unpack("i", nl.recv(4096)[16:20])[0]
+        assert err == 0, ("RTM_NEWADDR", src, err)
+    s = socket.socket(); s.settimeout(2)
+    try:
+        s.bind((src, 0)); s.connect((host, port)); print("connected", src, host, port, s.getsockname()[0])
+    except OSError as e:
+        print("refused", src, host, port, e)
 """
 
 
@@ -230,6 +255,19 @@ def test_microvm_egress_allowed_refused_and_nothing_else(microvm_egress_node: Mi
             lines = raw.stdout.decode().splitlines()
             assert len([line for line in lines if line.startswith("refused ")]) == len(targets), lines
             assert listener.accepted == [], "the guest reached the host's own namespace"
+            # forged source addresses the guest gave itself: another inner one, the node's gateway address,
+            # a host address of another slot; the sandbox's own address through the same path is the control
+            proxy = int(node.wiring.gateway.ports["proxy"])
+            other_slot = str(ipaddress.ip_address(await node.host_addr(sb.sandbox_id)) + 1)
+            spoofed = [["10.99.0.2", "10.99.0.1", proxy]]
+            spoofed += [[src, host, port] for src in ("10.99.0.5", gateway, other_slot)
+                        for host, port in (("10.99.0.1", proxy), (node.api.addr, 443))]  # fmt: skip
+            forged = await sb.session.exec(["python3", "-c", FORGE, json.dumps(spoofed)], timeout=120)
+            assert forged.exit_code == 0, forged.stderr
+            lines = forged.stdout.decode().splitlines()
+            assert lines[0] == f"connected 10.99.0.2 10.99.0.1 {proxy} 10.99.0.2", lines
+            assert len(lines) == len(spoofed), lines
+            assert all(line.startswith("refused ") for line in lines[1:]), lines
 
     try:
         node.run(scenario())
