@@ -153,6 +153,15 @@ def form(site: Site, **kw: Any) -> LoginForm:
     return LoginForm(**values)
 
 
+async def _until_loaded_at(cdp: Conversation, session: str, url: str) -> None:
+    expression = {"expression": "location.href + ' ' + document.readyState", "returnByValue": True}
+    while True:
+        answer = await cdp.call("Runtime.evaluate", expression, session=session)
+        if answer["result"]["value"] == f"{url} complete":
+            return
+        await asyncio.sleep(0.05)
+
+
 async def _fill(b: Browser, url: str, login: LoginForm, *, target: bool = False) -> tuple[LoginFill, str]:
     """Open `url` in a page of its own, run the fill on it, close it; (the answer, the page's target)."""
     async with connect(b.ws_url, max_size=None) as ws:
@@ -164,7 +173,8 @@ async def _fill(b: Browser, url: str, login: LoginForm, *, target: bool = False)
             ]
             await cdp.call("Page.enable", session=session)
             await cdp.call("Page.navigate", {"url": url}, session=session)
-            await asyncio.wait_for(cdp.until_loaded(session), 30)
+            # Not the next load event: on a busy machine it can be the initial about:blank's, late.
+            await asyncio.wait_for(_until_loaded_at(cdp, session, url), 30)
             done = await asyncio.wait_for(
                 fill_login(ws.send, ws.recv, login, PLACEHOLDERS, target_id=page if target else None,
                            navigation=lambda: asyncio.timeout(3)),

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from space.core import versions
 from space.core.ids import new_sandbox_id, new_snapshot_id
 from space.sdk import InvalidState
 from tests.support import cluster as c
@@ -214,7 +215,7 @@ def test_a_malformed_body_is_422_naming_the_field(
 
 def test_unauthenticated_endpoints(fake_cluster: c.Cluster) -> None:
     client = fake_cluster.http()
-    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "version": versions.space_version()}
     # /metrics shows every tenant's traffic: an org admin key only (ADR 0020).
     assert error_of(client.get("/metrics"))["code"] == "unauthenticated"
     member = c.new_project(fake_cluster)

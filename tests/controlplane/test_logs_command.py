@@ -20,11 +20,12 @@ from space.cli import logs
 from space.cli import main as cli_main
 from space.core import errors
 
-NOW = datetime.now(UTC).replace(microsecond=0)
+NOW = datetime.now(UTC).replace(microsecond=0)  # for pure functions only: the suite may run this much later
 
 
 def _json(minutes_ago: int, component: str, msg: str, request_id: str | None = None, **extra: str) -> str:
-    ts = (NOW - timedelta(minutes=minutes_ago)).isoformat(timespec="milliseconds")
+    """A line of `minutes_ago` before the real present (`--since` compares with the clock, not with NOW)."""
+    ts = (datetime.now(UTC) - timedelta(minutes=minutes_ago)).isoformat(timespec="milliseconds")
     line = {"ts": ts, "level": "info", "component": component, "logger": f"space.{component}", "msg": msg,
             "request_id": request_id, "sandbox_id": None, "error": None, **extra}  # fmt: skip
     return json.dumps(line)
@@ -42,7 +43,7 @@ def data_dir(tmp_path: pathlib.Path) -> pathlib.Path:
         + _json(1, "gateway", "denied example.com", "req_other") + "\n"
     )  # fmt: skip
     (tmp_path / "space.log").write_text(
-        json.dumps({"ts": (NOW - timedelta(minutes=4)).isoformat(), "source": "supervisor",
+        json.dumps({"ts": (datetime.now(UTC) - timedelta(minutes=4)).isoformat(), "source": "supervisor",
                     "event": "component.restarted", "component": "agent"}) + "\n"
     )  # fmt: skip
     return tmp_path

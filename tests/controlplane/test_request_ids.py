@@ -58,6 +58,12 @@ def _with(service: c.Service, request_id: str) -> list[dict[str, Any]]:
     return [row for row in _lines(service) if row.get("request_id") == request_id]
 
 
+def _once(service: c.Service, request_id: str, text: str) -> list[dict[str, Any]]:
+    """The lines of `request_id`, once one of them holds `text` (else none)."""
+    rows = _with(service, request_id)
+    return rows if any(text in row["msg"] for row in rows) else []
+
+
 def test_one_id_follows_an_exec_from_the_api_to_the_node(
     cluster: c.Cluster, project: c.Project, sandbox_id: str
 ) -> None:
@@ -67,11 +73,12 @@ def test_one_id_follows_an_exec_from_the_api_to_the_node(
     )  # fmt: skip
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-request-id"] == "follow-me.1"
-    api = c.wait_for(lambda: _with(cluster.cp, "follow-me.1"), timeout=30, what="the API's access line")
-    node = c.wait_for(lambda: _with(cluster.node, "follow-me.1"), timeout=30, what="the node's access line")
-    assert any(row["msg"].startswith(f"POST /v1/sandboxes/{sandbox_id}/exec 200") for row in api), api
+    # The access line is written after the answer, so other lines of the request may be in the file first.
+    api = c.wait_for(lambda: _once(cluster.cp, "follow-me.1", f"POST /v1/sandboxes/{sandbox_id}/exec 200"),
+                     timeout=30, what="the API's access line")  # fmt: skip
+    node = c.wait_for(lambda: _once(cluster.node, "follow-me.1", f"/node/v1/sandboxes/{sandbox_id}/"),
+                      timeout=30, what="the node's access line")  # fmt: skip
     assert all(row["component"] == "controlplane" and row["sandbox_id"] == sandbox_id for row in api), api
-    assert any(f"/node/v1/sandboxes/{sandbox_id}/" in row["msg"] for row in node), node
     assert all(row["component"] == "agent" and row["sandbox_id"] == sandbox_id for row in node), node
 
 

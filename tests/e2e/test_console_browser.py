@@ -112,6 +112,9 @@ def console_page(browser: Browser, tenant: Tenant, *, width: int = 1280) -> Iter
     page.goto(f"{tenant.url}/console/")
     try:
         yield page, problems
+    except Exception as exc:
+        exc.add_note(f"the page logged: {problems or 'no errors'}")  # e.g. a module that failed to load
+        raise
     finally:
         context.close()
 

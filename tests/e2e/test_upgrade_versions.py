@@ -97,6 +97,10 @@ def _node(sp: Space, join: c.Service) -> dict[str, object] | None:
     return ready[0] if ready else None
 
 
+def _reporting(node: dict[str, object] | None, release: str) -> dict[str, object] | None:
+    return node if node is not None and node.get("space_version") == release else None
+
+
 def _purge(data_dir: pathlib.Path, cgroup_parent: str) -> dict[str, object]:
     """Destroy what the stopped node left (sandboxes, network, btrfs image); what is left on the host."""
     import pwd
@@ -176,8 +180,9 @@ def test_node_and_replica_restarted_as_the_next_version_while_a_sandbox_runs(
         (root / "token").chmod(0o600)
         join.start()
         with Space(url=urls[0], api_key=admin_key) as sp:
-            node = c.wait_for(lambda: _node(sp, join), timeout=READY_TIMEOUT_S, interval=0.5, what="node")
-            assert node["space_version"] == current
+            # A node reports its release with its runtime, in a heartbeat after it registered (ADR 0079).
+            node = c.wait_for(lambda: _reporting(_node(sp, join), current), timeout=READY_TIMEOUT_S,
+                              interval=0.5, what="the node's release")  # fmt: skip
             sandbox = sp.sandboxes.create(limits={"cpus": 0.5, "memory_mb": 256})
             sandbox.files.write("/work/kept", b"before the upgrade\n")
             before = _uptime(sandbox)

@@ -1,22 +1,20 @@
 """What the qemu driver cannot do yet is a typed refusal (issue 15, ADR 0076): NotSupported, answered as 409
 `not_supported` naming the microvm isolation, never a NotImplementedError (a 500 the reconciler retried).
 No helper is asked: each refusal happens before any call (a helper that is called fails the test). And
-the node reports the qemu driver, which placement matches microvm sandboxes to, and wires no egress
-gateway (its microVMs have no network device yet)."""
+the node reports the qemu driver, which placement matches microvm sandboxes to (its egress, since ADR
+0080, is tested for real in tests/e2e/test_microvm_egress_e2e.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import pathlib
 from collections.abc import Awaitable, Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from space.core import errors, isolation, runtimes
-from space.node.agent import egress_wiring, runtime_info
-from space.node.agent.egress_settings import EgressSettings
+from space.node.agent import runtime_info
 from space.node.drivers.base import SandboxSpec
 from space.node.drivers.qemu import QemuDriver
 from space.node.layout import NodeLayout
@@ -75,9 +73,3 @@ def test_a_qemu_node_reports_the_qemu_driver_whatever_its_helper_published(tmp_p
     assert runtime_info.node_runtime(driver) == runtimes.describe("qemu")
     assert isolation.of_node(runtime_info.node_runtime(driver)) == "microvm"
 
-
-def test_a_qemu_node_wires_no_egress_gateway(tmp_path: pathlib.Path) -> None:
-    """Its microVMs have no network device: the agent asks its helper for no network (whose answer for a
-    microVM would be a 404 that failed every create on a node whose helper runs the sandbox network)."""
-    agent: Any = SimpleNamespace(driver=_driver())  # the helper fails the test if it is asked anything
-    assert asyncio.run(egress_wiring.install(agent, EgressSettings(state_dir=tmp_path))) is None
