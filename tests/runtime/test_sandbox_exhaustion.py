@@ -88,17 +88,19 @@ def exhaustion_node(loop: BackgroundLoop) -> Iterator[ExhaustionNode]:
         assert wiring is not None
         yield ExhaustionNode(local, agent, wiring, loop, log)
     finally:
-        if agent is not None:
-            loop.run(agent.delete_all(), timeout=300)
-            loop.run(local.stop(purge=True), timeout=300)
-        else:
-            with contextlib_suppress():
+        try:
+            if agent is not None:
+                loop.run(agent.delete_all(), timeout=300)
                 loop.run(local.stop(purge=True), timeout=300)
-        if nameserver is not None:
-            nameserver.kill()
-            nameserver.wait(5)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+            else:
+                with contextlib_suppress():
+                    loop.run(local.stop(purge=True), timeout=300)
+        finally:  # a failed purge (reported) must not leave the test's own namespace behind too
+            if nameserver is not None:
+                nameserver.kill()
+                nameserver.wait(5)
+            subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
         for parent in pathlib.Path("/sys/fs/cgroup").glob(f"*/{CGROUP_PARENT}"):
             with contextlib_suppress():
                 parent.rmdir()
