@@ -34,8 +34,7 @@ def _refusals(driver: QemuDriver) -> dict[str, Callable[[], Awaitable[Any]]]:
         "disk_snapshot": lambda: driver.disk_snapshot(sid, snap),
         "disk_rollback": lambda: driver.reset_rootfs(sid, snap),
         "cold_create": lambda: driver.create(SPEC),
-        "warm_pool": lambda: driver.create_pooled(SPEC),
-        "warm_pool ": lambda: driver.adopt_warm("python", sid, snap),
+        "template_checkpoint": lambda: driver.adopt_warm("python", sid, snap),
     }
 
 
@@ -72,4 +71,3 @@ def test_a_qemu_node_reports_the_qemu_driver_whatever_its_helper_published(tmp_p
     driver = QemuDriver(layout, _NoHelper())  # type: ignore[arg-type]
     assert runtime_info.node_runtime(driver) == runtimes.describe("qemu")
     assert isolation.of_node(runtime_info.node_runtime(driver)) == "microvm"
-

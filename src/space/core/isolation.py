@@ -36,7 +36,8 @@ UNSUPPORTED: Final[Mapping[str, Mapping[str, str]]] = {
     "microvm": {
         "disk_snapshot": "disk snapshots are not supported for microvm sandboxes; take a full snapshot",
         "disk_rollback": "microvm sandboxes roll back to full snapshots only",
-        "warm_pool": "warm pools are not kept for microvm sandboxes yet",
+        "template_checkpoint": "microvm sandboxes start from the checkpoint their node makes of a cold "
+        "boot of the template; a sandbox's checkpoint does not become a template's",
         "cold_create": "microvm sandboxes are created from their template's checkpoint only",
     },
 }

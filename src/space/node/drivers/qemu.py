@@ -13,6 +13,11 @@ Invariants:
   pretends: a disk-only snapshot is refused, not half done. A suspend exports memory image and whole disk
   through the helper (ADR 0081). A stopped sandbox boots cold from its own disk (`start`); `list` reports
   every microVM disk on the node.
+- Warm pools as with gVisor (ADR 0047; ADR 0068 "Warm pools"): a pooled member is the template's
+  checkpoint restored under a runtime id of its own, its network slot that runtime id's (ADR 0080); the
+  helper client translates sandbox ids to runtime ids (`names`), so every verb and every path this driver
+  builds names the runtime. The bind gives the member nothing the helper holds: the agent's usual
+  personalisation (reseed, environment) and the egress wiring's policy for the runtime's slot are all of it.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from space.core import errors, isolation
 from space.core.settings import SandboxLimits
 from space.node.agent.channel import GuestChannel
 from space.node.agent.helper_client import HelperClient
+from space.node.agent.identity import identity_dir
+from space.node.agent.runtime_names import RuntimeNames
 from space.node.drivers.base import (
     CheckpointInfo,
     Driver,
@@ -45,7 +52,7 @@ SYNC_TIMEOUT_S = 10.0
 class QemuDriver(Driver):
     name = "qemu"
     isolating = True
-    warm_supported = True  # every create is a restore of the template's checkpoint (no pools yet)
+    warm_supported = True  # every create is a restore of the template's checkpoint, or binds a pooled one
     networked = True  # a virtio-net device on a tap in the sandbox's slot (ADR 0080): egress as gVisor's
 
     def __init__(
@@ -54,6 +61,13 @@ class QemuDriver(Driver):
         self.layout = layout
         self.helper = helper
         self.machine = {"memory_mb": memory_mb, "vcpus": vcpus}
+        # Pooled runtimes and the sandbox ids bound to them (ADR 0047): the helper client translates.
+        self.names: RuntimeNames = RuntimeNames(self.state_file("runtime-names.json"))
+        helper.names = self.names
+
+    def state_file(self, name: str) -> pathlib.Path | None:
+        # The agent's private 0700 directory, as for runsc (the helper's node.prepare makes it).
+        return identity_dir(self.layout.data_dir) / name
 
     async def _channel(
         self, sandbox_id: str, socket_path: str, timeout: float = RESTORE_TIMEOUT_S
@@ -99,7 +113,8 @@ class QemuDriver(Driver):
         return await self._channel(sandbox_id, str(result["socket"]), COLD_BOOT_TIMEOUT_S)
 
     async def connect(self, sandbox_id: str) -> GuestChannel:
-        return await self._channel(sandbox_id, str(self.layout.channel_socket(sandbox_id)))
+        socket_path = self.layout.channel_socket(self.names.to_runtime(sandbox_id))
+        return await self._channel(sandbox_id, str(socket_path))
 
     async def pause(self, sandbox_id: str) -> None:
         await self.helper.call("microvm.pause", {"sandbox_id": sandbox_id})
@@ -142,16 +157,23 @@ class QemuDriver(Driver):
     async def reset_rootfs(self, sandbox_id: str, snapshot_id: str) -> None:
         _refuse("disk_rollback")  # a rollback restores a full checkpoint instead
 
-    # -- not yet for microVMs (ADR 0068's list): refused by name instead of the base class's
-    # NotImplementedError, so the agent answers a typed 409 and the reconciler does not retry them.
+    # -- warm pools (ADR 0047, ADR 0068 "Warm pools")
     async def create_pooled(self, spec: SandboxSpec) -> GuestChannel:
-        _refuse("warm_pool")
+        """A member: the template's checkpoint restored under runtime id `spec.sandbox_id`, exactly as a
+        warm create (its own disk, slot, uid and cgroups are that runtime id's)."""
+        channel = await self.create_warm(spec)
+        assert channel is not None  # this driver's create_warm always starts the microVM
+        return channel
 
     async def bind_pooled(self, spec: SandboxSpec, channel: GuestChannel) -> None:
-        _refuse("warm_pool")
+        """Nothing for the helper: a microVM keeps no boot environment outside its guest (a warm create
+        hands the helper none either), and its slot stays the runtime's (the egress wiring gives the slot's
+        address the sandbox's policy). The agent reseeds the guest and gives it the environment."""
 
+    # -- not yet for microVMs (ADR 0068's list): refused by name instead of the base class's
+    # NotImplementedError, so the agent answers a typed 409 and the reconciler does not retry them.
     async def adopt_warm(self, template: str, sandbox_id: str, snapshot_id: str) -> None:
-        _refuse("warm_pool")
+        _refuse("template_checkpoint")  # ensure_template makes the checkpoint: warm_ready is then true
 
     # -- object storage (space.node.helper.microvm_transfer, ADR 0081): the agent uploads and downloads
     # exactly as for gVisor; the artifact's runtime descriptor is this node's (`qemu`).
@@ -209,7 +231,9 @@ class QemuDriver(Driver):
         unlike gVisor's gofer, writes back later): flush them first when the guest still answers."""
         with contextlib.suppress(errors.SpaceError, OSError, TimeoutError):
             channel = await GuestChannel.connect_unix(
-                str(self.layout.channel_socket(sandbox_id)), timeout=SYNC_TIMEOUT_S, name=sandbox_id
+                str(self.layout.channel_socket(self.names.to_runtime(sandbox_id))),
+                timeout=SYNC_TIMEOUT_S,
+                name=sandbox_id,
             )
             try:
                 from space.node.agent.guest import GuestSession
