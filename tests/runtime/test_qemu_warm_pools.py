@@ -2,7 +2,8 @@
 a qemu node with `pools python=1` restores a member from the template's checkpoint under a runtime id of
 its own; a create is served from the pool (the node's answer says so) under the caller's id, with the
 caller's environment and fresh randomness (each bound member reseeded: two members of one checkpoint draw
-different bytes); the pool refills with a new runtime; deleting leaves no microVM, disk or name behind."""
+different bytes) and with the member's network slot; the pool refills with a new runtime; an empty pool
+falls back to a restore at create; deleting leaves no microVM, disk or name behind."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ def test_a_qemu_node_serves_creates_from_its_warm_pool(node) -> None:  # type: i
             assert other.created_from == "pool" and names.to_runtime(second) == refill
             runtimes.append(refill)
             assert (await other.session.exec("echo $WHO")).stdout == b"second\n"
+            if node.node.network == "sandbox":
+                # The network slot is the runtime's, made at the fill (ADR 0080): the sandbox's id reaches
+                # it, which is what the egress wiring asks at the bind to give the slot the sandbox's policy.
+                slot_a = await driver.helper.call("sandbox.network", {"sandbox_id": first})
+                slot_b = await driver.helper.call("sandbox.network", {"sandbox_id": second})
+                assert slot_a["host_addr"] != slot_b["host_addr"]
+                assert (await driver.helper.call("sandbox.network", {"sandbox_id": member})) == slot_a
             # Both members are copies of one checkpoint: only the bind's reseed tells them apart.
             info_a, info_b = await handle.session.info(), await other.session.info()
             assert info_a["boot_id"] != info_b["boot_id"]
