@@ -109,7 +109,16 @@ class JoinOptions(BaseSettings):
     )  # fmt: skip
     advertise_url: str | None = Field(
         default=None, pattern=_URL_PATTERN, max_length=2048, validation_alias="SPACE_NODE_ADVERTISE_URL",
-        description="The URL the control plane calls this node at (default http://LISTEN).",
+        description="The URL the control plane calls this node at (default http://LISTEN, https://LISTEN "
+        "with tls_cert).",
+    )  # fmt: skip
+    tls_cert: str | None = Field(
+        default=None, pattern=_PATH_PATTERN, max_length=4096, validation_alias="SPACE_NODE_TLS_CERT",
+        description="PEM certificate (chain) the agent's RPC serves HTTPS with; needs tls_key.",
+    )  # fmt: skip
+    tls_key: str | None = Field(
+        default=None, pattern=_PATH_PATTERN, max_length=4096, validation_alias="SPACE_NODE_TLS_KEY",
+        description="PEM private key of the node's tls_cert (owner-only).",
     )  # fmt: skip
     templates: str = Field(
         default="python", pattern=r"^[a-z0-9,_-]{0,512}$", validation_alias="SPACE_NODE_TEMPLATES",

@@ -127,6 +127,12 @@ def run(
     node_token_file: Annotated[
         str | None, typer.Option("--node-token-file", help="the cluster's node token (replicas share it)")
     ] = None,
+    nodes_ca_file: Annotated[
+        str | None,
+        typer.Option(
+            "--nodes-ca-file", metavar="PEM", help="CA that verifies https nodes (default: the system's)"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run one control-plane replica in the foreground (migrating the database first, under a lock)."""
@@ -135,9 +141,17 @@ def run(
         RunOptions, loaded, "controlplane", database=database, listen=listen, tls_cert=tls_cert,
         tls_key=tls_key, data_dir=data_dir, node_token_file=node_token_file,
     )  # fmt: skip
-    tunables = settings(ControlPlaneSettings, loaded, "controlplane", store_url=objects)
+    tunables = settings(
+        ControlPlaneSettings, loaded, "controlplane", store_url=objects, nodes_ca_file=nodes_ca_file
+    )
     settings(ObjectsOptions, loaded, "objects")  # checked before anything starts
     argv = server_argv(loaded, options, tunables)
+    if tunables.nodes_ca_file is not None:
+        if not pathlib.Path(tunables.nodes_ca_file).is_file():
+            raise SettingError(
+                f"nodes CA file {tunables.nodes_ca_file} does not exist", field="nodes_ca_file"
+            )
+        os.environ["SPACE_NODES_CA_FILE"] = tunables.nodes_ca_file  # the server's node pools read it there
     export_to_environment(loaded, "controlplane", ControlPlaneSettings)
     export_to_environment(loaded, "objects", ObjectsOptions)
     from space.controlplane import server

@@ -21,7 +21,9 @@ Invariants:
   format, tracing, reported version); `--ca-file` becomes its SSL_CERT_FILE (a copy in the data directory
   it can read). The helper gets the same process-wide ones (space.node.local.HELPER_ENV).
 - A setting the node's processes would refuse (a `cgroup_parent` the helper does not take: the one
-  validator of space.core.node_cgroups) stops the join before it starts anything.
+  validator of space.core.node_cgroups) stops the join before it starts anything; so does `--tls-cert`
+  without `--tls-key` or a key others can read (identity.check_tls_files). The agent serves its RPC with
+  copies of both (0600, its own) and advertises https://LISTEN unless told otherwise (ADR 0079).
 - DATA_DIR/up.json and DATA_DIR/status.json are the ones `space up` writes, so `space down` and
   `space status` see a joined node as they see a one-machine installation.
 """
@@ -63,12 +65,15 @@ from space.cli.config_file import (
 from space.cli.controlplane_role import split_listen
 from space.core import errors, process_env
 from space.node import filemodes
-from space.node.agent.identity import NodeIdentity, default_identity_file
+from space.node.agent.identity import NodeIdentity, check_tls_files, default_identity_file
 from space.node.agent.settings import NodeAgentSettings
 
 AGENT_USER: Final = "space"
 ENROLMENT_FILENAME: Final = "enrolment.token"
 CA_COPY: Final = "control-plane-ca.pem"
+#: The agent's copies of the RPC's certificate and key (the operator's may be root's only).
+TLS_CERT_COPY: Final = "rpc-tls.crt"
+TLS_KEY_COPY: Final = "rpc-tls.key"
 READY_TIMEOUT_S: Final = 600.0
 PROBE_TIMEOUT_S: Final = 10.0
 TICK_S: Final = 0.5
@@ -210,6 +215,12 @@ class JoinedNode:
         if ca_file is not None:
             self.ca_copy = self.data_dir / CA_COPY
             _write_agent_file(self.ca_copy, pathlib.Path(ca_file).read_bytes(), self.uid)
+        if self.options.tls_cert is not None and self.options.tls_key is not None:
+            for source, copy in (
+                (self.options.tls_cert, TLS_CERT_COPY),
+                (self.options.tls_key, TLS_KEY_COPY),
+            ):
+                _write_agent_file(self.data_dir / copy, pathlib.Path(source).read_bytes(), self.uid)
         if self.store_url is None or self.store_url.startswith("file://"):
             ensure_local_store(self.store_url or (self.data_dir / "objects").as_uri(), self.uid)
         progress("starting the node helper (root) and preparing storage and templates")
@@ -233,7 +244,8 @@ class JoinedNode:
 
     def spawn_agent(self) -> subprocess.Popen[bytes]:
         host, port = split_listen(self.options.listen)
-        advertise = self.options.advertise_url or f"http://{self.options.listen}"
+        tls = self.options.tls_cert is not None
+        advertise = self.options.advertise_url or f"{'https' if tls else 'http'}://{self.options.listen}"
         argv = [sys.executable, "-m", "space.node.agent.server", "--data-dir", str(self.data_dir),
                 "--listen", f"{host}:{port}", "--control-plane", self.control_plane,
                 "--advertise-url", advertise, "--templates", self.options.templates]  # fmt: skip
@@ -242,6 +254,13 @@ class JoinedNode:
             argv += ["--bootstrap-token-file", str(token_file)]
         if self.store_url is not None:
             argv += ["--store-url", self.store_url]
+        if tls:
+            argv += [
+                "--tls-cert",
+                str(self.data_dir / TLS_CERT_COPY),
+                "--tls-key",
+                str(self.data_dir / TLS_KEY_COPY),
+            ]
         if self.uid:
             argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", *argv]
         log = filemodes.open_private_log(self.data_dir / "agent.log")
@@ -368,6 +387,12 @@ def join(
         str | None,
         typer.Option("--advertise-url", metavar="URL", help="how the control plane calls this node"),
     ] = None,
+    tls_cert: Annotated[
+        str | None, typer.Option("--tls-cert", metavar="PEM", help="serve the node's RPC over HTTPS")
+    ] = None,
+    tls_key: Annotated[
+        str | None, typer.Option("--tls-key", metavar="PEM", help="key of --tls-cert (owner-only)")
+    ] = None,
     objects: Annotated[
         str | None, typer.Option("--objects", metavar="URL", help="the object store the control plane uses")
     ] = None,
@@ -383,8 +408,9 @@ def join(
         loaded = read_config(config)
         options = settings(
             JoinOptions, loaded, "node", control_plane=control_plane, data_dir=data_dir, ca_file=ca_file,
-            listen=listen, advertise_url=advertise_url,
+            listen=listen, advertise_url=advertise_url, tls_cert=tls_cert, tls_key=tls_key,
         )  # fmt: skip
+        check_tls_files(options.tls_cert, options.tls_key)  # a certificate without its key: refused here
         tunables = settings(NodeAgentSettings, loaded, "node", store_url=objects)
         settings(ObjectsOptions, loaded, "objects")
         split_listen(options.listen)

@@ -15,12 +15,17 @@ Invariants:
   closed (httpx read timeout: between any two reads, headers included), a control call is answered whole
   within `control_total_s`, and a JSON answer larger than the pool's cap is refused (TooLarge) before it
   is held in memory whole (the gateway relays JSON answers whole).
+- A node registered at an https URL is called over TLS whose certificate must verify against `ca_file`
+  (SPACE_NODES_CA_FILE), else the system trust store: a certificate that does not verify fails the call
+  (httpx ConnectError, Unavailable to callers), never retried in plain HTTP. An http URL is called as is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
+import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, fields
 
@@ -47,10 +52,17 @@ class PoolSettings:
     data_idle_s: float = default_of("pool_data_idle_s")
     data_max_json_bytes: int = default_of("pool_data_max_json_bytes")
     sockets: str = default_of("pool_sockets")
+    #: PEM CA bundle for nodes at https URLs (ControlPlaneSettings.nodes_ca_file); None: the system's.
+    ca_file: str | None = None
 
     @classmethod
     def of(cls, settings: ControlPlaneSettings) -> PoolSettings:
-        return cls(**{spec.name: getattr(settings, "pool_" + spec.name) for spec in fields(cls)})
+        bounds = {
+            spec.name: getattr(settings, "pool_" + spec.name)
+            for spec in fields(cls)
+            if spec.name != "ca_file"
+        }
+        return cls(**bounds, ca_file=settings.nodes_ca_file)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> PoolSettings:
@@ -66,6 +78,7 @@ class PoolSettings:
             total_s=self.control_total_s,
             max_json_bytes=self.control_max_json_bytes,
             uds=uds,
+            tls=node_tls_context(self.ca_file),
         )
 
     def data_transport(self, uds: str | None = None) -> BoundedTransport:
@@ -76,7 +89,19 @@ class PoolSettings:
             idle_s=self.data_idle_s,
             max_json_bytes=self.data_max_json_bytes,
             uds=uds,
+            tls=node_tls_context(self.ca_file),
         )
+
+
+@functools.cache
+def node_tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """The TLS context the pools verify https nodes with (made once per CA file: every node's pools share
+    it): hostname checked, the certificate chain verified against `ca_file`, else the system trust store.
+    Unavailable if the file cannot be loaded (the control plane then does not start half-configured)."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise errors.Unavailable(f"nodes CA file {ca_file} cannot be loaded: {exc}") from exc
 
 
 #: The longest path a unix socket address holds (sun_path is 108 bytes with its NUL).
@@ -123,9 +148,12 @@ class BoundedTransport(httpx.AsyncBaseTransport):
         total_s: float | None = None,
         inner: httpx.AsyncBaseTransport | None = None,
         uds: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """`uds`: connect to this unix socket instead of the request's host and port."""
+        """`uds`: connect to this unix socket instead of the request's host and port. `tls`: what https
+        nodes are verified with (default: node_tls_context(None), the system trust store)."""
         self._inner = inner or httpx.AsyncHTTPTransport(
+            verify=tls or node_tls_context(None),
             limits=httpx.Limits(
                 max_connections=connections,
                 max_keepalive_connections=min(connections, 32),

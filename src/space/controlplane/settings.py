@@ -197,6 +197,11 @@ class ControlPlaneSettings(BaseSettings):
         description="URL=PATH,...: the node registered at URL is reached through the unix socket PATH (its "
         "agent's --listen-socket, on this machine; ADR 0044). Only the operator names sockets, never a node.",
     )  # fmt: skip
+    nodes_ca_file: str | None = Field(
+        default=None, max_length=4096, validation_alias="SPACE_NODES_CA_FILE",
+        description="PEM CA bundle that verifies the certificates of nodes registered at https URLs (unset: "
+        "the system trust store); http node URLs are called as they are (ADR 0079).",
+    )  # fmt: skip
 
     # -- retention of rows that only grow (retention.py, ADR 0025) -------------------------------------------
     retention_idempotency_s: float = _positive(

@@ -15,6 +15,8 @@ Invariants:
   plane accepts. `node_id` and `secret` change together (`set`), and are written to disk before they are
   used, so nobody sends one registration's id with another's secret and a crash never loses an identity
   the control plane already holds.
+- The RPC's TLS key (`check_tls_files`, ADR 0079 "TLS to nodes") is like these: a key others can read
+  is refused before the agent starts, and a certificate is never served without its key.
 - Everything after registration (heartbeats, credential fetches, audit posts) authenticates with
   `IdentityAuth`, which reads the CURRENT secret per request, so a new enrolment takes effect in every
   client at once, without rebuilding any of them.
@@ -76,6 +78,24 @@ def read_private(path: pathlib.Path) -> str | None:
         if os.fstat(handle.fileno()).st_mode & 0o077:
             raise errors.PermissionDenied(f"the node secret {path} is readable by others: chmod 0600 it")
         return handle.read().strip()
+
+
+def check_tls_files(cert: str | None, key: str | None) -> bool:
+    """Whether the RPC serves TLS: both files given, existing, the key owner-only (True), or neither (False).
+    InvalidArgument for a certificate without its key (or a key without its certificate) or a missing
+    file, PermissionDenied for a key others may read: checked before anything starts."""
+    if cert is None and key is None:
+        return False
+    if cert is None or key is None:
+        raise errors.InvalidArgument(
+            "the node's RPC TLS needs both a certificate and its key (tls_cert and tls_key)", field="tls_key"
+        )
+    for what, path in (("certificate", cert), ("key", key)):
+        if not pathlib.Path(path).is_file():
+            raise errors.InvalidArgument(f"the node's TLS {what} {path} does not exist", field="tls")
+    if os.stat(key).st_mode & 0o077:
+        raise errors.PermissionDenied(f"the node's TLS key {key} is readable by others: chmod 0600 it")
+    return True
 
 
 def load_or_create_rpc_token(path: pathlib.Path) -> str:

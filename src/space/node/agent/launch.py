@@ -3,7 +3,7 @@ plane. `python -m space.node.agent.server` runs `main` (space.node.agent.server)
 
     python -m space.node.agent.server --data-dir D --listen 127.0.0.1:PORT [--rpc-token-file F] \\
         [--control-plane URL [--bootstrap-token-file F] [--advertise-url URL]] [--driver runsc|fake] \\
-        [--no-prepare] [--listen-socket PATH]
+        [--no-prepare] [--listen-socket PATH] [--tls-cert PEM --tls-key PEM]
 
 Invariants:
 - The RPC accepts only this node's own token, never the bootstrap token: a node given the same secret for
@@ -13,6 +13,9 @@ Invariants:
   then deregister the node (`offline`) and only if that was accepted release its lease (ADR 0033), then
   close the agent; sandboxes keep running (runsc) for the next start to adopt. A node that could not
   deregister keeps its lease armed in the helper, which fences its sandboxes when it ends.
+- With --tls-cert/--tls-key the RPC is HTTPS only (the unix socket too) and the advertised URL defaults
+  to https://LISTEN; a certificate without its key, or a key others can read, stops the start before
+  anything is built (identity.check_tls_files; ADR 0079 "TLS to nodes").
 - Environment variables are read once, here, through NodeAgentSettings; the flags win over them.
 """
 
@@ -45,6 +48,7 @@ from space.node.agent.fencing import Fence
 from space.node.agent.helper_client import HelperClient
 from space.node.agent.identity import (
     NodeIdentity,
+    check_tls_files,
     default_identity_file,
     default_rpc_token_file,
     load_or_create_rpc_token,
@@ -166,6 +170,8 @@ async def serve(
     settings: NodeAgentSettings | None = None,
     pools: dict[str, int] | None = None,
     listen_socket: pathlib.Path | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> None:
     """Run the node agent's RPC until SIGINT/SIGTERM; sandboxes keep running when it stops (runsc). On a
     node whose sandboxes get a network, the agent runs the node's egress gateway (`egress`: its settings;
@@ -174,6 +180,7 @@ async def serve(
     The RPC accepts only this node's own token (`rpc_token_file`, default DATA_DIR/identity/rpc.token, made
     at the first start); the bootstrap token (`bootstrap_token_file`) only enrols a node that has no
     identity (`identity_file`, default DATA_DIR/identity/node.json) the control plane accepts (ADR 0021)."""
+    tls = check_tls_files(tls_cert, tls_key)  # before anything is built or started
     settings = settings or NodeAgentSettings()
     agent = _open_agent(data_dir, driver, store_url, settings)
     if disk_reserve is not None:
@@ -194,7 +201,7 @@ async def serve(
     if control_plane:
         # Heartbeats start before the slower rest of the start-up (egress, adopting the sandboxes): a
         # restarted agent must renew the lease its helper still holds before it ends (ADR 0033).
-        url = advertise_url or f"http://{host}:{port}"
+        url = advertise_url or f"{'https' if tls else 'http'}://{host}:{port}"
         reporter = Reporter(service, control_plane, bootstrap_token, url, rpc_token, fence=fence)
         reporting = asyncio.create_task(reporter.run())
     try:
@@ -210,6 +217,7 @@ async def serve(
             uvicorn.Config(
                 app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
                 timeout_keep_alive=KEEPALIVE_S, log_config=uvicorn_log_config(),
+                ssl_certfile=tls_cert, ssl_keyfile=tls_key,
             )
         )  # fmt: skip
         # TCP, and with `listen_socket` a unix socket for a control plane on this machine (ADR 0044).
@@ -329,8 +337,11 @@ def _parser(settings: NodeAgentSettings) -> argparse.ArgumentParser:
     )
     parser.add_argument("--control-plane", help="base URL of the control plane to register with")
     parser.add_argument(
-        "--advertise-url", help="the URL the control plane should call (default http://LISTEN)"
+        "--advertise-url",
+        help="the URL the control plane should call (default http://LISTEN, https://LISTEN with --tls-cert)",
     )
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve the RPC over HTTPS with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert (owner-only)")
     parser.add_argument("--driver", choices=["runsc", "fake"], default="runsc")
     parser.add_argument("--templates", default="python", help="comma-separated templates to prepare")
     parser.add_argument("--no-prepare", action="store_true", help="skip node/template preparation")
@@ -372,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         disk_reserve = DiskReserve(percent=float(percent), mb=int(mb))
     except ValueError:  # pydantic's ValidationError is a ValueError
         parser.error("--disk-reserve is PERCENT,MB: a percentage from 0 to 50 and a whole number of MB")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     os.umask(0o077)  # the agent's object-store parts, CA key, policies: its own only (ADR 0022)
     try:  # text, or one JSON object per line (SPACE_LOG_FORMAT; ADR 0071)
         configure_process_logging("agent", args.log_level)
@@ -392,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 store_url=args.store_url or default_store_url(data_dir),
                 egress=load_egress_settings(data_dir / "egress", args.egress_config),
                 disk_reserve=disk_reserve, settings=settings, pools=pools, listen_socket=args.listen_socket,
+                tls_cert=args.tls_cert, tls_key=args.tls_key,
             )
         )  # fmt: skip
     except IncompatiblePeer as exc:  # logged; said once more where a terminal or journal shows it
