@@ -208,3 +208,20 @@ def test_a_certificate_without_its_key_or_a_key_others_read_is_refused(tmp_path:
     assert joined.returncode != 0
     assert "both a certificate and its key" in joined.stdout + joined.stderr
     assert not (tmp_path / "joined").exists()
+
+
+def test_a_nodes_ca_file_that_cannot_be_loaded_stops_the_control_plane_before_it_starts(
+    tmp_path: pathlib.Path,
+) -> None:
+    data_dir = tmp_path / "cp"
+    done = subprocess.run(
+        [sys.executable, "-m", "space.cli.main", "controlplane", "run", "--data-dir", str(data_dir),
+         "--nodes-ca-file", str(tmp_path / "missing.pem")],
+        capture_output=True, text=True, timeout=120, env=c._child_env(), cwd=c.REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "nodes CA file" in done.stderr + done.stdout
+    assert not data_dir.exists()  # nothing was started
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
+    with pytest.raises(errors.Unavailable, match="cannot be loaded"):
+        PoolSettings.of(ControlPlaneSettings.from_env({"SPACE_NODES_CA_FILE": str(garbage)}))

@@ -145,13 +145,13 @@ def run(
         ControlPlaneSettings, loaded, "controlplane", store_url=objects, nodes_ca_file=nodes_ca_file
     )
     settings(ObjectsOptions, loaded, "objects")  # checked before anything starts
-    argv = server_argv(loaded, options, tunables)
-    if tunables.nodes_ca_file is not None:
+    if tunables.nodes_ca_file is not None:  # checked before server_argv makes the data directory
         if not pathlib.Path(tunables.nodes_ca_file).is_file():
             raise SettingError(
                 f"nodes CA file {tunables.nodes_ca_file} does not exist", field="nodes_ca_file"
             )
         os.environ["SPACE_NODES_CA_FILE"] = tunables.nodes_ca_file  # the server's node pools read it there
+    argv = server_argv(loaded, options, tunables)
     export_to_environment(loaded, "controlplane", ControlPlaneSettings)
     export_to_environment(loaded, "objects", ObjectsOptions)
     from space.controlplane import server

@@ -62,6 +62,7 @@ class PoolSettings:
             for spec in fields(cls)
             if spec.name != "ca_file"
         }
+        node_tls_context(settings.nodes_ca_file)  # a CA file that cannot be loaded stops the start here
         return cls(**bounds, ca_file=settings.nodes_ca_file)
 
     @classmethod
