@@ -2,8 +2,9 @@
 a qemu node with `pools python=1` restores a member from the template's checkpoint under a runtime id of
 its own; a create is served from the pool (the node's answer says so) under the caller's id, with the
 caller's environment and fresh randomness (each bound member reseeded: two members of one checkpoint draw
-different bytes) and with the member's network slot; the pool refills with a new runtime; an empty pool
-falls back to a restore at create; deleting leaves no microVM, disk or name behind."""
+different bytes) and with the member's network slot; the pool refills with a new runtime; a member an
+ended agent left is destroyed, never adopted; an empty pool falls back to a restore at create; deleting
+leaves no microVM, disk or name behind."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from space.core.ids import new_sandbox_id
 from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
-from space.node.agent.pools import WarmPools, parse_pool_sizes
+from space.node.agent.pools import WarmPools, clean_leftovers, parse_pool_sizes
 from space.node.agent.service_core import ServiceCore
 from space.node.drivers.qemu import QemuDriver
 from space.node.helper.microvm import MicroVMs
@@ -96,8 +97,16 @@ def test_a_qemu_node_serves_creates_from_its_warm_pool(node) -> None:  # type: i
             drawn_b = (await other.session.exec(["sh", "-c", READ_RANDOM])).stdout
             assert drawn_a.strip() and drawn_a != drawn_b
 
-            # Without members (the pool closed, its members destroyed) a create restores the checkpoint.
-            await pools.close(destroy=True)
+            # A member left by an agent that ended (its channel gone, its runtime and record left, as after a
+            # crash) is destroyed at the next start, never adopted.
+            await _filled(pools, 1)
+            await pools.close()
+            (left,) = names.members()
+            assert microvms.sandbox_dir(left).is_dir()
+            assert await clean_leftovers(driver) == [left]
+            assert names.members() == {} and not microvms.sandbox_dir(left).exists()
+
+            # Without members a create restores the checkpoint.
             third = new_sandbox_id()
             started = time.perf_counter()
             plain = await agent.create(TEMPLATE, sandbox_id=third, env={"WHO": "third"})
