@@ -15,10 +15,13 @@ import time
 import pytest
 
 from space.core.ids import new_sandbox_id
+from space.node.agent import rpc_models as rm
 from space.node.agent.agent import NodeAgent
 from space.node.agent.helper_client import HelperClient
+from space.node.agent.launch import start_pools
 from space.node.agent.pools import WarmPools, clean_leftovers, parse_pool_sizes
-from space.node.agent.service_core import ServiceCore
+from space.node.agent.service import NodeService
+from space.node.agent.settings import NodeAgentSettings
 from space.node.drivers.qemu import QemuDriver
 from space.node.helper.microvm import MicroVMs
 
@@ -45,15 +48,16 @@ def test_a_qemu_node_serves_creates_from_its_warm_pool(node) -> None:  # type: i
         driver = QemuDriver(layout, HelperClient(str(layout.helper_socket)))
         await driver.ensure_template(TEMPLATE)  # the checkpoint (a cold boot if none is there yet)
         agent = NodeAgent(driver)
-        pools = WarmPools(lambda: agent.driver, parse_pool_sizes("python=1"), fill_yield_s=0.0)
-        agent.pools = pools
-        service = ServiceCore(agent)
+        service = NodeService(agent)
+        # What `--pools python=1` gives a node (space.node.agent.launch): pools over the agent's driver.
+        start_pools(agent, service, parse_pool_sizes("python=1"), NodeAgentSettings(pool_fill_yield_s=0.0))
+        pools = agent.pools
+        assert pools is not None  # the qemu driver keeps runtime names: its node keeps pools
         names = driver.names
         before = set(microvms.sandbox_ids())
         created: list[str] = []
         runtimes: list[str] = []
         try:
-            pools.start()
             await _filled(pools, 1)
             assert service.info().pools == {TEMPLATE: 1}
             (member,) = names.members()
@@ -62,12 +66,14 @@ def test_a_qemu_node_serves_creates_from_its_warm_pool(node) -> None:  # type: i
 
             first = new_sandbox_id()
             started = time.perf_counter()
-            handle = await agent.create(TEMPLATE, sandbox_id=first, env={"WHO": "first"})
+            request = rm.CreateSandboxRequest(template=TEMPLATE, env={"WHO": "first"})
+            observed, made = await service.create(first, request)  # the node's answer to the create
             created.append(first)
+            handle = agent.get(first)
             assert (await handle.session.exec("echo $WHO")).stdout == b"first\n"
             create_ms = (time.perf_counter() - started) * 1000
-            observed = await service.observe_one(handle)
-            assert (observed.id, observed.created_from) == (first, "pool")
+            assert (made, observed.id, observed.state) == (True, first, "running")
+            assert observed.created_from == "pool"
             assert names.to_runtime(first) == member != first
             runtimes.append(member)
             state = await driver.state(first)  # the helper's answer names the sandbox, not the runtime
