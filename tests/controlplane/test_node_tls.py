@@ -3,7 +3,9 @@ process (`python -m space.node.agent.server --driver fake --tls-cert --tls-key`)
 certificate of a test CA, called by the control plane's node pools. With the nodes' CA the pools create a
 sandbox and exec in it (control and data pool); with another CA, or the system trust store, the node is
 Unavailable (typed), and nothing is retried in plain HTTP; a certificate without its key, or a key others
-can read, is refused before the agent or `space node join` starts anything."""
+can read, is refused before the agent or `space node join` starts anything. End to end: a control plane
+with SPACE_NODES_CA_FILE and a TLS agent that registers its default (https) URL serve a tenant's sandbox
+and exec through the API."""
 
 from __future__ import annotations
 
@@ -225,3 +227,22 @@ def test_a_nodes_ca_file_that_cannot_be_loaded_stops_the_control_plane_before_it
     garbage.write_text("-----BEGIN CERTIFICATE-----\nnot a certificate\n-----END CERTIFICATE-----\n")
     with pytest.raises(errors.Unavailable, match="cannot be loaded"):
         PoolSettings.of(ControlPlaneSettings.from_env({"SPACE_NODES_CA_FILE": str(garbage)}))
+
+
+def test_a_control_plane_with_the_nodes_ca_serves_a_sandbox_on_a_tls_node(tmp_path: pathlib.Path) -> None:
+    ca = UpstreamCA(tmp_path)
+    pem = ca.issue("node.pem", ["localhost"], ["127.0.0.1"])
+    pem.chmod(0o600)
+    with c.start_fake_cluster(
+        tmp_path / "cluster",
+        node_args=("--tls-cert", str(pem), "--tls-key", str(pem)),
+        control_plane_env={"SPACE_NODES_CA_FILE": str(ca.ca_file)},
+    ) as cluster:
+        record = cluster.node_record()
+        assert record is not None and record.url.startswith("https://")  # the default advertised URL
+        with cluster.sdk() as sp:
+            sandbox = sp.sandboxes.create(limits=c.SMALL)
+            try:
+                assert sandbox.exec("echo over-tls").stdout.strip() == "over-tls"
+            finally:
+                sandbox.delete()

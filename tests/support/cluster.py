@@ -246,7 +246,9 @@ class FakeNode(Service):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The URL it registers: the agent's default advertised URL (https when it serves TLS)."""
+        scheme = "https" if "--tls-cert" in self.argv else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def rpc_token(self) -> str:
