@@ -253,3 +253,13 @@ class Driver(abc.ABC):
 
     async def import_template_base(self) -> dict[str, Any]:
         raise NotImplementedError(f"{self.name} has no template base to import")
+
+
+def staging_release_args(kind: str, sandbox_id: str | None, snapshot_id: str | None) -> dict[str, Any]:
+    """The arguments of the helper's `staging.release` verb, for the drivers whose helper stages."""
+    args: dict[str, Any] = {"kind": kind}
+    if sandbox_id is not None:
+        args["sandbox_id"] = sandbox_id
+    if snapshot_id is not None:
+        args["snapshot_id"] = snapshot_id
+    return args

@@ -39,6 +39,7 @@ from space.node.drivers.base import (
     RuntimeState,
     SandboxSpec,
     StagedFiles,
+    staging_release_args,
 )
 from space.node.layout import NodeLayout
 
@@ -214,12 +215,7 @@ class QemuDriver(Driver):
     async def release_staging(
         self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
     ) -> None:
-        args: dict[str, Any] = {"kind": kind}
-        if sandbox_id is not None:
-            args["sandbox_id"] = sandbox_id
-        if snapshot_id is not None:
-            args["snapshot_id"] = snapshot_id
-        await self.helper.call("staging.release", args)
+        await self.helper.call("staging.release", staging_release_args(kind, sandbox_id, snapshot_id))
 
     async def delete_snapshot(self, sandbox_id: str, snapshot_id: str) -> None:
         await self.helper.call(

@@ -23,6 +23,7 @@ from space.node.drivers.base import (
     RuntimeState,
     SandboxSpec,
     StagedFiles,
+    staging_release_args,
 )
 from space.node.layout import NodeLayout
 
@@ -218,12 +219,7 @@ class RunscDriver(Driver):
     async def release_staging(
         self, kind: str, sandbox_id: str | None = None, snapshot_id: str | None = None
     ) -> None:
-        args: dict[str, Any] = {"kind": kind}
-        if sandbox_id is not None:
-            args["sandbox_id"] = sandbox_id
-        if snapshot_id is not None:
-            args["snapshot_id"] = snapshot_id
-        await self.helper.call("staging.release", args)
+        await self.helper.call("staging.release", staging_release_args(kind, sandbox_id, snapshot_id))
 
     async def snapshot_usage(self, sandbox_id: str, snapshot_id: str) -> dict[str, Any]:
         return await self.helper.call(
