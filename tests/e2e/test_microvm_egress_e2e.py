@@ -39,8 +39,8 @@ from space.node.agent.settings import NodeAgentSettings
 from space.node.egress import StaticCredentials, StaticResolver
 from space.node.helper.netaddr import SANDBOX_ADDR, SANDBOX_MAC, node_tag
 from space.node.local import LocalNode
-from tests.e2e.test_egress_e2e import METADATA, echo, fetch, refused, resolve
 from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
+from tests.support.egress_probe import METADATA, echo, fetch, refused, resolve
 from tests.support.host import network_traces
 from tests.support.loop import BackgroundLoop
 from tests.support.sandboxes import delete_quietly
