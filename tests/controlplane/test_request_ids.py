@@ -172,9 +172,13 @@ def test_a_caller_s_trace_id_names_the_api_s_and_the_node_s_lines(
         headers={"X-Request-Id": "traced-1", "traceparent": f"00-{trace_id}-{parent}-01"}, timeout=60,
     )  # fmt: skip
     assert answer.status_code == 200, answer.text
-    api = c.wait_for(lambda: _with(cluster.cp, "traced-1"), timeout=30, what="the API's access line")
-    node = c.wait_for(lambda: _with(cluster.node, "traced-1"), timeout=30, what="the node's access line")
-    access = [row for row in api if row["msg"].startswith(f"POST /v1/sandboxes/{sandbox_id}/exec 200")]
+    access_line = f"POST /v1/sandboxes/{sandbox_id}/exec 200"
+    api = c.wait_for(
+        lambda: _once(cluster.cp, "traced-1", access_line), timeout=30, what="the API's access line"
+    )
+    node = c.wait_for(lambda: _once(cluster.node, "traced-1", f"/node/v1/sandboxes/{sandbox_id}/"),
+                      timeout=30, what="the node's access line")  # fmt: skip
+    access = [row for row in api if row["msg"].startswith(access_line)]
     assert access and all(row["trace_id"] == trace_id for row in access), api
     assert all(len(row["span_id"]) == 16 and row["span_id"] != parent for row in access), access
     assert any(row["trace_id"] == trace_id for row in node), node
