@@ -15,55 +15,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pathlib
-import subprocess
 
 import pytest
 
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
+from tests.support.runsc_state import alive, cgroup_left, runsc_knows, runtime_processes, runtime_status
 from tests.support.sandboxes import eventually, new_sandbox, read_int, running_ids, start_counter
 
 pytestmark = pytest.mark.root
-
-
-def runtime_processes(data_dir: pathlib.Path, sandbox_id: str) -> tuple[str, dict[str, int]]:
-    """The current container of `sandbox_id` and its host processes (sandbox, gofer, holder) by role."""
-    run_dir = data_dir / "run" / sandbox_id
-    container = (run_dir / "container").read_text().strip()
-    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
-    holder = json.loads((run_dir / "holder.json").read_text())
-    pids = {"sandbox": state["sandbox"]["pid"], "gofer": state["goferPid"], "holder": holder["holder_pid"]}
-    return container, {role: int(pid) for role, pid in pids.items()}
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie not yet reaped counts as gone: it runs nothing)."""
-    try:
-        status = pathlib.Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "State:\tZ" not in status
-
-
-def runsc_knows(data_dir: pathlib.Path, container: str) -> bool:
-    listing = subprocess.run(
-        ["runsc", "--root", str(data_dir / "runsc"), "list", "-quiet"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return container in listing.stdout.split()
-
-
-def cgroup_left(container: str) -> list[str]:
-    found = subprocess.run(
-        ["find", "/sys/fs/cgroup", "-maxdepth", "3", "-type", "d", "-name", container],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    return found.stdout.split()
 
 
 @pytest.mark.parametrize("kind", ["full", "disk"])
@@ -113,12 +75,6 @@ def test_rollback_leaves_nothing_of_the_old_runtime(node, paused: bool, kind: st
     node.run(scenario())
 
 
-def runsc_status(data_dir: pathlib.Path, sandbox_id: str) -> str:
-    container = (data_dir / "run" / sandbox_id / "container").read_text().strip()
-    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
-    return str(state["status"])
-
-
 def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> None:  # type: ignore[no-untyped-def]
     agent: NodeAgent = node.agent
     data_dir: pathlib.Path = node.data_dir
@@ -131,13 +87,13 @@ def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> Non
             assert sb.state == State.RUNNING
             assert (await sb.session.exec(["true"])).exit_code == 0  # answered: it runs
             async with sb.lock:  # the background resume has let go
-                assert runsc_status(data_dir, sid) == "running"
+                assert runtime_status(data_dir, sid) == "running"
             await eventually(lambda: _above(sb, 3), what="counting after the checkpoint")
 
             await agent.checkpoint(sid)
             await agent.pause(sid)  # asked at once: it must not be undone by the checkpoint's resume
             await asyncio.sleep(0.3)
-            assert sb.state == State.PAUSED and runsc_status(data_dir, sid) == "paused"
+            assert sb.state == State.PAUSED and runtime_status(data_dir, sid) == "paused"
             await agent.resume(sid)
             standing = await read_int(sb.session, "/work/counter")
             await eventually(lambda: _above(sb, standing + 3), what="counting after the resume")
@@ -151,7 +107,7 @@ def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> Non
             finally:
                 await agent.delete(children[0].sandbox_id)
             async with sb.lock:
-                assert runsc_status(data_dir, sid) == "running"
+                assert runtime_status(data_dir, sid) == "running"
 
     node.run(scenario())
 

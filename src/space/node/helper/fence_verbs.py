@@ -116,10 +116,9 @@ class Fence:
 
 
 def _pause(ctx: HelperContext, sandbox_id: str) -> None:
-    container = ctx.runtimes.container(sandbox_id)
-    if container and ctx.runtimes.status(sandbox_id) == "running":
+    if ctx.runtimes.status(sandbox_id) == "running":
         with contextlib.suppress(errors.SpaceError):
-            ctx.runsc.pause(container)
+            ctx.runtimes.pause(sandbox_id)
 
 
 def _teardown(ctx: HelperContext, sandbox_id: str) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 from space.core import errors, tracing
 from space.node.helper import holder, network
+from space.node.helper.freezer import CgroupFreezer
 from space.node.helper.runsc import LAYER, Runsc
 from space.node.layout import NodeLayout
 
@@ -78,6 +79,7 @@ class Runtimes:
         self.cgroup_parent = cgroup_parent
         self.runsc = runsc
         self.owner_uid = owner_uid
+        self.freezer = CgroupFreezer()
         self.network: network.SandboxNetworks | None = None  # set by the helper when sandboxes get one
         self._retiring: dict[str, threading.Thread] = {}
         self._retiring_lock = threading.Lock()
@@ -115,7 +117,15 @@ class Runtimes:
         return value if isinstance(value, dict) else None
 
     def status(self, sandbox_id: str) -> str:
-        """running | paused | created | stopped | absent (runsc knows no current container)."""
+        """running | paused | created | stopped | absent (runsc knows no current container). Paused is
+        runsc's own pause or a frozen cgroup (ADR 0082)."""
+        status = self.runsc_status(sandbox_id)
+        if status == "running" and self.frozen(sandbox_id):
+            return "paused"
+        return status
+
+    def runsc_status(self, sandbox_id: str) -> str:
+        """The status runsc itself records (a frozen runtime is "running" there)."""
         container = self.container(sandbox_id)
         state = self.container_state(container) if container else None
         if state is None:
@@ -129,6 +139,16 @@ class Runtimes:
     def cgroup_name(self, sandbox_id: str) -> str | None:
         container = self.container(sandbox_id)
         return f"{self.cgroup_parent}/{container}" if container else None
+
+    def frozen(self, sandbox_id: str) -> bool:
+        cgroup = self.cgroup_name(sandbox_id)
+        return cgroup is not None and self.freezer.frozen(cgroup)
+
+    def thaw(self, sandbox_id: str) -> None:
+        """Undo a freeze (nothing to do for a runtime that is not frozen)."""
+        cgroup = self.cgroup_name(sandbox_id)
+        if cgroup is not None and self.freezer.frozen(cgroup):
+            self.freezer.thaw(cgroup)
 
     def holder_alive(self, sandbox_id: str) -> bool:
         info_path = self.layout.run_dir(sandbox_id) / "holder.json"
@@ -290,6 +310,22 @@ class Runtimes:
         assert container is not None
         return container
 
+    def pause(self, sandbox_id: str) -> None:
+        """Stop every process of a running runtime: its cgroup frozen, or `runsc pause` where that cannot be
+        done (no freezer, or a freeze that did not converge)."""
+        container = self.require(sandbox_id, "running", event="pause")
+        cgroup = self.cgroup_name(sandbox_id)
+        if cgroup is None or not self.freezer.freeze(cgroup):
+            self.runsc.pause(container)
+
+    def resume(self, sandbox_id: str) -> None:
+        """Undo either kind of pause (a runtime can be frozen by a user's pause AND runsc-paused by a
+        checkpoint that left it paused)."""
+        container = self.require(sandbox_id, "paused", event="resume")
+        self.thaw(sandbox_id)
+        if self.runsc_status(sandbox_id) == "paused":
+            self.runsc.resume(container)
+
     def wait_holder_exit(self, sandbox_id: str, timeout: float = HOLDER_EXIT_WAIT_S) -> None:
         deadline = time.monotonic() + timeout
         while self.holder_alive(sandbox_id):
@@ -299,7 +335,9 @@ class Runtimes:
 
     def stop(self, sandbox_id: str) -> None:
         """End the current incarnation (idempotent); its container is retired in the background."""
-        status = self.settled_status(sandbox_id)  # a booting runtime is first let up, then stopped
+        self.settled_status(sandbox_id)  # a booting runtime is first let up, then stopped
+        self.thaw(sandbox_id)  # frozen tasks act on no signal, and runsc could not reach the sandbox
+        status = self.runsc_status(sandbox_id)
         container = self.container(sandbox_id)
         if status == "paused" and container:
             with contextlib.suppress(errors.RuntimeFailure):
@@ -325,6 +363,7 @@ class Runtimes:
         container = self.container(sandbox_id)
         if container and self.status(sandbox_id) in {"running", "paused"}:
             self._kill_runtime_processes(sandbox_id, container)
+            self.thaw(sandbox_id)  # a frozen task dies of its SIGKILL only once thawed (cgroup v1)
             with contextlib.suppress(errors.RuntimeFailure):
                 self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
         self.stop(sandbox_id)  # a no-op for a runtime already gone; retires its container

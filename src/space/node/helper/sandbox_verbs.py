@@ -92,16 +92,14 @@ def sandbox_start(ctx: HelperContext, params: SandboxParams, _progress: Progress
 def sandbox_pause(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     if ctx.runtimes.status(params.sandbox_id) == "paused":
         return {"status": "paused"}
-    container = ctx.runtimes.require(params.sandbox_id, "running", event="pause")
-    ctx.runsc.pause(container)
+    ctx.runtimes.pause(params.sandbox_id)
     return {"status": "paused"}
 
 
 def sandbox_resume(ctx: HelperContext, params: SandboxParams, _progress: Progress) -> dict[str, Any]:
     if ctx.runtimes.status(params.sandbox_id) == "running":
         return {"status": "running"}
-    container = ctx.runtimes.require(params.sandbox_id, "paused", event="resume")
-    ctx.runsc.resume(container)
+    ctx.runtimes.resume(params.sandbox_id)
     return {"status": "running"}
 
 

@@ -45,9 +45,13 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     # Paused from the moment the state is saved until the disk snapshot is taken, so the memory image and
     # the files are one consistent moment: whatever runsc flushes while saving is in the snapshot, and no
     # process can write after it. `--leave-running` keeps the same runtime (and channel) afterwards.
+    # A frozen runtime (a user's pause, ADR 0082) is thawed and paused by runsc instead: runsc saves its
+    # state by asking the sandbox, which a frozen one cannot answer. Its processes may run for the ~25 ms
+    # between the two.
     mark = time.monotonic()
     try:
-        if ctx.runtimes.status(sandbox_id) != "paused":
+        ctx.runtimes.thaw(sandbox_id)
+        if ctx.runtimes.runsc_status(sandbox_id) != "paused":
             ctx.runsc.pause(container)
         try:
             timings["pause_ms"] = (time.monotonic() - mark) * 1000
@@ -60,7 +64,7 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
             usage.record_snapshot_usage(ctx, sandbox_id, snapshot_id)
         finally:
             mark = time.monotonic()
-            if not params.leave_paused and ctx.runtimes.status(sandbox_id) == "paused":
+            if not params.leave_paused and ctx.runtimes.runsc_status(sandbox_id) == "paused":
                 ctx.runsc.resume(container)
             timings["resume_ms"] = (time.monotonic() - mark) * 1000
     except BaseException:

@@ -1,0 +1,95 @@
+"""A pause freezes the runtime's cgroup instead of running `runsc pause` (ADR 0082), on real runsc.
+
+- Paused: the kernel's freezer reports the container's cgroup FROZEN, its processes use no CPU (a busy
+  counter's cgroup CPU time stands still), runsc's own state still says running (runsc was not asked), and
+  the node reports the sandbox paused. Resumed: the cgroup is thawed and the counter counts on.
+- A frozen sandbox is deleted like any other: its sandbox, gofer and holder processes are gone when the
+  delete answers (frozen tasks act on SIGKILL only once thawed), its container and cgroup soon after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+
+import pytest
+
+from space.core.lifecycle import State
+from space.node.agent.agent import NodeAgent
+from tests.support.runsc_state import alive, cgroup_left, runsc_knows, runtime_processes
+from tests.support.sandboxes import eventually, new_sandbox, read_int, start_counter
+
+pytestmark = pytest.mark.root
+
+CGROUP_V1 = pathlib.Path("/sys/fs/cgroup")
+
+
+def controller_file(container: str, controller: str, name: str) -> pathlib.Path:
+    found = list((CGROUP_V1 / controller).glob(f"*/{container}/{name}"))
+    assert len(found) == 1, f"{controller}/{name} of {container}: {found}"
+    return found[0]
+
+
+def runsc_own_status(data_dir: pathlib.Path, container: str) -> str:
+    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
+    return str(state["status"])
+
+
+def test_a_pause_freezes_the_runtime_and_a_resume_thaws_it(node) -> None:  # type: ignore[no-untyped-def]
+    agent: NodeAgent = node.agent
+    data_dir: pathlib.Path = node.data_dir
+
+    async def scenario() -> None:
+        async with new_sandbox(agent) as sb:
+            sid = sb.sandbox_id
+            await sb.session.exec(["sh", "-c", "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 &"])
+            await start_counter(sb.session)
+            container, _ = runtime_processes(data_dir, sid)
+            state = controller_file(container, "freezer", "freezer.state")
+            cpu = controller_file(container, "cpuacct", "cpuacct.usage")
+
+            await agent.pause(sid)
+            assert sb.state == State.PAUSED
+            assert state.read_text().strip() == "FROZEN"
+            assert runsc_own_status(data_dir, container) == "running"  # runsc was not asked
+            assert (await agent.driver.state(sid)).runtime == "paused"
+            used = int(cpu.read_text())
+            await asyncio.sleep(0.5)
+            assert int(cpu.read_text()) == used, "a frozen sandbox used CPU"
+
+            await agent.resume(sid)
+            assert sb.state == State.RUNNING
+            assert state.read_text().strip() == "THAWED"
+            assert (await agent.driver.state(sid)).runtime == "running"
+            standing = await read_int(sb.session, "/work/counter")
+            await eventually(lambda: _above(sb, standing + 3), what="counting after the resume")
+            assert int(cpu.read_text()) > used
+
+    node.run(scenario())
+
+
+def test_a_frozen_sandbox_is_deleted_and_leaves_nothing(node) -> None:  # type: ignore[no-untyped-def]
+    agent: NodeAgent = node.agent
+    data_dir: pathlib.Path = node.data_dir
+
+    async def scenario() -> None:
+        async with new_sandbox(agent) as sb:
+            sid = sb.sandbox_id
+            await start_counter(sb.session)
+            container, pids = runtime_processes(data_dir, sid)
+            await agent.pause(sid)
+            assert controller_file(container, "freezer", "freezer.state").read_text().strip() == "FROZEN"
+            await agent.delete(sid)
+            assert not [role for role, pid in pids.items() if alive(pid)]
+
+            async def retired() -> bool:
+                return not runsc_knows(data_dir, container) and not cgroup_left(container)
+
+            await eventually(retired, timeout=30, what=f"container {container} retired")
+
+    node.run(scenario())
+
+
+async def _above(sb, value: int) -> bool:  # type: ignore[no-untyped-def]
+    return await read_int(sb.session, "/work/counter") > value

@@ -1,0 +1,61 @@
+"""What runsc and the kernel say about a sandbox's runtime on a real node (tests that need root).
+
+Read from runsc's state files, /proc and the cgroup tree directly, never through the helper under test.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+
+def runtime_processes(data_dir: pathlib.Path, sandbox_id: str) -> tuple[str, dict[str, int]]:
+    """The current container of `sandbox_id` and its host processes (sandbox, gofer, holder) by role."""
+    run_dir = data_dir / "run" / sandbox_id
+    container = (run_dir / "container").read_text().strip()
+    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
+    holder = json.loads((run_dir / "holder.json").read_text())
+    pids = {"sandbox": state["sandbox"]["pid"], "gofer": state["goferPid"], "holder": holder["holder_pid"]}
+    return container, {role: int(pid) for role, pid in pids.items()}
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie not yet reaped counts as gone: it runs nothing)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def runsc_knows(data_dir: pathlib.Path, container: str) -> bool:
+    listing = subprocess.run(
+        ["runsc", "--root", str(data_dir / "runsc"), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return container in listing.stdout.split()
+
+
+def cgroup_left(container: str) -> list[str]:
+    found = subprocess.run(
+        ["find", "/sys/fs/cgroup", "-maxdepth", "3", "-type", "d", "-name", container],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return found.stdout.split()
+
+
+def runtime_status(data_dir: pathlib.Path, sandbox_id: str) -> str:
+    """runsc's own status, or "paused" when the container's cgroup is frozen (ADR 0082)."""
+    container = (data_dir / "run" / sandbox_id / "container").read_text().strip()
+    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
+    return "paused" if container_frozen(container) else str(state["status"])
+
+
+def container_frozen(container: str) -> bool:
+    return any(
+        path.read_text().strip() in {"FROZEN", "FREEZING"}
+        for path in pathlib.Path("/sys/fs/cgroup/freezer").glob(f"*/{container}/freezer.state")
+    )
