@@ -1,5 +1,7 @@
 """Resource bounds of the public API, attacked over real HTTP against real control-plane processes (ADR 0025).
 
+- Heads: an endless request head (header lines that never end) is refused (400) once it passes the
+  HTTP/1.1 parser's 16 KiB bound, and the connection closed (ADR 0083: why the servers keep that parser).
 - Bodies: an unauthenticated 100 MB body is refused (401) before the server reads it; a Content-Length
   over a route's limit is a 413 at once; an endless chunked body is cut at the limit (413); node-facing
   routes get the size limit without the API-key check.
@@ -157,6 +159,21 @@ def limited_http(cp: c.ControlPlane, key: str | None, **kw: Any) -> httpx.Client
 def running_sandbox(made: c.Project) -> str:
     with made.sdk() as sp:
         return sp.sandboxes.create(limits=c.SMALL).id
+
+
+# -- heads ---------------------------------------------------------------------------------------------------
+def test_an_endless_request_head_is_refused_and_its_connection_closed(fake_cluster: c.Cluster) -> None:
+    sock = connect(fake_cluster.url)
+    with sock:
+        sock.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        sent = send_until_refused(sock, b"X-Pad: " + b"a" * 1017 + b"\r\n", limit=256 * MIB, seconds=30)
+        status, headers, body = read_answer(sock, timeout=10)
+        assert status == 400, body
+        assert headers.get("connection") == "close", headers
+        more = send_until_refused(sock, b"X-Pad: b\r\n" * 1024, limit=64 * MIB, seconds=10)
+    # Bounded by the parser's 16 KiB and the sockets' buffers, not by the attacker.
+    assert sent < 8 * MIB, f"the server read {sent} bytes of one request head"
+    assert more < 8 * MIB, f"the server accepted {more} more bytes after refusing the head"
 
 
 # -- bodies --------------------------------------------------------------------------------------------------
