@@ -28,6 +28,7 @@ from websockets.sync.client import connect
 
 from space.node.helper.netaddr import SlotNames, node_tag
 from tests.support import cluster as c
+from tests.support.runsc_state import runsc_knows
 
 pytestmark = pytest.mark.root
 
@@ -56,16 +57,6 @@ def node_resources(data_dir: pathlib.Path, sandbox_id: str) -> dict[str, object]
     except (OSError, ValueError, KeyError):
         pass
     return found
-
-
-def runsc_knows(data_dir: pathlib.Path, container: str) -> bool:
-    listing = subprocess.run(
-        ["runsc", "--root", str(data_dir / "runsc"), "list", "-quiet"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return container in listing.stdout.split()
 
 
 def network_of(data_dir: pathlib.Path, slot: int) -> list[str]:

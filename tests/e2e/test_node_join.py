@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import pathlib
 import secrets
-import shutil
 import subprocess
 import sys
 import time
@@ -39,21 +37,10 @@ postgres_url = postgres.postgres_url
 JOIN_TIMEOUT_S = 600.0
 
 
-def _space(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "space.cli.main", *argv], capture_output=True, text=True, timeout=120,
-        env=c._child_env(), cwd=c.REPO, check=False,
-    )  # fmt: skip
-
-
 @pytest.fixture
 def root() -> Iterator[pathlib.Path]:
-    if os.geteuid() != 0:
-        pytest.fail("a joined node runs its root helper: run the tests as root")
-    made = pathlib.Path("/var/tmp") / f"space-test-join-{secrets.token_hex(4)}"
-    made.mkdir(mode=0o755)
-    yield made
-    shutil.rmtree(made, ignore_errors=True)
+    with c.root_scratch("join") as made:
+        yield made
 
 
 def _config(root: pathlib.Path, s3: S3Server, cgroup_parent: str) -> pathlib.Path:
@@ -116,8 +103,8 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
     try:
         controlplane.start()
         c.wait_for(lambda: _healthy(controlplane, cp_url), timeout=c.START_TIMEOUT_S, interval=0.1, what="cp")
-        admin_key = _space("controlplane", "admin-key", "create", "--database", database).stdout.strip()
-        made = _space("controlplane", "token", "create", "--database", database)
+        admin_key = c.space_cli("controlplane", "admin-key", "create", "--database", database).stdout.strip()
+        made = c.space_cli("controlplane", "token", "create", "--database", database)
         assert made.returncode == 0, made.stderr
         token = made.stdout.strip()
         token_file = root / "token"
@@ -146,7 +133,7 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
                 assert sandbox.exec("echo joined").stdout == "joined\n"
             finally:
                 sandbox.delete()
-        again = _space("node", "join", cp_url, "--token", token, "--data-dir", str(root / "node2"),
+        again = c.space_cli("node", "join", cp_url, "--token", token, "--data-dir", str(root / "node2"),
                        "--config", str(config))  # fmt: skip
         assert again.returncode == 5, again.stderr  # exit code of Unauthenticated
         assert "--token is refused" in again.stderr and "used already" in again.stderr
@@ -154,7 +141,7 @@ def test_a_node_joins_with_a_single_use_token_and_runs_sandboxes(
         assert not (root / "node2").exists(), "a refused join starts nothing"
     finally:
         if detach:  # the detached supervisor is stopped as `space up`'s is
-            down = _space("down", "--data-dir", str(node_dir))
+            down = c.space_cli("down", "--data-dir", str(node_dir))
             assert down.returncode == 0, down.stderr
             assert supervisor_pid(node_dir) is None
         if joined is not None and joined.poll() is None:

@@ -18,11 +18,8 @@ tests/node/test_node_protocol*: ranges refused and accepted)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import pathlib
 import secrets
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -53,19 +50,12 @@ ALREADY = "database schema already at "
 
 @pytest.fixture
 def root() -> Iterator[pathlib.Path]:
-    if os.geteuid() != 0:
-        pytest.fail("a joined node runs its root helper: run the tests as root")
-    made = pathlib.Path("/var/tmp") / f"space-test-upgrade-{secrets.token_hex(4)}"
-    made.mkdir(mode=0o755)
-    yield made
-    shutil.rmtree(made, ignore_errors=True)
+    with c.root_scratch("upgrade") as made:
+        yield made
 
 
 def _space(*argv: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "space.cli.main", *argv], capture_output=True, text=True, timeout=120,
-        env=c._child_env(), cwd=c.REPO, check=False,
-    )  # fmt: skip
+    done = c.space_cli(*argv)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

@@ -23,7 +23,14 @@ import pytest
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
 from tests.support.runsc_state import alive, cgroup_left, runsc_knows, runtime_processes, runtime_status
-from tests.support.sandboxes import eventually, new_sandbox, read_int, running_ids, start_counter
+from tests.support.sandboxes import (
+    counter_above,
+    eventually,
+    new_sandbox,
+    read_int,
+    running_ids,
+    start_counter,
+)
 
 pytestmark = pytest.mark.root
 
@@ -41,7 +48,7 @@ def test_rollback_leaves_nothing_of_the_old_runtime(node, paused: bool, kind: st
             at_checkpoint = await read_int(sb.session, "/work/counter")
             snap = await (agent.checkpoint if kind == "full" else agent.disk_snapshot)(sid)
             await eventually(
-                lambda: _above(sb, at_checkpoint + 10), what="counting on after the snapshot"
+                lambda: counter_above(sb, at_checkpoint + 10), what="counting on after the snapshot"
             )  # fmt: skip
             await sb.session.write_file("/work/after.txt", b"after the snapshot")
             before = await read_int(sb.session, "/work/counter")
@@ -62,7 +69,9 @@ def test_rollback_leaves_nothing_of_the_old_runtime(node, paused: bool, kind: st
             assert at_checkpoint <= restored < before, (at_checkpoint, restored, before)
             if kind == "full":  # the processes as they were, counting on
                 assert counter in await running_ids(sb.session)
-                await eventually(lambda: _above(sb, restored + 5), what="counting on from the checkpoint")
+                await eventually(
+                    lambda: counter_above(sb, restored + 5), what="counting on from the checkpoint"
+                )
             else:  # the files as they were, the processes from the template's init
                 assert counter not in await running_ids(sb.session)
 
@@ -88,7 +97,7 @@ def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> Non
             assert (await sb.session.exec(["true"])).exit_code == 0  # answered: it runs
             async with sb.lock:  # the background resume has let go
                 assert runtime_status(data_dir, sid) == "running"
-            await eventually(lambda: _above(sb, 3), what="counting after the checkpoint")
+            await eventually(lambda: counter_above(sb, 3), what="counting after the checkpoint")
 
             await agent.checkpoint(sid)
             await agent.pause(sid)  # asked at once: it must not be undone by the checkpoint's resume
@@ -96,7 +105,7 @@ def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> Non
             assert sb.state == State.PAUSED and runtime_status(data_dir, sid) == "paused"
             await agent.resume(sid)
             standing = await read_int(sb.session, "/work/counter")
-            await eventually(lambda: _above(sb, standing + 3), what="counting after the resume")
+            await eventually(lambda: counter_above(sb, standing + 3), what="counting after the resume")
 
             snap = await agent.checkpoint(sid)
             children = await agent.fork(
@@ -110,7 +119,3 @@ def test_a_checkpoint_answers_and_what_follows_waits_for_its_resume(node) -> Non
                 assert runtime_status(data_dir, sid) == "running"
 
     node.run(scenario())
-
-
-async def _above(sb, value: int) -> bool:  # type: ignore[no-untyped-def]
-    return await read_int(sb.session, "/work/counter") > value

@@ -18,7 +18,7 @@ import pytest
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
 from tests.support.runsc_state import alive, cgroup_left, runsc_knows, runtime_processes
-from tests.support.sandboxes import eventually, new_sandbox, read_int, start_counter
+from tests.support.sandboxes import counter_above, eventually, new_sandbox, read_int, start_counter
 
 pytestmark = pytest.mark.root
 
@@ -63,7 +63,7 @@ def test_a_pause_freezes_the_runtime_and_a_resume_thaws_it(node) -> None:  # typ
             assert state.read_text().strip() == "THAWED"
             assert (await agent.driver.state(sid)).runtime == "running"
             standing = await read_int(sb.session, "/work/counter")
-            await eventually(lambda: _above(sb, standing + 3), what="counting after the resume")
+            await eventually(lambda: counter_above(sb, standing + 3), what="counting after the resume")
             assert int(cpu.read_text()) > used
 
     node.run(scenario())
@@ -89,7 +89,3 @@ def test_a_frozen_sandbox_is_deleted_and_leaves_nothing(node) -> None:  # type: 
             await eventually(retired, timeout=30, what=f"container {container} retired")
 
     node.run(scenario())
-
-
-async def _above(sb, value: int) -> bool:  # type: ignore[no-untyped-def]
-    return await read_int(sb.session, "/work/counter") > value

@@ -21,6 +21,7 @@ import os
 import pathlib
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +98,28 @@ def wait_for(check: Callable[[], T], *, timeout: float, interval: float = 0.05, 
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout:.1f}s: {what} (last value: {last!r})")
         time.sleep(interval)
+
+
+def space_cli(*argv: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """`space ARGV...` as an operator runs it (the test environment, from the repository); never raises on
+    a failing command: the caller asserts on it."""
+    return subprocess.run(
+        [sys.executable, "-m", "space.cli.main", *argv], capture_output=True, text=True, timeout=timeout,
+        env=_child_env(), cwd=REPO, check=False,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def root_scratch(name: str) -> Iterator[pathlib.Path]:
+    """A directory under /var/tmp for a test whose node runs its root helper (root only), removed after."""
+    if os.geteuid() != 0:
+        pytest.fail("a joined node runs its root helper: run the tests as root")
+    made = pathlib.Path("/var/tmp") / f"space-test-{name}-{secrets.token_hex(4)}"
+    made.mkdir(mode=0o755)
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def _child_env(**extra: str) -> dict[str, str]:

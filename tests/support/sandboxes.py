@@ -67,6 +67,11 @@ async def start_counter(session: GuestSession, path: str = "/work/counter") -> s
     return str(started["process_id"])
 
 
+async def counter_above(sb: SandboxHandle, value: int, path: str = "/work/counter") -> bool:
+    """Whether the counter `start_counter` runs has counted past `value`."""
+    return await read_int(sb.session, path) > value
+
+
 async def _exists(session: GuestSession, path: str) -> bool:
     try:
         await session.stat(path)
