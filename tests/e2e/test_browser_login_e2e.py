@@ -41,7 +41,14 @@ from playwright.sync_api import Page, sync_playwright
 from space.core.errors import Conflict
 from space.node.helper.netaddr import node_tag
 from space.sdk import Sandbox, Space
-from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
+from tests.support.egress_net import (
+    Upstream,
+    UpstreamCA,
+    cluster_egress_config,
+    leftovers,
+    remove_cgroup_parent,
+    start_upstream,
+)
 from tests.support.host import network_traces, runtime_id
 from tests.support.mcp_clients import over_http
 
@@ -123,18 +130,8 @@ def login_cluster() -> Iterator[LoginCluster]:
             cert = test_ca.issue(f"{name}.pem", [f"{'login' if name == 'site' else 'other'}.test"], [])
             upstreams.append(start_upstream(tag, name, subnet, cert, workdir, accounts=accounts))
         site, other = upstreams
-        # the agent runs as an unprivileged user: its settings and the upstreams' CA where it can read them
-        os.chmod(data_dir, 0o755)
-        trust = data_dir / "upstream-ca.pem"
-        shutil.copy(test_ca.ca_file, trust)
-        config = data_dir / "egress-config.json"
-        config.write_text(json.dumps({
-            "hosts": {"login.test": [site.addr], "other.test": [other.addr]},
-            "trust_store": str(trust), "allow_networks": ["10.98.0.0/16"],
-        }))  # fmt: skip
-        trust.chmod(0o644)
-        config.chmod(0o644)
-        local.egress_config = config
+        hosts = {"login.test": [site.addr], "other.test": [other.addr]}
+        local.egress_config = cluster_egress_config(data_dir, hosts, test_ca.ca_file)
         local.start()
         started = True
         yield LoginCluster(local, site, other, workdir)

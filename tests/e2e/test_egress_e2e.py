@@ -55,7 +55,13 @@ from space.node.helper.netaddr import node_tag
 from space.node.local import LocalNode, connect_agent
 from space.node.rpc_client import NodeClient
 from space.objectstore.backends import open_store
-from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
+from tests.support.egress_net import (
+    Upstream,
+    api_and_evil,
+    cluster_egress_config,
+    leftovers,
+    remove_cgroup_parent,
+)
 from tests.support.egress_probe import FETCH, METADATA, echo, fetch, refused, resolve
 from tests.support.host import network_traces, runtime_id
 from tests.support.loop import BackgroundLoop
@@ -119,51 +125,38 @@ def egress_node(loop: BackgroundLoop) -> Iterator[EgressNode]:
     tag = f"spw{os.getpid() % 100000:05d}"
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="space-egress-e2e-", dir="/var/tmp"))
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-egress-", dir="/var/tmp")).resolve()
-    test_ca = UpstreamCA(workdir)
-    cert_api = test_ca.issue("api.pem", ["api.test", "open.test"], ["10.98.41.2"])
-    cert_evil = test_ca.issue("evil.pem", ["evil.test"], ["10.98.42.2"])
-    upstreams: list[Upstream] = []
     store_url = (workdir / "objects").as_uri()
     local = LocalNode(data_dir, network="sandbox", store_url=store_url, cgroup_parent="space-ega")
     agent: NodeAgent | None = None
     try:
-        upstreams.append(start_upstream(tag, "api", 41, cert_api, workdir))
-        upstreams.append(start_upstream(tag, "evil", 42, cert_evil, workdir))
-        api, evil = upstreams
-        agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
-        credentials = StaticCredentials()
+        with api_and_evil(tag, workdir, 41, "open.test") as up:
+            agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
+            credentials = StaticCredentials()
 
-        def settings(node_dir: pathlib.Path) -> EgressSettings:
-            return EgressSettings(
-                state_dir=node_dir / "egress",
-                resolver=StaticResolver(
-                    {
-                        "api.test": [api.addr],
-                        "open.test": [api.addr],
-                        "evil.test": [evil.addr],
-                        "meta.test": [METADATA],
-                    }
-                ),
-                trust_store=test_ca.ca_file,
-                operator_allowed_networks=[ipaddress.ip_network("10.98.0.0/16")],
-                credentials=credentials,
-            )
+            def settings(node_dir: pathlib.Path) -> EgressSettings:
+                return EgressSettings(
+                    state_dir=node_dir / "egress",
+                    resolver=StaticResolver(up.names("open.test")),
+                    trust_store=up.test_ca.ca_file,
+                    operator_allowed_networks=[ipaddress.ip_network("10.98.0.0/16")],
+                    credentials=credentials,
+                )
 
-        wiring = loop.run(install(agent, settings(data_dir)))
-        assert wiring is not None and isinstance(agent.driver, EgressDriver)
-        yield EgressNode(
-            local, agent, wiring, loop, api, evil, test_ca.ca_file, credentials, store_url, settings
-        )
+            wiring = loop.run(install(agent, settings(data_dir)))
+            assert wiring is not None and isinstance(agent.driver, EgressDriver)
+            try:
+                yield EgressNode(
+                    local, agent, wiring, loop, up.api, up.evil, up.test_ca.ca_file, credentials, store_url,
+                    settings,
+                )  # fmt: skip
+            finally:
+                loop.run(agent.delete_all(), timeout=300)
+                loop.run(local.stop(purge=True), timeout=300)
     finally:
-        if agent is not None:
-            loop.run(agent.delete_all(), timeout=300)
-            loop.run(local.stop(purge=True), timeout=300)
-        else:  # a failed start: clean up what there is, the start's own error is the one to see
+        if agent is None:  # a failed start: clean up what there is, the start's own error is the one to see
             with contextlib.suppress(Exception):
                 loop.run(local.stop(purge=True), timeout=300)
         remove_cgroup_parent("space-ega")
-        for upstream in upstreams:
-            upstream.close()
         shutil.rmtree(workdir, ignore_errors=True)
     assert network_traces(node_tag(data_dir)) == [], "network namespaces, links or the nft table left behind"
     assert leftovers(tag) == [], "upstream namespaces left behind"
@@ -456,52 +449,37 @@ def egress_cluster() -> Iterator[EgressCluster]:
     tag = f"spc{os.getpid() % 100000:05d}"
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="space-egress-cp-", dir="/var/tmp"))
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-egress-cp-", dir="/var/tmp")).resolve()
-    test_ca = UpstreamCA(workdir)
-    cert_api = test_ca.issue("api.pem", ["api.test"], ["10.98.43.2"])
-    cert_evil = test_ca.issue("evil.pem", ["evil.test"], ["10.98.44.2"])
-    upstreams: list[Upstream] = []
     # With a warm pool (ADR 0047): the sandbox of the test below is a pooled one, bound to its user.
     local = LocalCluster(
         data_dir=data_dir, port=free_port(), network="sandbox", cgroup_parent="space-egc", pools="python=1"
     )
     started = False
     try:
-        upstreams.append(start_upstream(tag, "api", 43, cert_api, workdir))
-        upstreams.append(start_upstream(tag, "evil", 44, cert_evil, workdir))
-        api, evil = upstreams
-        # the agent runs as an unprivileged user: its settings and the upstreams' CA where it can read them
-        os.chmod(data_dir, 0o755)  # LocalCluster does the same
-        trust = data_dir / "upstream-ca.pem"
-        shutil.copy(test_ca.ca_file, trust)
-        config = data_dir / "egress-config.json"
-        config.write_text(json.dumps({
-            "hosts": {"api.test": [api.addr], "evil.test": [evil.addr]},
-            "trust_store": str(trust), "allow_networks": ["10.98.0.0/16"],
-        }))  # fmt: skip
-        trust.chmod(0o644)
-        config.chmod(0o644)
-        local.egress_config = config
-        local.start()
-        started = True
-        _wait_for_pool(local)
-        admin = httpx.Client(
-            base_url=local.url, headers={"Authorization": f"Bearer {local.api_key}"}, timeout=60
-        )
-        with admin:
-            assert admin.post("/v1/projects", json={"name": "egress"}).status_code == 201
-            made = admin.post("/v1/keys", json={"project": "egress", "role": "member"})
-            assert made.status_code == 201, made.text
-        yield EgressCluster(local, made.json()["key"], api, evil, test_ca.ca_file.read_bytes())
+        with api_and_evil(tag, workdir, 43) as up:
+            hosts = {"api.test": [up.api.addr], "evil.test": [up.evil.addr]}
+            local.egress_config = cluster_egress_config(data_dir, hosts, up.test_ca.ca_file)
+            local.start()
+            started = True
+            _wait_for_pool(local)
+            admin = httpx.Client(
+                base_url=local.url, headers={"Authorization": f"Bearer {local.api_key}"}, timeout=60
+            )
+            with admin:
+                assert admin.post("/v1/projects", json={"name": "egress"}).status_code == 201
+                made = admin.post("/v1/keys", json={"project": "egress", "role": "member"})
+                assert made.status_code == 201, made.text
+            try:
+                yield EgressCluster(
+                    local, made.json()["key"], up.api, up.evil, up.test_ca.ca_file.read_bytes()
+                )
+            finally:
+                local.stop(purge=True)
     finally:
-        if started:
-            local.stop(purge=True)
-        else:
+        if not started:
             with contextlib.suppress(Exception):
                 local.stop(purge=True)
             shutil.rmtree(data_dir, ignore_errors=True)
         remove_cgroup_parent("space-egc")
-        for upstream in upstreams:
-            upstream.close()
         shutil.rmtree(workdir, ignore_errors=True)
     assert network_traces(node_tag(data_dir)) == [], "network namespaces, links or the nft table left behind"
     assert leftovers(tag) == [], "upstream namespaces left behind"

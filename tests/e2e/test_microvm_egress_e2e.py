@@ -39,7 +39,7 @@ from space.node.agent.settings import NodeAgentSettings
 from space.node.egress import StaticCredentials, StaticResolver
 from space.node.helper.netaddr import SANDBOX_ADDR, SANDBOX_MAC, node_tag
 from space.node.local import LocalNode
-from tests.support.egress_net import Upstream, UpstreamCA, leftovers, remove_cgroup_parent, start_upstream
+from tests.support.egress_net import Upstream, api_and_evil, leftovers, remove_cgroup_parent
 from tests.support.egress_probe import METADATA, echo, fetch, refused, resolve
 from tests.support.host import network_traces
 from tests.support.loop import BackgroundLoop
@@ -158,39 +158,30 @@ def microvm_egress_node(loop: BackgroundLoop) -> Iterator[MicrovmEgressNode]:
     tag = f"smv{os.getpid() % 100000:05d}"
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="space-mvegress-", dir="/var/tmp"))
     data_dir = pathlib.Path(tempfile.mkdtemp(prefix="space-test-mvegress-", dir="/var/tmp")).resolve()
-    test_ca = UpstreamCA(workdir)
-    cert_api = test_ca.issue("api.pem", ["api.test"], ["10.98.51.2"])
-    cert_evil = test_ca.issue("evil.pem", ["evil.test"], ["10.98.52.2"])
-    upstreams: list[Upstream] = []
     local = LocalNode(
         data_dir, network="sandbox", cgroup_parent=CGROUP_PARENT, settings=NodeAgentSettings(driver="qemu")
     )
     agent: NodeAgent | None = None
     try:
-        upstreams.append(start_upstream(tag, "api", 51, cert_api, workdir))
-        upstreams.append(start_upstream(tag, "evil", 52, cert_evil, workdir))
-        api, evil = upstreams
-        agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
-        settings = EgressSettings(
-            state_dir=data_dir / "egress",
-            resolver=StaticResolver(
-                {"api.test": [api.addr], "evil.test": [evil.addr], "meta.test": [METADATA]}
-            ),
-            trust_store=test_ca.ca_file,
-            operator_allowed_networks=[ipaddress.ip_network("10.98.0.0/16")],
-            credentials=StaticCredentials(),
-        )
-        wiring = loop.run(install(agent, settings))
-        assert wiring is not None and isinstance(agent.driver, EgressDriver)
-        yield MicrovmEgressNode(local, agent, wiring, loop, api, evil, test_ca.ca_file)
+        with api_and_evil(tag, workdir, 51) as up:
+            agent = loop.run(local.start(progress=lambda line: None), timeout=1800)
+            settings = EgressSettings(
+                state_dir=data_dir / "egress",
+                resolver=StaticResolver(up.names()),
+                trust_store=up.test_ca.ca_file,
+                operator_allowed_networks=[ipaddress.ip_network("10.98.0.0/16")],
+                credentials=StaticCredentials(),
+            )
+            wiring = loop.run(install(agent, settings))
+            assert wiring is not None and isinstance(agent.driver, EgressDriver)
+            try:
+                yield MicrovmEgressNode(local, agent, wiring, loop, up.api, up.evil, up.test_ca.ca_file)
+            finally:
+                loop.run(agent.delete_all(), timeout=300)
     finally:
-        if agent is not None:
-            loop.run(agent.delete_all(), timeout=300)
         with contextlib.suppress(Exception):
             loop.run(local.stop(purge=True), timeout=300)
         remove_cgroup_parent(CGROUP_PARENT)
-        for upstream in upstreams:
-            upstream.close()
         shutil.rmtree(workdir, ignore_errors=True)
     assert _qemu_processes(data_dir) == [], "QEMU processes left behind"
     assert network_traces(node_tag(data_dir)) == [], "network namespaces, links or the nft table left behind"

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from cryptography import x509
@@ -194,6 +195,58 @@ def start_upstream(
         upstream.close()
         raise
     return upstream
+
+
+@dataclass
+class ApiAndEvil:
+    """The two upstreams of the egress end-to-end tests: `api` (an allowed host) and `evil` (a denied one)."""
+
+    test_ca: UpstreamCA
+    api: Upstream
+    evil: Upstream
+
+    def names(self, *api_aliases: str) -> dict[str, list[str]]:
+        """What the gateway's resolver answers: api.test (and `api_aliases`), evil.test, and meta.test at
+        the metadata address (which the gateway must refuse whatever resolves to it)."""
+        from tests.support.egress_probe import METADATA
+
+        api = [self.api.addr]
+        return {"api.test": api, **{alias: api for alias in api_aliases}, "evil.test": [self.evil.addr],
+                "meta.test": [METADATA]}  # fmt: skip
+
+
+@contextlib.contextmanager
+def api_and_evil(tag: str, workdir: pathlib.Path, subnet: int, *api_aliases: str) -> Iterator[ApiAndEvil]:
+    """`api` at 10.98.<subnet>.2 (certificate for api.test and `api_aliases`) and `evil` at
+    10.98.<subnet + 1>.2 (evil.test), signed by a test CA under `workdir`; both closed after."""
+    test_ca = UpstreamCA(workdir)
+    cert_api = test_ca.issue("api.pem", ["api.test", *api_aliases], [f"10.98.{subnet}.2"])
+    cert_evil = test_ca.issue("evil.pem", ["evil.test"], [f"10.98.{subnet + 1}.2"])
+    upstreams: list[Upstream] = []
+    try:
+        upstreams.append(start_upstream(tag, "api", subnet, cert_api, workdir))
+        upstreams.append(start_upstream(tag, "evil", subnet + 1, cert_evil, workdir))
+        yield ApiAndEvil(test_ca, *upstreams)
+    finally:
+        for upstream in upstreams:
+            upstream.close()
+
+
+def cluster_egress_config(
+    data_dir: pathlib.Path, hosts: dict[str, list[str]], ca_file: pathlib.Path
+) -> pathlib.Path:
+    """The egress configuration file of an embedded cluster (LocalCluster.egress_config) whose gateway
+    resolves `hosts` and trusts the test CA: written where its unprivileged node agent can read it."""
+    os.chmod(data_dir, 0o755)  # LocalCluster does the same
+    trust = data_dir / "upstream-ca.pem"
+    trust.write_bytes(ca_file.read_bytes())
+    config = data_dir / "egress-config.json"
+    config.write_text(
+        json.dumps({"hosts": hosts, "trust_store": str(trust), "allow_networks": ["10.98.0.0/16"]})
+    )
+    trust.chmod(0o644)
+    config.chmod(0o644)
+    return config
 
 
 def leftovers(tag: str) -> list[str]:
