@@ -14,17 +14,20 @@ Invariants:
 - runsc's mount namespace holds no other file system than what it needs (see RUNSC_ENTRY_SHELL), so a
   running sandbox never keeps another node's image or a host mount busy.
 - Deleting slots keeps going past parts that are already gone and reports what is left.
+- A node's address block is chosen and its gateway address put on a link under one machine-wide lock
+  (`claim_block`), so nodes whose helpers start together never choose the same block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
 import pathlib
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from space.core import errors
 from space.node.helper import nftables
@@ -48,6 +51,8 @@ from space.node.helper.netaddr import (
 )
 
 COMMAND_TIMEOUT_S = 30.0
+#: Held by a helper from choosing its node's address block until the block's gateway address is on a link.
+BLOCK_LOCK = pathlib.Path("/run/lock/space-address-blocks.lock")
 #: The network interfaces of the CALLER's network namespace (/proc/net is /proc/self/net). Not
 #: /sys/class/net: sysfs shows the namespace of whoever mounted it, so a node whose helper runs in a network
 #: namespace of its own (one "machine" of several on a host, a container) would see the host's links.
@@ -121,6 +126,24 @@ def choose_block(tag: str) -> ipaddress.IPv4Network:
         if not any(candidate.overlaps(net) for net in taken):
             return candidate
     raise errors.ResourceExhausted("no free address block in 100.64.0.0/10 for this node's sandboxes")
+
+
+@contextlib.contextmanager
+def _block_lock() -> Iterator[None]:
+    BLOCK_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(BLOCK_LOCK, "a") as handle:  # flock needs the descriptor of an open file
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+def claim_block(tag: str, claim: Callable[[ipaddress.IPv4Network], None]) -> ipaddress.IPv4Network:
+    """Choose a free block (`choose_block`) and `claim` it (put its gateway address on a link) as one step
+    on this machine: a block is free when no address or route touches it, so until the claim is done
+    another helper starting at the same moment would see it free too and take the same one."""
+    with _block_lock():
+        block = choose_block(tag)
+        claim(block)
+    return block
 
 
 def link_names() -> set[str]:

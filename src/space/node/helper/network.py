@@ -140,11 +140,13 @@ class SandboxNetworks:
     def prepare(self) -> dict[str, Any]:
         """Gateway link, address block, root table; sweep slots no sandbox records; start the pool."""
         state = self._load_state()
+        saved = ipaddress.IPv4Network(state["block"]) if state.get("block") else None
+        block = saved or netns.claim_block(
+            self.tag, lambda chosen: netns.ensure_gateway_link(self.names, chosen.network_address + 1)
+        )
         with self._lock:
             self._closing = False
-            self._block = (
-                ipaddress.IPv4Network(state["block"]) if state.get("block") else netns.choose_block(self.tag)
-            )
+            self._block = block
             ports = state.get("ports")
             self._ports = GatewayPorts.model_validate(ports) if ports else None
         self._save_state()
