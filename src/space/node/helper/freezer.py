@@ -22,6 +22,7 @@ from __future__ import annotations
 import pathlib
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from space.core import errors
 
@@ -34,67 +35,73 @@ THAW_WAIT_S = 2.0
 REWRITE_EVERY_S = 0.002
 
 
+class _Knob(NamedTuple):
+    """One cgroup's freezer: the file a request is written to, the value asking each state, and the
+    kernel's answer (True frozen, False thawed, None still freezing)."""
+
+    control: pathlib.Path
+    asking: dict[bool, str]
+    state: Callable[[], bool | None]
+
+
 class CgroupFreezer:
     def __init__(self, root: pathlib.Path = CGROUP_ROOT) -> None:
         self.root = root
 
-    def _v1(self, cgroup: str) -> pathlib.Path | None:
-        path = self.root / "freezer" / cgroup / "freezer.state"
-        return path if path.exists() else None
-
-    def _v2(self, cgroup: str) -> pathlib.Path | None:
-        path = self.root / cgroup / "cgroup.freeze"
-        return path if path.exists() else None
+    def _knob(self, cgroup: str) -> _Knob | None:
+        """cgroup v1's `freezer.state` (which reads back the state itself), or v2's `cgroup.freeze` (whose
+        state is a line of `cgroup.events`); None without a freezer."""
+        v1 = self.root / "freezer" / cgroup / "freezer.state"
+        if v1.exists():
+            return _Knob(
+                v1,
+                {True: "FROZEN", False: "THAWED"},
+                lambda: {"FROZEN": True, "THAWED": False}.get(_read(v1) or ""),
+            )
+        v2 = self.root / cgroup / "cgroup.freeze"
+        if v2.exists():
+            events = v2.with_name("cgroup.events")
+            return _Knob(v2, {True: "1", False: "0"}, lambda: _event(events, "frozen") == "1")
+        return None
 
     def available(self, cgroup: str) -> bool:
-        return self._v1(cgroup) is not None or self._v2(cgroup) is not None
+        return self._knob(cgroup) is not None
 
     def frozen(self, cgroup: str) -> bool:
-        """Whether a freeze of `cgroup` was asked and not undone (False without a freezer)."""
-        if (v1 := self._v1(cgroup)) is not None:
-            return _read(v1) in {"FROZEN", "FREEZING"}
-        if (v2 := self._v2(cgroup)) is not None:
-            return _read(v2) == "1"
-        return False
+        """Whether a freeze of `cgroup` was asked and not undone (v1 FREEZING counts; False without a
+        freezer)."""
+        knob = self._knob(cgroup)
+        return knob is not None and _read(knob.control) not in {knob.asking[False], None}
 
     def freeze(self, cgroup: str) -> bool:
         """Freeze every task of `cgroup`; False (thawed again) without a freezer or if it did not converge."""
-        if (v1 := self._v1(cgroup)) is not None:
-            done = self._converge(v1, "FROZEN", lambda: _read(v1) == "FROZEN", FREEZE_WAIT_S)
-        elif (v2 := self._v2(cgroup)) is not None:
-            events = v2.with_name("cgroup.events")
-            done = self._converge(v2, "1", lambda: _event(events, "frozen") == "1", FREEZE_WAIT_S)
-        else:
+        knob = self._knob(cgroup)
+        if knob is None:
             return False
+        done = self._converge(knob, True, FREEZE_WAIT_S)
         if not done:
             self.thaw(cgroup)
         return done
 
     def thaw(self, cgroup: str) -> None:
-        """Let every task of `cgroup` run again (nothing to do without a freezer or when not frozen)."""
-        if (v1 := self._v1(cgroup)) is not None:
-            done = self._converge(v1, "THAWED", lambda: _read(v1) == "THAWED", THAW_WAIT_S)
-        elif (v2 := self._v2(cgroup)) is not None:
-            events = v2.with_name("cgroup.events")
-            done = self._converge(v2, "0", lambda: _event(events, "frozen") in {"0", None}, THAW_WAIT_S)
-        else:
-            return
-        if not done:
+        """Let every task of `cgroup` run again (nothing to do without a freezer)."""
+        knob = self._knob(cgroup)
+        if knob is not None and not self._converge(knob, False, THAW_WAIT_S):
             raise errors.RuntimeFailure(f"cgroup {cgroup} did not thaw within {THAW_WAIT_S:.0f} s")
 
     @staticmethod
-    def _converge(control: pathlib.Path, request: str, reached: Callable[[], bool], wait_s: float) -> bool:
+    def _converge(knob: _Knob, frozen: bool, wait_s: float) -> bool:
         deadline = time.monotonic() + wait_s
         written = 0.0
         while True:
             now = time.monotonic()
             if now - written >= REWRITE_EVERY_S:
                 try:
-                    control.write_text(request)
+                    knob.control.write_text(knob.asking[frozen])
                 except OSError:
                     return False  # the cgroup went away: its runtime ended
                 written = now
-            if reached():
+            if knob.state() is frozen:
                 return True
             if now > deadline:
                 return False
