@@ -10,30 +10,23 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import pathlib
 
 import pytest
 
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
-from tests.support.runsc_state import alive, cgroup_left, runsc_knows, runtime_processes
+from tests.support.runsc_state import (
+    alive,
+    cgroup_left,
+    controller_file,
+    runsc_knows,
+    runsc_state,
+    runtime_processes,
+)
 from tests.support.sandboxes import counter_above, eventually, new_sandbox, read_int, start_counter
 
 pytestmark = pytest.mark.root
-
-CGROUP_V1 = pathlib.Path("/sys/fs/cgroup")
-
-
-def controller_file(container: str, controller: str, name: str) -> pathlib.Path:
-    found = list((CGROUP_V1 / controller).glob(f"*/{container}/{name}"))
-    assert len(found) == 1, f"{controller}/{name} of {container}: {found}"
-    return found[0]
-
-
-def runsc_own_status(data_dir: pathlib.Path, container: str) -> str:
-    state = json.loads((data_dir / "runsc" / f"{container}_sandbox:{container}.state").read_text())
-    return str(state["status"])
 
 
 def test_a_pause_freezes_the_runtime_and_a_resume_thaws_it(node) -> None:  # type: ignore[no-untyped-def]
@@ -52,7 +45,7 @@ def test_a_pause_freezes_the_runtime_and_a_resume_thaws_it(node) -> None:  # typ
             await agent.pause(sid)
             assert sb.state == State.PAUSED
             assert state.read_text().strip() == "FROZEN"
-            assert runsc_own_status(data_dir, container) == "running"  # runsc was not asked
+            assert runsc_state(data_dir, container)["status"] == "running"  # runsc was not asked
             assert (await agent.driver.state(sid)).runtime == "paused"
             used = int(cpu.read_text())
             await asyncio.sleep(0.5)
