@@ -110,19 +110,8 @@ def measure_on_one(sp: Space, ops: set[str], n: int, out: dict[str, list[float]]
         if "snapshot_disk" in ops:
             series["snapshot_disk"] = api_measure.snapshot_series(sb, n, full=False)
         if "rollback_disk" in ops:
-            snap = sb.snapshots.create(full=False)
-            rollbacks = api_measure.Series()
-            for _ in range(n):
-                sb.files.write("changed", b"x")
-                with api_spans.window(rollbacks.windows):
-                    start = time.perf_counter()
-                    sb.rollback(snap)
-                    rollbacks.samples.append(_ms(start))
-            series["rollback_disk"] = rollbacks.explain(sb)
-        for name, done in series.items():
-            out[name] = done.samples
-            if done.spans:
-                spans[name] = done.spans
+            series["rollback_disk"] = rollback_series(sb, n, full=False)
+        _keep(series, out, spans)
     finally:
         sb.delete()
 
@@ -138,15 +127,12 @@ def measure_checkpoints(sp: Space, ops: set[str], n: int, out: dict[str, list[fl
         if "checkpoint_full" in ops:
             series["checkpoint_full"], series["checkpoint_then_exec"] = checkpoint_series(sb, n)
         if "rollback_full" in ops:
-            series["rollback_full"] = rollback_full_series(sb, n)
+            series["rollback_full"] = rollback_series(sb, n, full=True)
         if "fork" in ops:
             series["fork"] = api_measure.fork_series(sb, n)
         if "fork_n" in ops:
             series["fork_n"] = fork_n_series(sb, n)
-        for name, done in series.items():
-            out[name] = done.samples
-            if done.spans:
-                spans[name] = done.spans
+        _keep(series, out, spans)
     finally:
         sb.delete()
 
@@ -165,9 +151,19 @@ def checkpoint_series(sb: Sandbox, n: int) -> tuple[api_measure.Series, api_meas
     return answered.explain(sb), then_exec
 
 
-def rollback_full_series(sb: Sandbox, n: int) -> api_measure.Series:
-    """Rollbacks to one full checkpoint, a file written between them (so each has something to undo)."""
-    snap = sb.snapshots.create(full=True)
+def _keep(series: dict[str, api_measure.Series], out: dict[str, list[float]],
+          spans: dict[str, dict[str, float]]) -> None:  # fmt: skip
+    """Each series' samples into `out`, its span breakdown (if the traces gave one) into `spans`."""
+    for name, done in series.items():
+        out[name] = done.samples
+        if done.spans:
+            spans[name] = done.spans
+
+
+def rollback_series(sb: Sandbox, n: int, *, full: bool) -> api_measure.Series:
+    """Rollbacks to one snapshot (a full checkpoint, or the files only), a file written between them (so each
+    has something to undo, and must be gone after it)."""
+    snap = sb.snapshots.create(full=full)
     series = api_measure.Series()
     for _ in range(n):
         sb.files.write("/work/floors-changed", b"x")
@@ -176,7 +172,7 @@ def rollback_full_series(sb: Sandbox, n: int) -> api_measure.Series:
             sb.rollback(snap)
             series.samples.append(_ms(start))
         if sb.exec(["test", "!", "-e", "/work/floors-changed"]).exit_code != 0:
-            raise api_measure.BenchFailure(f"{sb.id}: the file written after the checkpoint survived")
+            raise api_measure.BenchFailure(f"{sb.id}: the file written after the snapshot survived")
     return series.explain(sb)
 
 
