@@ -16,8 +16,7 @@ import pytest
 from space.core import errors
 from space.node.helper import freezer as freezer_module
 from space.node.helper.freezer import CgroupFreezer
-from space.node.helper.runtime import Runtimes
-from space.node.layout import NodeLayout
+from tests.support.fake_runtimes import runtimes_on
 
 CGROUP = "space-test/sb-one-0"
 
@@ -101,26 +100,6 @@ def test_without_a_freezer_nothing_is_frozen(tmp_path: pathlib.Path) -> None:
     assert cg.freeze(CGROUP) is False
     cg.thaw(CGROUP)  # nothing to do
     assert not (tmp_path / "freezer").exists()
-
-
-class FakeRunsc:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str]] = []
-
-    def pause(self, container: str) -> None:
-        self.calls.append(("pause", container))
-
-    def resume(self, container: str) -> None:
-        self.calls.append(("resume", container))
-
-
-def runtimes_on(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, runsc_status: str) -> Runtimes:
-    runtimes = Runtimes(NodeLayout(tmp_path / "node"), FakeRunsc(), owner_uid=0, cgroup_parent="space-test")  # type: ignore[arg-type]
-    runtimes.freezer = CgroupFreezer(tmp_path / "cgroup")
-    monkeypatch.setattr(runtimes, "container", lambda sandbox_id: "sb-one-0")
-    monkeypatch.setattr(runtimes, "runsc_status", lambda sandbox_id: runsc_status)
-    monkeypatch.setattr(runtimes, "settled_status", runtimes.status)
-    return runtimes
 
 
 def test_a_pause_freezes_and_runsc_is_not_asked(

@@ -66,9 +66,14 @@ def cgroup_left(container: str) -> list[str]:
 
 
 def runtime_status(data_dir: pathlib.Path, sandbox_id: str) -> str:
-    """runsc's own status, or "paused" when the container's cgroup is frozen (ADR 0082)."""
-    container = (data_dir / "run" / sandbox_id / "container").read_text().strip()
-    return "paused" if container_frozen(container) else str(runsc_state(data_dir, container)["status"])
+    """runsc's own status, or "paused" when the container's cgroup is frozen (ADR 0082) or a checkpoint
+    holds it through the control socket, which runsc is not told of (the helper's mark, ADR 0084)."""
+    run_dir = data_dir / "run" / sandbox_id
+    container = (run_dir / "container").read_text().strip()
+    held = (run_dir / "held").exists() and (run_dir / "held").read_text() == container
+    if container_frozen(container) or held:
+        return "paused"
+    return str(runsc_state(data_dir, container)["status"])
 
 
 def container_frozen(container: str) -> bool:

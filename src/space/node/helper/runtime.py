@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from space.core import errors, tracing
-from space.node.helper import holder, network
+from space.node.helper import holder, network, sentry
 from space.node.helper.freezer import CgroupFreezer
 from space.node.helper.runsc import LAYER, Runsc
 from space.node.layout import NodeLayout
@@ -120,7 +120,7 @@ class Runtimes:
         """running | paused | created | stopped | absent (runsc knows no current container). Paused is
         runsc's own pause or a frozen cgroup (ADR 0082)."""
         status = self.runsc_status(sandbox_id)
-        if status == "running" and self.frozen(sandbox_id):
+        if status == "running" and (self.frozen(sandbox_id) or self.held(sandbox_id)):
             return "paused"
         return status
 
@@ -149,6 +149,50 @@ class Runtimes:
         cgroup = self.cgroup_name(sandbox_id)
         if cgroup is not None and self.freezer.frozen(cgroup):
             self.freezer.thaw(cgroup)
+
+    def _hold_mark(self, sandbox_id: str) -> pathlib.Path:
+        return self.layout.run_dir(sandbox_id) / "held"
+
+    def held(self, sandbox_id: str) -> bool:
+        """Whether the current container's tasks were stopped by `hold` and not released since."""
+        container = self.container(sandbox_id)
+        try:
+            return container is not None and self._hold_mark(sandbox_id).read_text() == container
+        except FileNotFoundError:
+            return False
+
+    def hold(self, sandbox_id: str) -> None:
+        """Stop the runtime's tasks from inside (the sandbox's own pause, what `runsc pause` asks, made
+        directly: ADR 0084) while it keeps answering runsc, so a checkpoint and its disk snapshot are one
+        moment. Idempotent, and a runtime runsc itself paused counts as held. The mark (the container's
+        name in `run/<sandbox>/held`) is written before the sandbox is asked: a helper that dies in between
+        leaves a mark that the next `release` acts on, and a pause is never left without one."""
+        container = self.require(sandbox_id, "running", "paused", event="checkpoint")
+        if self.held(sandbox_id) or self.runsc_status(sandbox_id) == "paused":
+            return
+        if not sentry.control_socket(self.layout.runsc_root, container).exists():
+            self.runsc.pause(container)  # runsc put its socket elsewhere (a root too long to bind in)
+            return
+        mark = self._hold_mark(sandbox_id)
+        mark.write_text(container)
+        try:
+            sentry.call(self.layout.runsc_root, container, sentry.Method.PAUSE)
+        except errors.RuntimeFailure:
+            mark.unlink(missing_ok=True)
+            raise
+
+    def release(self, sandbox_id: str) -> None:
+        """Undo a hold: ours (the mark), or `runsc pause` (an older helper's, or the freezer's fallback).
+        A mark of a runtime that no longer runs is dropped; a resume that fails keeps it for the next try."""
+        mark = self._hold_mark(sandbox_id)
+        container = self.container(sandbox_id)
+        if mark.exists():
+            if self.held(sandbox_id) and self.runsc_status(sandbox_id) in LIVE_STATUSES:
+                assert container is not None
+                sentry.call(self.layout.runsc_root, container, sentry.Method.RESUME)
+            mark.unlink(missing_ok=True)
+        if container and self.runsc_status(sandbox_id) == "paused":
+            self.runsc.resume(container)
 
     def holder_alive(self, sandbox_id: str) -> bool:
         info_path = self.layout.run_dir(sandbox_id) / "holder.json"
@@ -319,12 +363,11 @@ class Runtimes:
             self.runsc.pause(container)
 
     def resume(self, sandbox_id: str) -> None:
-        """Undo either kind of pause (a runtime can be frozen by a user's pause AND runsc-paused by a
-        checkpoint that left it paused)."""
-        container = self.require(sandbox_id, "paused", event="resume")
+        """Undo either kind of pause (a runtime can be frozen by a user's pause AND held by a checkpoint
+        that left it paused)."""
+        self.require(sandbox_id, "paused", event="resume")
         self.thaw(sandbox_id)
-        if self.runsc_status(sandbox_id) == "paused":
-            self.runsc.resume(container)
+        self.release(sandbox_id)
 
     def wait_holder_exit(self, sandbox_id: str, timeout: float = HOLDER_EXIT_WAIT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -337,11 +380,10 @@ class Runtimes:
         """End the current incarnation (idempotent); its container is retired in the background."""
         self.settled_status(sandbox_id)  # a booting runtime is first let up, then stopped
         self.thaw(sandbox_id)  # frozen tasks act on no signal, and runsc could not reach the sandbox
+        with contextlib.suppress(errors.RuntimeFailure):
+            self.release(sandbox_id)  # a paused sandbox does not act on SIGKILL until resumed
         status = self.runsc_status(sandbox_id)
         container = self.container(sandbox_id)
-        if status == "paused" and container:
-            with contextlib.suppress(errors.RuntimeFailure):
-                self.runsc.resume(container)  # a paused sandbox does not act on SIGKILL until resumed
         if status in LIVE_STATUSES and container:
             with contextlib.suppress(errors.RuntimeFailure):
                 self.runsc.kill(container)

@@ -42,17 +42,16 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
     image.mkdir(parents=True)
     disk.parent.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    # Paused from the moment the state is saved until the disk snapshot is taken, so the memory image and
+    # Held from the moment the state is saved until the disk snapshot is taken, so the memory image and
     # the files are one consistent moment: whatever runsc flushes while saving is in the snapshot, and no
     # process can write after it. `--leave-running` keeps the same runtime (and channel) afterwards.
-    # A frozen runtime (a user's pause, ADR 0082) is thawed and paused by runsc instead: runsc saves its
-    # state by asking the sandbox, which a frozen one cannot answer. Its processes may run for the ~25 ms
-    # between the two.
+    # A frozen runtime (a user's pause, ADR 0082) is thawed and held instead: runsc saves its state by
+    # asking the sandbox, which a frozen one cannot answer. Its processes may run for the ~1 ms between
+    # the two (ADR 0084).
     mark = time.monotonic()
     try:
         ctx.runtimes.thaw(sandbox_id)
-        if ctx.runtimes.runsc_status(sandbox_id) != "paused":
-            ctx.runsc.pause(container)
+        ctx.runtimes.hold(sandbox_id)
         try:
             timings["pause_ms"] = (time.monotonic() - mark) * 1000
             mark = time.monotonic()
@@ -64,8 +63,8 @@ def sandbox_checkpoint(ctx: HelperContext, params: CheckpointParams, _progress: 
             usage.record_snapshot_usage(ctx, sandbox_id, snapshot_id)
         finally:
             mark = time.monotonic()
-            if not params.leave_paused and ctx.runtimes.runsc_status(sandbox_id) == "paused":
-                ctx.runsc.resume(container)
+            if not params.leave_paused:
+                ctx.runtimes.release(sandbox_id)
             timings["resume_ms"] = (time.monotonic() - mark) * 1000
     except BaseException:
         _discard_partial_checkpoint(ctx, sandbox_id, snapshot_id)
