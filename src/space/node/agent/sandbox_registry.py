@@ -6,9 +6,10 @@ Invariants:
   starts, the completion (or `fail`) event after it; a request the table does not allow raises
   InvalidState naming the current state, before anything is touched.
 - `sandboxes` holds one handle per sandbox id this node runs; `get` is NotFound for any other.
-- Disk is bounded (space.core.disk, docs/adr/0027-disk-budgets.md): a snapshot or checkpoint starts only if
-  the sandbox stays within its storage budget and the node above its free-space reserve (`_check_growth`),
-  and one that turns out to exceed either is deleted again before the error is raised (`_settle_growth`):
+- Disk is bounded (space.core.disk, docs/adr/0027-disk-budgets.md): a checkpoint starts only if the
+  sandbox stays within its storage budget and the node above its free-space reserve (`_check_growth`; a
+  disk snapshot, which shares every byte when taken, only within its count), and a snapshot or checkpoint
+  that turns out to exceed either is deleted again before the error is raised (`_settle_growth`):
   nothing half-made stays. Creates, forks and imports are refused below the reserve (`check_reserve`)
   before anything is written.
 - `incarnations` says which copy of each sandbox this node holds (space.node.agent.incarnations): requests
