@@ -162,8 +162,12 @@ def running_sandbox(made: c.Project) -> str:
 
 
 # -- heads ---------------------------------------------------------------------------------------------------
-def test_an_endless_request_head_is_refused_and_its_connection_closed(fake_cluster: c.Cluster) -> None:
-    sock = connect(fake_cluster.url)
+@pytest.mark.parametrize("server", ["control-plane", "node-rpc"])
+def test_an_endless_request_head_is_refused_and_its_connection_closed(
+    fake_cluster: c.Cluster, server: str
+) -> None:
+    url = fake_cluster.url if server == "control-plane" else f"http://127.0.0.1:{fake_cluster.node.port}"
+    sock = connect(url)
     with sock:
         sock.sendall(b"GET /v1/sandboxes HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         sent = send_until_refused(sock, b"X-Pad: " + b"a" * 1017 + b"\r\n", limit=256 * MIB, seconds=30)
