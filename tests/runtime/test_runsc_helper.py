@@ -158,3 +158,24 @@ def test_another_uid_is_refused(node) -> None:
         with contextlib.suppress(OSError):
             os.chmod(scratch, 0o700)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_prepared_node_has_asked_the_kernel_for_cheap_cgroup_moves(node) -> None:  # type: ignore[no-untyped-def]
+    """node.prepare (again: it converges) reports favordynmods on, and the kernel's mount table shows it on a
+    cgroup2 mount, wherever the kernel has the mode (ADR 0086)."""
+    supported = "favordynmods" in pathlib.Path("/sys/kernel/cgroup/features").read_text().split()
+
+    async def prepare() -> dict[str, object]:
+        helper = HelperClient(str(node.node.layout.helper_socket))
+        try:
+            answer: dict[str, object] = await helper.call("node.prepare", timeout=300.0)
+            return answer
+        finally:
+            await helper.close()
+
+    answer = node.run(prepare())
+    assert answer["cgroup_moves"] == ("on" if supported else "unsupported"), answer
+    cgroup2 = [
+        line.split() for line in pathlib.Path("/proc/mounts").read_text().splitlines() if " cgroup2 " in line
+    ]
+    assert not supported or any("favordynmods" in fields[3].split(",") for fields in cgroup2), cgroup2

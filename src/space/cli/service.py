@@ -102,7 +102,7 @@ def node_plan(loaded: ConfigFile, environment_file: pathlib.Path) -> su.NodePlan
         data_dir=data_dir, control_plane=options.control_plane.rstrip("/"), listen=options.listen,
         advertise_url=options.advertise_url or f"http://{options.listen}", templates=options.templates,
         cgroup_parent=options.cgroup_parent, store_url=tunables.store_url, environment_file=environment_file,
-        writable=_file_store(tunables.store_url),
+        writable=_file_store(tunables.store_url), favor_cgroup_moves=tunables.favor_cgroup_moves,
     )  # fmt: skip
 
 

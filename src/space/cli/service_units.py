@@ -107,6 +107,7 @@ class NodePlan:
     store_url: str | None
     environment_file: pathlib.Path
     writable: tuple[pathlib.Path, ...] = ()
+    favor_cgroup_moves: bool = True  # NodeAgentSettings.favor_cgroup_moves (ADR 0086)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,8 @@ def controlplane_unit(plan: ControlPlanePlan, python: str) -> Unit:
 def helper_unit(plan: NodePlan, python: str) -> Unit:
     command = [python, "-m", "space.node.helper.server", "--data-dir", str(plan.data_dir),
                "--agent-user", AGENT_USER, "--cgroup-parent", plan.cgroup_parent]  # fmt: skip
+    if not plan.favor_cgroup_moves:
+        command.append("--no-favor-cgroup-moves")
     service = {
         **_COMMON_SERVICE,
         "SyslogIdentifier": "space-node-helper",

@@ -131,7 +131,8 @@ class LocalNode:
             self.helper_process = subprocess.Popen(
                 [sys.executable, "-m", "space.node.helper.server", "--data-dir", str(self.layout.data_dir),
                  "--agent-user", self.agent_user, "--platform", self.platform, "--runsc", self.runsc,
-                 "--network", self.network, "--cgroup-parent", self.cgroup_parent],
+                 "--network", self.network, "--cgroup-parent", self.cgroup_parent,
+                 "--favor-cgroup-moves" if settings.favor_cgroup_moves else "--no-favor-cgroup-moves"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
                 umask=filemodes.OWNER_ONLY_UMASK,
             )  # fmt: skip

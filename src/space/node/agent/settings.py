@@ -82,6 +82,12 @@ class NodeAgentSettings(BaseSettings):
         gt=0,
         description="Idle connections to the node helper kept for reuse.",
     )
+    favor_cgroup_moves: bool = Field(
+        validation_alias=_node("favor_cgroup_moves"), default=True,
+        description="The local launcher's helper asks the kernel for cheap cgroup moves (favordynmods on the "
+        "cgroup2 mount) when it prepares the node: each runtime start is ~20 ms faster, every fork and exit "
+        "on the machine slightly dearer; the kernel keeps it until reboot (ADR 0086).",
+    )  # fmt: skip
     helper_call_timeout_s: float = Field(
         validation_alias=_node("helper_call_timeout_s"),
         default=120.0,

@@ -36,6 +36,7 @@ class HelperContext:
     owner_uid: int
     cgroup_parent: str = "space"
     network: SandboxNetworks | None = None  # None: sandboxes get no network (NodeSettings.network)
+    favor_cgroup_moves: bool = True  # node.prepare asks the kernel for cheap cgroup moves (ADR 0086)
     runtimes: Runtimes = field(init=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)

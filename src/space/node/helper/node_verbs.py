@@ -2,7 +2,8 @@
 and tear it down (every sandbox, the network, the filesystem).
 
 Invariants:
-- `node.prepare` converges: every step finds what a previous run made and keeps it.
+- `node.prepare` converges: every step finds what a previous run made and keeps it. Its one change to the
+  machine beyond the data directory, cheap cgroup moves (ADR 0086), is best effort and can be declined.
 - `node.teardown` destroys each sandbox under its own lock, then the node's network, then unmounts.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from space.node.helper import cgroup_tuning
 from space.node.helper.context import HelperContext, Progress
 from space.node.helper.microvm import MicroVMs
 from space.node.helper.params import NoParams, SandboxParams
@@ -36,7 +38,13 @@ def node_prepare(ctx: HelperContext, _params: NoParams, _progress: Progress) -> 
     ctx.runtimes.sweep()
     ctx.runtimes.prime()
     net = ctx.network.prepare() if ctx.network is not None else {"mode": "none"}
-    return {"fs": str(fs.root), "quota": btrfs_quota.quota_mode(fs.root), "network": net}
+    moves = cgroup_tuning.favor_dynamic_moves() if ctx.favor_cgroup_moves else "not asked"
+    return {
+        "fs": str(fs.root),
+        "quota": btrfs_quota.quota_mode(fs.root),
+        "network": net,
+        "cgroup_moves": moves,
+    }
 
 
 def node_teardown(ctx: HelperContext, _params: NoParams, progress: Progress) -> dict[str, Any]:
