@@ -402,13 +402,14 @@ class Runtimes:
         through `runsc kill` (a Go binary started, and a paused sandbox resumed first, for a kill that flushes
         nothing anyone reads). A runtime still coming up, or one whose processes do not go, is stopped the
         usual way; either way its container is retired in the background, as `stop` does."""
-        container = self.container(sandbox_id)
-        if container and self.status(sandbox_id) in {"running", "paused"}:
-            self._kill_runtime_processes(sandbox_id, container)
-            self.thaw(sandbox_id)  # a frozen task dies of its SIGKILL only once thawed (cgroup v1)
-            with contextlib.suppress(errors.RuntimeFailure):
-                self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
-        self.stop(sandbox_id)  # a no-op for a runtime already gone; retires its container
+        with LAYER.span("runtime.discard"):  # its processes' death is most of a rollback's own time
+            container = self.container(sandbox_id)
+            if container and self.status(sandbox_id) in {"running", "paused"}:
+                self._kill_runtime_processes(sandbox_id, container)
+                self.thaw(sandbox_id)  # a frozen task dies of its SIGKILL only once thawed (cgroup v1)
+                with contextlib.suppress(errors.RuntimeFailure):
+                    self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
+            self.stop(sandbox_id)  # a no-op for a runtime already gone; retires its container
 
     def _kill_runtime_processes(self, sandbox_id: str, container: str | None) -> None:
         """SIGKILL the runtime's processes: runsc's own if it still runs, and (runsc runs sandboxes detached)
