@@ -3,18 +3,18 @@
     .venv/bin/python -m bench.floors_bench [--n 20] [--ops delete,pause_resume,snapshot_disk,rollback_disk]
 
 Each operation is timed from the SDK call to its answer (ms): `delete` (the answer, not the teardown, which
-`delete_teardown` times until the record is `deleted`), `exec` (`true`), `file_4k` (a 4 KiB write and its
-read back), `pause`/`resume` (each until settled),
-`snapshot_disk`, `rollback_disk` (to a disk snapshot taken before), `checkpoint_full` (a full snapshot of
-a running sandbox; `checkpoint_then_exec`: until an exec right after it answered too),
-`rollback_full` (to a full checkpoint taken before), `fork` (one child: the request to the child's first
-exec answered, as `space bench` measures it) and `fork_n` (FORK_N children in one request, until each
-answered an exec: compared with FORK_N times `fork`); `layers`: pause/resume and a disk
-snapshot one layer down at a time (`node_*`: the node agent's RPC, `helper_*`: the root helper's verb,
-`runsc_*`: runsc itself; `node_rollback_disk` and the helper verbs of a disk rollback: stop, reset_rootfs,
-start), on a sandbox of their own. Prints p50/p90 per operation, then the median span breakdown of those
-measured through the API with traces (bench.api_spans, as `space bench` prints it); the numbers of ADRs
-0073-0075, 0077 come from here (machine shared with other work: "loaded machine").
+`delete_teardown` times until the record is `deleted`), `exec` (`true`), `file_4k` (a 4 KiB write and its read
+back), `pause`/`resume` (each until settled), `snapshot_disk`, `rollback_disk` (to a disk snapshot taken
+before), `checkpoint_full` (a full snapshot of a running sandbox; `checkpoint_then_exec`: until an exec right
+after it answered too), `rollback_full` (to a full checkpoint taken before), `fork` (one child: the request to
+the child's first exec answered, as `space bench` measures it), `fork_checkpoint` (a sandbox started from the
+newest full checkpoint, `from_snapshot`, without taking a new one: until its first exec answered) and `fork_n`
+(FORK_N children in one request, until each answered an exec: compared with FORK_N times `fork`); `layers`:
+pause/resume and a disk snapshot one layer down at a time (`node_*`: the node agent's RPC, `helper_*`: the
+root helper's verb, `runsc_*`: runsc itself; `node_rollback_disk` and the helper verbs of a disk rollback:
+stop, reset_rootfs, start), on a sandbox of their own. Prints p50/p90 per operation, then the median span
+breakdown of those measured through the API with traces (bench.api_spans, as `space bench` prints it); the
+numbers of ADRs 0073-0075, 0077 come from here (machine shared with other work: "loaded machine").
 
 Invariants:
 - The embedded installation (space.controlplane.local.LocalCluster, no pool) is purged at the end, also
@@ -40,7 +40,7 @@ from space.sdk import Sandbox, Space
 
 OPS = (
     "delete", "exec", "file_4k", "pause_resume", "snapshot_disk", "rollback_disk", "checkpoint_full",
-    "rollback_full", "fork", "fork_n", "layers",
+    "rollback_full", "fork", "fork_checkpoint", "fork_n", "layers",
 )  # fmt: skip
 #: Children of one `fork_n` request.
 FORK_N = 4
@@ -130,6 +130,8 @@ def measure_checkpoints(sp: Space, ops: set[str], n: int, out: dict[str, list[fl
             series["rollback_full"] = rollback_series(sb, n, full=True)
         if "fork" in ops:
             series["fork"] = api_measure.fork_series(sb, n)
+        if "fork_checkpoint" in ops:
+            series["fork_checkpoint"] = fork_checkpoint_series(sp, sb, n)
         if "fork_n" in ops:
             series["fork_n"] = fork_n_series(sb, n)
         _keep(series, out, spans)
@@ -174,6 +176,32 @@ def rollback_series(sb: Sandbox, n: int, *, full: bool) -> api_measure.Series:
         if sb.exec(["test", "!", "-e", "/work/floors-changed"]).exit_code != 0:
             raise api_measure.BenchFailure(f"{sb.id}: the file written after the snapshot survived")
     return series.explain(sb)
+
+
+def fork_checkpoint_series(sp: Space, sb: Sandbox, n: int) -> api_measure.Series:
+    """Sandboxes started from one full checkpoint of `sb` (`from_snapshot`), each until its first `exec
+    true` answered; the breakdown is each child's own trace (its creation)."""
+    snap = sb.snapshots.create(full=True)
+    series = api_measure.Series()
+    breakdowns: list[dict[str, float]] = []
+    for _ in range(n):
+        window: list[api_spans.Window] = []
+        with api_spans.window(window):
+            start = time.perf_counter()
+            child = sp.sandboxes.create(from_snapshot=snap.id)
+            try:
+                result = child.exec(["true"])
+                series.samples.append(_ms(start))
+            except BaseException:
+                child.delete()
+                raise
+        if result.exit_code != 0:
+            child.delete()
+            raise api_measure.BenchFailure(f"`true` exited {result.exit_code} in {child.id}")
+        breakdowns += api_spans.sample_breakdowns(api_spans.traces_of(child), window)
+        child.delete()
+    series.spans = api_spans.median_breakdown(breakdowns)
+    return series
 
 
 def fork_n_series(sb: Sandbox, n: int) -> api_measure.Series:
@@ -295,7 +323,7 @@ def main() -> None:
         if "delete" in ops:
             measure_delete(sp, args.n, out)
         measure_on_one(sp, ops, args.n, out, spans)
-        if ops & {"checkpoint_full", "rollback_full", "fork", "fork_n"}:
+        if ops & {"checkpoint_full", "rollback_full", "fork", "fork_checkpoint", "fork_n"}:
             measure_checkpoints(sp, ops, args.n, out, spans)
         try:
             if "layers" in ops:

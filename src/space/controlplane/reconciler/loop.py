@@ -15,7 +15,10 @@ Invariants:
 - Every in-progress state the reconciler can enter has exactly one effect (`_in_flight`); every stable
   state's next step comes from plan.NEXT_STEP, whose events are checked against the lifecycle table.
 - Work is claimed with leases (`Store.claim_work`), so several control planes on one database never work
-  on the same sandbox at once. A lost CAS (Conflict) means someone else moved the row: drop it, re-read later.
+  on the same sandbox at once. Each claimed sandbox's steps run in a task of their own (at most
+  MAX_IN_FLIGHT at once): a slow step (a teardown, an upload) never holds back the claim of another
+  sandbox, which a poke makes at once (ADR 0087). A lost CAS (Conflict) means someone else moved the
+  row: drop it, re-read later.
 - Transient failures (node unreachable, timeouts) back off exponentially; permanent ones (the table or the
   node refuses the request as invalid) take the table's `fail` edge and stop retrying until a new wish.
 - Sandboxes a node runs that the database does not know (or knows as deleted, or as suspended, or as
@@ -64,6 +67,8 @@ if TYPE_CHECKING:
 LEASE_S = 8.0
 LAYER = tracing.Layer("space.controlplane")
 BATCH = 16
+#: The most steps one reconciler runs at once; a claim takes no more than there is room for.
+MAX_IN_FLIGHT = 64
 # Steps begun from a stable state that act on the sandbox's own node (not begun while it is gone).
 NODE_BOUND = frozenset({Event.PAUSE, Event.RESUME, Event.STOP, Event.START, Event.SUSPEND})
 
@@ -96,6 +101,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         # Sandboxes this process is advancing (loop or drive): the lease owner is the same for both, so
         # this is what keeps a claim and a request of this process off one sandbox at once.
         self._busy: set[str] = set()
+        # The loop's steps under way (each a claimed sandbox's `work_on`).
+        self._working: set[asyncio.Task[SandboxRecord | None]] = set()
         # Not after every release: a claim racing the next request for SQLite's write lock costs it more.
         self._poke_after_release = False
         # In-progress state -> the effect that (re)runs its step and reports its completion.
@@ -144,16 +151,16 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             if freed:
                 log.info("freed the leases of dead control planes: %s", ", ".join(freed))
         while True:
+            self._wake.clear()  # before the claim: a poke or a freed slot meanwhile is not lost
             try:
-                worked = await self.run_once()
+                worked = await self.start_claimed()
             except Exception:
                 log.exception("reconciler round failed")
                 worked = 0
             if worked:
                 continue
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval if worked else 0.5)
+                await asyncio.wait_for(self._wake.wait(), 0.5)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run_forever(), name="reconciler")
@@ -163,15 +170,44 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for working in list(self._working):
+            working.cancel()  # its step is cancelled and its lease given back (work_on)
+        await asyncio.gather(*self._working, return_exceptions=True)
         for _node, task in list(self._freeing.values()):
             task.cancel()  # an abandoned copy is collected as an orphan
         await asyncio.gather(*self._releasing, return_exceptions=True)  # a clean stop gives its leases back
 
     async def run_once(self) -> int:
-        claimed = await asyncio.to_thread(self.store.claim_work, self.owner, BATCH, LEASE_S)
+        """One pass, waited for (tests and tools: the loop itself does not wait): the number claimed."""
+        started = await self.start_claimed()
+        await self.settle()
+        return started
+
+    async def start_claimed(self) -> int:
+        """Claim what needs work, as much as there is room for, and start each sandbox's steps in a task of
+        their own; the number started."""
+        room = MAX_IN_FLIGHT - len(self._working)
+        if room <= 0:
+            return 0  # a step that ends wakes the loop
+        claimed = await asyncio.to_thread(self.store.claim_work, self.owner, min(BATCH, room), LEASE_S)
         mine = [record for record in claimed if record.id not in self._busy]  # others: a request drives them
-        await asyncio.gather(*(self.work_on(record) for record in mine))
+        for record in mine:
+            self._busy.add(record.id)  # now: the next claim must not start it twice
+            working = asyncio.create_task(self.work_on(record), name=f"work-{record.id}")
+            self._working.add(working)
+            working.add_done_callback(self._ended)
         return len(mine)
+
+    async def settle(self) -> None:
+        """Until the loop's steps under way have ended."""
+        while self._working:
+            await asyncio.gather(*self._working, return_exceptions=True)
+
+    def _ended(self, working: asyncio.Task[SandboxRecord | None]) -> None:
+        full = len(self._working) >= MAX_IN_FLIGHT
+        self._working.discard(working)
+        if full:
+            self._wake.set()  # room again: claim what waited for it
 
     @property
     def request_lease(self) -> tuple[str, float]:
