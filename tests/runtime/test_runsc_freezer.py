@@ -3,8 +3,9 @@
 - Paused: the kernel's freezer reports the container's cgroup FROZEN, its processes use no CPU (a busy
   counter's cgroup CPU time stands still), runsc's own state still says running (runsc was not asked), and
   the node reports the sandbox paused. Resumed: the cgroup is thawed and the counter counts on.
-- A frozen sandbox is deleted like any other: its sandbox, gofer and holder processes are gone when the
-  delete answers (frozen tasks act on SIGKILL only once thawed), its container and cgroup soon after.
+- A frozen sandbox, and one a checkpoint left held (ADR 0084), is deleted like any other: its sandbox,
+  gofer and holder processes are gone when the delete answers (frozen tasks act on SIGKILL only once
+  thawed, a held sandbox only once resumed), its container and cgroup soon after.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pathlib
 
 import pytest
 
+from space.core.ids import new_snapshot_id
 from space.core.lifecycle import State
 from space.node.agent.agent import NodeAgent
 from tests.support.runsc_state import (
@@ -62,7 +64,8 @@ def test_a_pause_freezes_the_runtime_and_a_resume_thaws_it(node) -> None:  # typ
     node.run(scenario())
 
 
-def test_a_frozen_sandbox_is_deleted_and_leaves_nothing(node) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("stopped_by", ["freeze", "hold"])
+def test_a_stopped_sandbox_is_deleted_and_leaves_nothing(node, stopped_by: str) -> None:  # type: ignore[no-untyped-def]
     agent: NodeAgent = node.agent
     data_dir: pathlib.Path = node.data_dir
 
@@ -71,8 +74,15 @@ def test_a_frozen_sandbox_is_deleted_and_leaves_nothing(node) -> None:  # type: 
             sid = sb.sandbox_id
             await start_counter(sb.session)
             container, pids = runtime_processes(data_dir, sid)
-            await agent.pause(sid)
-            assert controller_file(container, "freezer", "freezer.state").read_text().strip() == "FROZEN"
+            if stopped_by == "freeze":
+                await agent.pause(sid)
+                assert controller_file(container, "freezer", "freezer.state").read_text().strip() == "FROZEN"
+            else:  # a suspend's checkpoint leaves it so
+                async with sb.lock:
+                    await agent.driver.checkpoint(
+                        sid, new_snapshot_id(), keep_running=True, leave_paused=True
+                    )
+                assert (data_dir / "run" / sid / "held").read_text() == container
             await agent.delete(sid)
             assert not [role for role, pid in pids.items() if alive(pid)]
 

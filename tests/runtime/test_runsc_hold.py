@@ -5,7 +5,7 @@
   0.1 s does not move in a second). The resume lets them go on, and the hold's mark is gone.
 - A helper that restarts while a runtime is held (a new `Runtimes` over the same files) still sees it
   paused and releases it.
-- A held sandbox is deleted like any other: its processes are gone when the delete answers.
+- (A held sandbox is deleted like any other: tests/runtime/test_runsc_freezer.py.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from space.core.ids import new_snapshot_id
 from space.node.agent.agent import NodeAgent
 from space.node.helper.runsc import Runsc
 from space.node.helper.runtime import Runtimes
-from tests.support.runsc_state import alive, runsc_state, runtime_processes
+from tests.support.runsc_state import runsc_state, runtime_processes
 from tests.support.sandboxes import counter_above, eventually, new_sandbox, read_int, start_counter
 
 pytestmark = pytest.mark.root
@@ -70,22 +70,5 @@ def test_a_restarted_helper_sees_a_held_runtime_paused_and_releases_it(node) -> 
                 assert fresh.status(sid) == "running"
             standing = await read_int(sb.session, "/work/counter")
             await eventually(lambda: counter_above(sb, standing + 3), what="counting after the release")
-
-    node.run(scenario())
-
-
-def test_a_held_sandbox_is_deleted_and_its_processes_are_gone(node) -> None:  # type: ignore[no-untyped-def]
-    agent: NodeAgent = node.agent
-    data_dir: pathlib.Path = node.data_dir
-
-    async def scenario() -> None:
-        async with new_sandbox(agent) as sb:
-            sid = sb.sandbox_id
-            await start_counter(sb.session)
-            _, pids = runtime_processes(data_dir, sid)
-            async with sb.lock:
-                await agent.driver.checkpoint(sid, new_snapshot_id(), keep_running=True, leave_paused=True)
-            await agent.delete(sid)
-            assert not [role for role, pid in pids.items() if alive(pid)]
 
     node.run(scenario())

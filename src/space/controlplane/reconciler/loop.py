@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -101,8 +102,8 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         # Sandboxes this process is advancing (loop or drive): the lease owner is the same for both, so
         # this is what keeps a claim and a request of this process off one sandbox at once.
         self._busy: set[str] = set()
-        # The loop's steps under way (each a claimed sandbox's `work_on`).
-        self._working: set[asyncio.Task[SandboxRecord | None]] = set()
+        # The loop's steps under way, by sandbox (each a claimed sandbox's `work_on`).
+        self._working: dict[str, asyncio.Task[SandboxRecord | None]] = {}
         # Not after every release: a claim racing the next request for SQLite's write lock costs it more.
         self._poke_after_release = False
         # In-progress state -> the effect that (re)runs its step and reports its completion.
@@ -170,9 +171,9 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for working in list(self._working):
+        for working in list(self._working.values()):
             working.cancel()  # its step is cancelled and its lease given back (work_on)
-        await asyncio.gather(*self._working, return_exceptions=True)
+        await asyncio.gather(*self._working.values(), return_exceptions=True)
         for _node, task in list(self._freeing.values()):
             task.cancel()  # an abandoned copy is collected as an orphan
         await asyncio.gather(*self._releasing, return_exceptions=True)  # a clean stop gives its leases back
@@ -190,24 +191,35 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         if room <= 0:
             return 0  # a step that ends wakes the loop
         claimed = await asyncio.to_thread(self.store.claim_work, self.owner, min(BATCH, room), LEASE_S)
-        mine = [record for record in claimed if record.id not in self._busy]  # others: a request drives them
-        for record in mine:
+        started = 0
+        for record in claimed:
+            stale = self._working.get(record.id)
+            if stale is not None:
+                # Its lease was free although a step of ours runs on it: taken away (the step re-planned, a
+                # node gone) or expired. That step is over; its end gives the lease back, and the sandbox is
+                # claimed afresh (its renewal cannot tell: this claim made the lease ours again).
+                stale.cancel()
+                continue
+            if record.id in self._busy:
+                continue  # a request drives it
             self._busy.add(record.id)  # now: the next claim must not start it twice
             working = asyncio.create_task(self.work_on(record), name=f"work-{record.id}")
-            self._working.add(working)
-            working.add_done_callback(self._ended)
-        return len(mine)
+            self._working[record.id] = working
+            working.add_done_callback(functools.partial(self._ended, record.id))
+            started += 1
+        return started
 
     async def settle(self) -> None:
         """Until the loop's steps under way have ended."""
         while self._working:
-            await asyncio.gather(*self._working, return_exceptions=True)
+            await asyncio.gather(*self._working.values(), return_exceptions=True)
 
-    def _ended(self, working: asyncio.Task[SandboxRecord | None]) -> None:
+    def _ended(self, sandbox_id: str, working: asyncio.Task[SandboxRecord | None]) -> None:
         full = len(self._working) >= MAX_IN_FLIGHT
-        self._working.discard(working)
-        if full:
-            self._wake.set()  # room again: claim what waited for it
+        if self._working.get(sandbox_id) is working:
+            del self._working[sandbox_id]
+        if full or working.cancelled():
+            self._wake.set()  # room again, or a sandbox to claim afresh
 
     @property
     def request_lease(self) -> tuple[str, float]:
