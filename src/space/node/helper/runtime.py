@@ -13,6 +13,9 @@ Invariants:
   launch.
 - Status is read from runsc's own state file (sub-millisecond) and cross-checked with the sandbox process'
   liveness; `runsc state` (a ~30 ms process) is only the fallback for an unreadable file.
+- A runtime a checkpoint holds (the sandbox's own pause, asked over its control socket: ADR 0084) is
+  recorded in `run/<sandbox>/held`, naming the container, written before the sandbox is asked; each
+  release resumes at most once, and only the current container while it runs.
 - Every retired container is deleted by `runsc delete --force` in a tracked background thread; `settle()`
   waits for them, and `sweep()` deletes leftovers of a previous helper (e.g. killed mid-way).
 - `run/runtime.json` (the agent's, 0600) is the runtime descriptor of this helper's runsc (core.runtimes),
@@ -118,7 +121,7 @@ class Runtimes:
 
     def status(self, sandbox_id: str) -> str:
         """running | paused | created | stopped | absent (runsc knows no current container). Paused is
-        runsc's own pause or a frozen cgroup (ADR 0082)."""
+        runsc's own pause, a frozen cgroup (ADR 0082) or a checkpoint's hold (ADR 0084)."""
         status = self.runsc_status(sandbox_id)
         if status == "running" and (self.frozen(sandbox_id) or self.held(sandbox_id)):
             return "paused"
