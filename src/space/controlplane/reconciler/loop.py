@@ -70,6 +70,8 @@ LAYER = tracing.Layer("space.controlplane")
 BATCH = 16
 #: The most steps one reconciler runs at once; a claim takes no more than there is room for.
 MAX_IN_FLIGHT = 64
+#: How long an idle loop waits for a poke before it looks again (back-offs and leases that expired).
+IDLE_WAIT_S = 0.5
 # Steps begun from a stable state that act on the sandbox's own node (not begun while it is gone).
 NODE_BOUND = frozenset({Event.PAUSE, Event.RESUME, Event.STOP, Event.START, Event.SUSPEND})
 
@@ -84,7 +86,6 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         nodes: NodePool,
         *,
         owner: str | None = None,
-        interval: float = 0.05,
         objects: ObjectStore | None = None,
         store_url: str | None = None,
         data_keys: DataKeys | None = None,
@@ -94,7 +95,6 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             store, nodes, objects=objects, store_url=store_url, data_keys=data_keys, node_fresh_s=node_fresh_s
         )
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{process_start_time(os.getpid())}"
-        self.interval = interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Leases of direct steps (drive), given back just after their request answered.
@@ -161,7 +161,7 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
             if worked:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.5)
+                await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run_forever(), name="reconciler")
