@@ -280,11 +280,19 @@ class Reconciler(CreationSteps, RecoverySteps, DeletionSteps):
         return None
 
     async def _release(self, sandbox_id: str) -> None:
-        with contextlib.suppress(errors.SpaceError):
-            await asyncio.to_thread(self.store.release, sandbox_id, self.owner)
+        # Shielded, and tracked for `stop` to wait on: a stop that cancels a step's task must not cancel the
+        # release behind it (a lease left to expire keeps its sandbox from every replica for LEASE_S).
+        releasing = asyncio.ensure_future(self._give_back(sandbox_id))
+        self._releasing.add(releasing)
+        releasing.add_done_callback(self._releasing.discard)
+        await asyncio.shield(releasing)
         if self._poke_after_release:  # a wish recorded while it was held (a pause right after a create)
             self._poke_after_release = False
             self._wake.set()
+
+    async def _give_back(self, sandbox_id: str) -> None:
+        with contextlib.suppress(errors.SpaceError):
+            await asyncio.to_thread(self.store.release, sandbox_id, self.owner)
 
     async def _renew(self, sandbox_id: str, step: asyncio.Task[Any]) -> None:
         """Keep the lease while a long step runs; leases can then be short, so a crashed control plane's
