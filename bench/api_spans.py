@@ -24,7 +24,9 @@ from typing import Any
 
 from space.sdk import Sandbox
 
-TOP = 12
+#: Enough for every span name of the longest operation (a create has about 25), so that a layer whose span
+#: is short still shows (the printed table keeps its own, shorter width).
+TOP = 40
 Window = tuple[int, int]
 
 
