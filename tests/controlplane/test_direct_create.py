@@ -41,8 +41,7 @@ class PoolNode(FakeNodeApi):
 @pytest.fixture
 def world(tmp_path: pathlib.Path) -> Iterator[World]:
     made = World(tmp_path)
-    for node_id, old in list(made.api.items()):
-        made.api[node_id] = made.pool.nodes[node_id] = PoolNode(node_id, old.objects, old.store_url)
+    made.use_nodes(PoolNode)
     yield made
     made.close()
 

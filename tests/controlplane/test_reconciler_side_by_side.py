@@ -45,8 +45,7 @@ class GatedDeleteNode(FakeNodeApi):
 @pytest.fixture
 def world(tmp_path: pathlib.Path) -> Iterator[World]:
     made = World(tmp_path)
-    for node_id, old in list(made.api.items()):
-        made.api[node_id] = made.pool.nodes[node_id] = GatedDeleteNode(node_id, old.objects, old.store_url)
+    made.use_nodes(GatedDeleteNode)
     yield made
     made.close()
 

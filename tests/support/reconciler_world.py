@@ -336,5 +336,10 @@ class World:
                     del api.sandboxes[sandbox_id]
                     api.incarnations.pop(sandbox_id, None)
 
+    def use_nodes(self, node_type: type[FakeNodeApi]) -> None:
+        """Every node of this world replaced by one of `node_type` (a FakeNodeApi that plays a part)."""
+        for node_id, old in list(self.api.items()):
+            self.api[node_id] = self.pool.nodes[node_id] = node_type(node_id, old.objects, old.store_url)
+
     def close(self) -> None:
         self.store.close()
