@@ -12,7 +12,7 @@ import pytest
 
 from space.core.settings import SandboxLimits
 from space.node.agent.service_core import crash_reason
-from space.node.helper import holder
+from space.node.helper import holder_record
 
 
 def _bundle(tmp_path: pathlib.Path, cgroup: object) -> list[str]:
@@ -30,8 +30,11 @@ def test_v1_counters_are_read(tmp_path: pathlib.Path, monkeypatch: pytest.Monkey
         "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"
     )
     (root / "pids/space/sb-x-0/pids.events").write_text("max 5\n")
-    monkeypatch.setattr(holder, "CGROUP_ROOT", str(root))
-    assert holder.limit_events(_bundle(tmp_path, "/space/sb-x-0")) == {"oom_kills": 2, "task_limit_hits": 5}
+    monkeypatch.setattr(holder_record, "CGROUP_ROOT", str(root))
+    assert holder_record.limit_events(_bundle(tmp_path, "/space/sb-x-0")) == {
+        "oom_kills": 2,
+        "task_limit_hits": 5,
+    }
 
 
 def test_v2_counters_are_read(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,21 +42,24 @@ def test_v2_counters_are_read(tmp_path: pathlib.Path, monkeypatch: pytest.Monkey
     (root / "space/sb-x-0").mkdir(parents=True)
     (root / "space/sb-x-0/memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
     (root / "space/sb-x-0/pids.events").write_text("max 0\n")
-    monkeypatch.setattr(holder, "CGROUP_ROOT", str(root))
-    assert holder.limit_events(_bundle(tmp_path, "/space/sb-x-0")) == {"oom_kills": 1, "task_limit_hits": 0}
+    monkeypatch.setattr(holder_record, "CGROUP_ROOT", str(root))
+    assert holder_record.limit_events(_bundle(tmp_path, "/space/sb-x-0")) == {
+        "oom_kills": 1,
+        "task_limit_hits": 0,
+    }
 
 
 @pytest.mark.parametrize("cgroup", ["/space/../../etc", "space/x", 7, None, ["/a"], "/../x"])
 def test_hostile_or_missing_cgroups_give_nothing(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, cgroup: object
 ) -> None:
-    monkeypatch.setattr(holder, "CGROUP_ROOT", str(tmp_path / "cg"))
-    assert holder.limit_events(_bundle(tmp_path, cgroup)) == {}
+    monkeypatch.setattr(holder_record, "CGROUP_ROOT", str(tmp_path / "cg"))
+    assert holder_record.limit_events(_bundle(tmp_path, cgroup)) == {}
 
 
 def test_no_bundle_gives_nothing(tmp_path: pathlib.Path) -> None:
-    assert holder.limit_events(["runsc", "run", "sb-x-0"]) == {}
-    assert holder.limit_events(["runsc", f"--bundle={tmp_path / 'absent'}", "run"]) == {}
+    assert holder_record.limit_events(["runsc", "run", "sb-x-0"]) == {}
+    assert holder_record.limit_events(["runsc", f"--bundle={tmp_path / 'absent'}", "run"]) == {}
 
 
 LIMITS = SandboxLimits(memory_mb=256)

@@ -18,7 +18,7 @@ import subprocess
 import pytest
 from bench.memory_bench import guest_used_bytes, kind_of, sandbox_pids
 
-from space.node.helper import holder
+from space.node.helper import holder, holder_record
 from space.node.helper.runtime import Runtimes
 from tests.support.sandboxes import eventually, new_sandbox, read_int, running_ids, start_counter
 
@@ -72,7 +72,7 @@ def test_assignments_round_trip_and_refuse_nul_bytes() -> None:
     ],
 )
 def test_the_holders_json_is_json(value: dict[str, object]) -> None:
-    assert json.loads(holder.to_json(value)) == value
+    assert json.loads(holder_record.to_json(value)) == value
 
 
 @pytest.mark.root

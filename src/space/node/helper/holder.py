@@ -17,7 +17,8 @@ Invariants:
   instead of staying beside it (~4 MB each). The holder is a child subreaper, so the sandbox and gofer
   processes become its children: it reaps them, and records the sandbox process' exit status (the
   container's, as runsc reports it: 128 + N for a signal) unless runsc itself failed to start it.
-- Standard library only, started with `python3 -I -S` importing this module by its directory, not through
+- Standard library only (with space.node.helper.holder_record, its files' writer, found the same way),
+  started with `python3 -I -S` importing this module by its directory, not through
   the `space` package (whose `typing` import alone costs more than the relay: Runtimes.holder_argv), ahead
   of need as a spare (`--spare`), so its start-up time is not part of sandbox creation.
 - Small, because one lives beside every sandbox (ADR 0045): while the sandbox runs it has loaded only
@@ -35,6 +36,11 @@ import select
 import sys
 import time
 
+try:  # run as a holder: its own directory is on sys.path, the `space` package is not (Runtimes.holder_argv)
+    import holder_record  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # imported from the package (the helper, tests)
+    from space.node.helper import holder_record
+
 MAX_BUFFERED = 8 << 20
 READ_SIZE = 1 << 20
 PIPE_SIZE = 1 << 20
@@ -46,97 +52,11 @@ POLLIN, POLLOUT = select.POLLIN, select.POLLOUT
 POLLDONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def _json_string(text: str) -> str:
-    out = ['"']
-    for char in text:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif ord(char) < 0x20:
-            out.append(f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    out.append('"')
-    return "".join(out)
-
-
-def to_json(value: object) -> str:
-    """JSON for the few shapes the holder writes (numbers, strings, lists of strings, flat dicts), without
-    importing `json` while the sandbox runs."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return _json_string(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(to_json(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_json_string(str(k))}: {to_json(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot encode {type(value).__name__}")
-
-
-def _write_json(path: str, value: dict[str, object]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as handle:
-        handle.write(to_json(value))
-    os.replace(tmp, path)
-
-
 def _unlink(path: str) -> None:
     try:  # noqa: SIM105 - `contextlib` would cost every holder ~0.6 MB
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-
-
-def _counter(path: str, key: str) -> int | None:
-    """The value of `key` in a cgroup file of `key value` lines (None if unreadable)."""
-    try:
-        with open(path) as handle:
-            for line in handle:
-                name, _, value = line.partition(" ")
-                if name == key and value.strip().isdigit():
-                    return int(value)
-    except OSError:
-        return None
-    return None
-
-
-def limit_events(argv: list[str]) -> dict[str, int]:
-    """How often the host enforced the sandbox's limits while the runtime of `argv` ran (cgroup v1 or v2;
-    empty when its cgroup cannot be found). Called once the runtime has ended, so `json` is imported here."""
-    import json
-
-    bundle = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--bundle=")), None)
-    if bundle is None:
-        return {}
-    try:
-        with open(os.path.join(bundle, "config.json")) as handle:
-            cgroup = json.load(handle)["linux"]["cgroupsPath"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    if not isinstance(cgroup, str) or not cgroup.startswith("/") or ".." in cgroup.split("/"):
-        return {}
-    sources = {
-        "oom_kills": [
-            (f"memory{cgroup}/memory.oom_control", "oom_kill"),
-            (f"{cgroup[1:]}/memory.events", "oom_kill"),
-        ],
-        "task_limit_hits": [(f"pids{cgroup}/pids.events", "max"), (f"{cgroup[1:]}/pids.events", "max")],
-    }
-    found: dict[str, int] = {}
-    for name, places in sources.items():
-        for relative, key in places:
-            value = _counter(os.path.join(CGROUP_ROOT, relative), key)
-            if value is not None:
-                found[name] = value
-                break
-    return found
 
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -268,8 +188,12 @@ class Holder:
         self._drain_to_client_blocking()
         code = self._wait()
         _unlink(self.socket_path)
-        ended: dict[str, object] = {"exit_code": code, "ended_at": time.time(), **limit_events(self.argv)}
-        _write_json(os.path.join(self.run_dir, "exit.json"), ended)
+        ended: dict[str, object] = {
+            "exit_code": code,
+            "ended_at": time.time(),
+            **holder_record.limit_events(self.argv),
+        }
+        holder_record.write_json(os.path.join(self.run_dir, "exit.json"), ended)
         if self.client is not None:
             self.client.close()
         listener.close()
@@ -280,7 +204,7 @@ class Holder:
         sandbox process once a detached runsc has handed it over); `runsc_pid` is runsc's."""
         info: dict[str, object] = {"holder_pid": os.getpid(), "runtime_pid": runtime_pid}
         info.update(runsc_pid=self.runtime_pid, started_at=self.started_at, argv=self.argv)
-        _write_json(os.path.join(self.run_dir, "holder.json"), info)
+        holder_record.write_json(os.path.join(self.run_dir, "holder.json"), info)
 
     # -- the runtime processes ----------------------------------------------------------------------
     def _reap(self) -> bool:
