@@ -6,10 +6,12 @@
   a fork right after the checkpoint works.
 - A rollback (to a full checkpoint or to a disk snapshot) discards the sandbox's current runtime: its
   processes are SIGKILLed directly instead of through `runsc kill` (nothing of them is kept: the root
-  filesystem is replaced by the snapshot's). Whatever state it was in (running, paused), nothing of the
-  old incarnation is left: its sandbox, gofer and holder processes are gone when the rollback answers,
-  its runsc container and cgroup soon after (retired in the background); the files are the snapshot's,
-  and the processes carry on from the checkpoint (full) or start from the template's init (disk).
+  filesystem is replaced by the snapshot's), and their end is not waited for (ADR 0088). Whatever state
+  it was in (running, paused), nothing of the old incarnation is left: its sandbox, gofer and holder
+  processes are gone soon after the rollback answers, and its holder leaves the run directory to the new
+  incarnation (its socket stays, no exit record appears); its runsc container and cgroup go too (retired
+  in the background); the files are the snapshot's, and the processes carry on from the checkpoint
+  (full) or start from the template's init (disk).
 """
 
 from __future__ import annotations
@@ -60,10 +62,19 @@ def test_rollback_leaves_nothing_of_the_old_runtime(node, paused: bool, kind: st
 
             await agent.rollback(sid, snap.snapshot_id)
 
-            assert not {role: pid for role, pid in old.items() if alive(pid)}, "old runtime processes live on"
             new_container, new = runtime_processes(data_dir, sid)
             assert new_container != old_container and all(alive(pid) for pid in new.values())
             assert sb.state == State.RUNNING
+
+            async def old_gone() -> bool:
+                return not any(alive(pid) for pid in old.values())
+
+            await eventually(old_gone, timeout=10, what=f"the processes of {old_container} gone: {old}")
+            # The old holder ended after the new one took the run directory: it left it alone.
+            run_dir = data_dir / "run" / sid
+            assert (run_dir / "channel.sock").exists() and not (run_dir / "exit.json").exists()
+            assert runtime_status(data_dir, sid) == "running"
+            await sb.session.ping()  # the new incarnation's channel outlived the old holder's end
             assert "after.txt" not in {e["name"] for e in await sb.session.list_dir("/work")}
             restored = await read_int(sb.session, "/work/counter")
             assert at_checkpoint <= restored < before, (at_checkpoint, restored, before)

@@ -9,7 +9,10 @@ Invariants:
 - Bytes from the sandbox are never dropped while no agent is connected: they are buffered up to
   MAX_BUFFERED, then the holder stops reading (the sandbox blocks on its pipe) until an agent comes back.
 - When runsc exits, the holder records its exit status in `exit.json` next to the socket, removes the
-  socket and exits; so a vanished socket plus `exit.json` always means "this runtime is gone". The record
+  socket and exits; so a vanished socket plus `exit.json` always means "this runtime is gone". Only while
+  its socket is still the one it bound there: a runtime the helper discards (Runtimes.discard, ADR 0088)
+  has its socket unlinked before its processes are killed, and its successor may have taken the run
+  directory by the time this holder has reaped them; it then leaves the directory alone. The record
   also says how often the sandbox's host cgroup enforced its limits by then (`oom_kills`: processes the
   host's OOM killer killed; `task_limit_hits`: forks the host refused), read before anything removes the
   cgroup, so a crash can name its reason (ADR 0036).
@@ -63,6 +66,9 @@ PR_SET_CHILD_SUBREAPER = 36
 DETACH = "--detach"
 #: How long the runtime's other processes may outlive the sandbox process before the holder kills them.
 STRAGGLER_GRACE_S = 5.0
+#: How often the holder looks for its runtime's last processes once the sandbox has closed its channel: a
+#: stop waits for this holder's exit, so the poll's period is part of every stop (10 ms cost 5 on average).
+REAP_POLL_S = 0.001
 
 
 def become_subreaper() -> None:
@@ -135,6 +141,7 @@ class Holder:
         self.started_at = 0.0
         self.sandbox_pid: int | None = None  # detached: the sandbox process, once runsc has handed it over
         self.reaped: dict[int, int] = {}  # pid -> exit code (negative: the signal), for every child reaped
+        self.socket_inode = 0  # of the socket this holder bound, to know it is still the one at its path
 
     def _listen(self) -> _socket.socket:
         # Bound under a temporary name and renamed into place once owned and listening: whoever sees the
@@ -142,6 +149,7 @@ class Holder:
         staging = f"{self.socket_path}.{os.getpid()}"
         listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         listener.bind(staging)
+        self.socket_inode = os.stat(staging).st_ino
         os.chmod(staging, 0o600)
         os.chown(staging, self.owner_uid, -1)
         listener.listen(16)
@@ -187,17 +195,26 @@ class Holder:
         # The runtime closed its stdout: deliver what is left, then record how it ended.
         self._drain_to_client_blocking()
         code = self._wait()
-        _unlink(self.socket_path)
-        ended: dict[str, object] = {
-            "exit_code": code,
-            "ended_at": time.time(),
-            **holder_record.limit_events(self.argv),
-        }
-        holder_record.write_json(os.path.join(self.run_dir, "exit.json"), ended)
+        if self._owns_run_dir():
+            _unlink(self.socket_path)
+            ended: dict[str, object] = {
+                "exit_code": code,
+                "ended_at": time.time(),
+                **holder_record.limit_events(self.argv),
+            }
+            holder_record.write_json(os.path.join(self.run_dir, "exit.json"), ended)
         if self.client is not None:
             self.client.close()
         listener.close()
         return 0
+
+    def _owns_run_dir(self) -> bool:
+        """Whether the socket at this holder's path is still the one it bound (not unlinked by a discard,
+        nor replaced by a successor's)."""
+        try:
+            return os.stat(self.socket_path).st_ino == self.socket_inode
+        except OSError:
+            return False
 
     def _write_info(self, runtime_pid: int) -> None:
         """holder.json: `runtime_pid` is the process whose end is the runtime's end (runsc's own, then the
@@ -241,7 +258,7 @@ class Holder:
                         os.kill(pid, _SIGNAL.SIGKILL)
                     except ProcessLookupError:
                         pass
-            time.sleep(0.01)
+            time.sleep(REAP_POLL_S)
         runtime_code = self.reaped.get(self.runtime_pid)
         if not self.detached or runtime_code != 0:
             return runtime_code

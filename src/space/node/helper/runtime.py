@@ -128,8 +128,11 @@ class Runtimes:
         return status
 
     def runsc_status(self, sandbox_id: str) -> str:
-        """The status runsc itself records (a frozen runtime is "running" there)."""
+        """The status runsc itself records (a frozen runtime is "running" there); "stopped" for a container
+        being retired, whose processes may still be on their way out (a discard: ADR 0088)."""
         container = self.container(sandbox_id)
+        if container is not None and self.retiring(container):
+            return "stopped"
         state = self.container_state(container) if container else None
         if state is None:
             return "absent"
@@ -403,15 +406,20 @@ class Runtimes:
         """End the current incarnation when nothing of it is kept (its root filesystem is replaced next: a
         rollback, a restore over it): a running or paused runtime's processes are SIGKILLed directly, not
         through `runsc kill` (a Go binary started, and a paused sandbox resumed first, for a kill that flushes
-        nothing anyone reads). A runtime still coming up, or one whose processes do not go, is stopped the
-        usual way; either way its container is retired in the background, as `stop` does."""
-        with LAYER.span("runtime.discard"):  # its processes' death is most of a rollback's own time
+        nothing anyone reads, ADR 0077), and their end is not waited for (ADR 0088): the holder's socket is
+        unlinked first, so the runtime is gone at once for everyone here (`holder_alive`), and its holder,
+        once it has reaped them, leaves the run directory to the next incarnation. A runtime still coming
+        up, or one without a live holder, is stopped the usual way; either way its container is retired in
+        the background, as `stop` does."""
+        with LAYER.span("runtime.discard"):
             container = self.container(sandbox_id)
-            if container and self.status(sandbox_id) in {"running", "paused"}:
+            live = container is not None and self.status(sandbox_id) in {"running", "paused"}
+            if container and live and self.holder_alive(sandbox_id):
+                self.layout.channel_socket(sandbox_id).unlink(missing_ok=True)  # before any of it dies
                 self._kill_runtime_processes(sandbox_id, container)
                 self.thaw(sandbox_id)  # a frozen task dies of its SIGKILL only once thawed (cgroup v1)
-                with contextlib.suppress(errors.RuntimeFailure):
-                    self.wait_holder_exit(sandbox_id, timeout=KILL_GRACE_S)
+                self.retire(container)  # `runsc delete --force` also waits out its processes' end
+                return
             self.stop(sandbox_id)  # a no-op for a runtime already gone; retires its container
 
     def _kill_runtime_processes(self, sandbox_id: str, container: str | None) -> None:
@@ -429,6 +437,10 @@ class Runtimes:
             if isinstance(pid, int) and pid > 0 and _runs_for(pid, sandbox_id):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+    def retiring(self, container: str) -> bool:
+        with self._retiring_lock:
+            return container in self._retiring
 
     def retire(self, container: str) -> None:
         """Delete a container that no longer runs, off the critical path."""
