@@ -413,7 +413,7 @@ class Runtimes:
         the background, as `stop` does."""
         with LAYER.span("runtime.discard"):
             container = self.container(sandbox_id)
-            live = container is not None and self.status(sandbox_id) in {"running", "paused"}
+            live = self.status(sandbox_id) in {"running", "paused"}
             if container and live and self.holder_alive(sandbox_id):
                 self.layout.channel_socket(sandbox_id).unlink(missing_ok=True)  # before any of it dies
                 self._kill_runtime_processes(sandbox_id, container)
